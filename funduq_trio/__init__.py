@@ -1,0 +1,1 @@
+"""funduq-trio: a broker between AI agent providers and their callers, on trio."""
