@@ -1,0 +1,78 @@
+"""Settings: every knob is a FUNDUQ_* environment variable and a matching
+`serve` flag (FUNDUQ_PORT <-> --port). Defaults are the design's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("./funduq-data")
+    database_url: str | None = None
+    identity_key: str | None = None
+    unserved_grace_seconds: float = 45.0
+    deliver_timeout_seconds: float = 5.0
+    undelivered_window_seconds: float = 1800.0
+    quality_allowance: int = 3
+    thread_queue_limit: int = 8
+    max_frame_bytes: int = MiB
+    max_body_bytes: int = MiB
+    provider_keys: frozenset[str] | None = field(default=None)
+
+    @property
+    def database_path(self) -> Path:
+        """The SQLite file: FUNDUQ_DATABASE_URL (sqlite:///path) or the data dir's."""
+        url = self.database_url
+        if url is None:
+            return self.data_dir / "funduq.sqlite3"
+        if url.startswith("sqlite:///"):
+            return Path(url[len("sqlite:///") :])
+        raise ValueError(
+            f"FUNDUQ_DATABASE_URL {url!r}: only sqlite:///path is supported by this build"
+        )
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Read FUNDUQ_* variables; explicit overrides (flags) win."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(env_name(f.name))
+            if raw is not None and raw != "":
+                values[f.name] = parse_value(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def env_name(field_name: str) -> str:
+    return "FUNDUQ_" + field_name.upper()
+
+
+def parse_value(name: str, raw: str) -> Any:
+    """Turn a variable's or flag's text into the field's type, with a clear error."""
+    kind = {f.name: f.type for f in dataclasses.fields(Settings)}[name]
+    try:
+        if name == "provider_keys":
+            keys = frozenset(k.strip().lower() for k in raw.split(",") if k.strip())
+            return keys or None
+        if name == "data_dir":
+            return Path(raw)
+        if kind in ("int",):
+            return int(raw)
+        if kind in ("float",):
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ValueError(f"{env_name(name)}={raw!r}: {exc}") from None
