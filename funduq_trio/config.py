@@ -40,6 +40,33 @@ class Settings:
             f"FUNDUQ_DATABASE_URL {url!r}: only sqlite:///path is supported by this build"
         )
 
+    def problems(self) -> list[str]:
+        """What is wrong with these values, each naming its variable (empty: fine)."""
+        found = []
+        if not 0 <= self.port <= 65535:
+            found.append(f"{env_name('port')}={self.port}: a port is 0..65535 (0 = any free port)")
+        for name in (
+            "unserved_grace_seconds",
+            "deliver_timeout_seconds",
+            "undelivered_window_seconds",
+        ):
+            if getattr(self, name) < 0:
+                found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
+        for name in ("quality_allowance", "thread_queue_limit", "max_frame_bytes", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")
+        for key in self.provider_keys or ():
+            if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+                found.append(
+                    f"{env_name('provider_keys')}: {key!r} is not a 64-hex Ed25519 public key"
+                )
+        if self.database_url is not None:
+            try:
+                _ = self.database_path
+            except ValueError as exc:
+                found.append(str(exc))
+        return found
+
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
 

@@ -1,0 +1,185 @@
+"""`funduq-trio serve | provider | call` (also `python -m funduq_trio ...`).
+
+- `serve`: every Settings field is a FUNDUQ_* variable and a flag
+  (FUNDUQ_PORT <-> --port); flags override the environment.
+- `provider ...`: the example provider, built on the SDK
+  (`funduq_trio.provider.run_provider_cli`).
+- `call --url <a2a url> "text"`: send one message with a2a-sdk's client and
+  print the reply's text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from .config import Settings, env_name, parse_value
+
+PROG = "funduq-trio"
+
+FLAG_HELP = {
+    "host": "interface to listen on",
+    "port": "port to listen on (0 = any free port)",
+    "data_dir": "directory for the SQLite file and funduq's identity key",
+    "database_url": "sqlite:///path (default: the SQLite file in the data directory)",
+    "identity_key": "funduq's Ed25519 private key, hex (default: generated, kept in the data dir)",
+    "unserved_grace_seconds": "how long queued runs of an agent that lost its provider wait",
+    "deliver_timeout_seconds": "how long an offer waits for the provider's answer",
+    "undelivered_window_seconds": "after this long an unended claimed run counts 'undelivered'",
+    "quality_allowance": "a provider is withdrawn when a quality counter reaches this",
+    "thread_queue_limit": "pending runs a thread may hold",
+    "max_frame_bytes": "largest provider-link frame",
+    "max_body_bytes": "largest HTTP request body",
+    "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
+}
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _settings_parser(sub: Any) -> argparse.ArgumentParser:
+    serve = sub.add_parser(
+        "serve",
+        help="run the broker (HTTP doors and the provider link on one port)",
+        description="Run funduq. Every flag has an environment variable; flags win.",
+    )
+    for f in dataclasses.fields(Settings):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = "unset" if default is None else default
+        serve.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            metavar=env_name(f.name),
+            default=None,
+            help=f"{FLAG_HELP.get(f.name, f.name)} [env {env_name(f.name)}, default {shown}]",
+        )
+    return serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="funduq: an agent broker on trio")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _settings_parser(sub)
+    sub.add_parser(
+        "provider",
+        help="run the example provider (see `funduq-trio provider --help`)",
+        add_help=False,
+    )
+    call = sub.add_parser("call", help="send one message over A2A and print the reply")
+    call.add_argument("--url", required=True, help="the agent's A2A URL: http://HOST:PORT/a2a/PROVIDER/AGENT")
+    call.add_argument("--context-id", default=None, help="continue this thread (A2A contextId)")
+    call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")
+    call.add_argument("text", help="the message text")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, env: Any = None) -> Settings:
+    """Environment first, flags over it; ValueError with the variable's name when bad."""
+    overrides = {}
+    for f in dataclasses.fields(Settings):
+        raw = getattr(args, f.name, None)
+        if raw is not None:
+            try:
+                overrides[f.name] = parse_value(f.name, raw)
+            except ValueError as exc:
+                message = str(exc).replace(env_name(f.name), flag_name(f.name), 1)
+                raise ValueError(message) from None
+    settings = Settings.from_env(env, **overrides)
+    problems = settings.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    return settings
+
+
+def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True) -> int:
+    """Send `text` to the A2A agent at `url`; print the reply's text. 0 when the
+    task completed (or the agent answered with a message), 1 otherwise."""
+    import asyncio
+
+    try:
+        state, reply, error = asyncio.run(_call(url.rstrip("/"), text, context_id, stream))
+    except Exception as exc:  # noqa: BLE001 -- network, card, JSON-RPC: one line, no traceback
+        print(f"{PROG} call: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if reply:
+        print(reply)
+    if error:
+        print(f"{PROG} call: {state}: {error}", file=sys.stderr)
+    return 0 if state in ("TASK_STATE_COMPLETED", "message") else 1
+
+
+async def _call(
+    url: str, text: str, context_id: str | None, stream: bool
+) -> tuple[str, str, str]:
+    import uuid
+
+    from a2a.client import ClientConfig, create_client
+    from a2a.types import Message, Part, Role, SendMessageRequest, TaskState
+
+    def texts(parts: Any) -> str:
+        return "".join(p.text for p in parts if p.HasField("text"))
+
+    message = Message(message_id=uuid.uuid4().hex, role=Role.ROLE_USER, parts=[Part(text=text)])
+    if context_id:
+        message.context_id = context_id
+    artifacts: dict[str, str] = {}
+    state, error = "TASK_STATE_UNSPECIFIED", ""
+    client = await create_client(url, client_config=ClientConfig(streaming=stream))
+    try:
+        async for response in client.send_message(SendMessageRequest(message=message)):
+            if response.HasField("message"):
+                return "message", texts(response.message.parts), ""
+            if response.HasField("task"):
+                task = response.task
+                artifacts = {a.artifact_id: texts(a.parts) for a in task.artifacts}
+                status = task.status
+            elif response.HasField("artifact_update"):
+                update = response.artifact_update
+                artifact = update.artifact
+                before = artifacts.get(artifact.artifact_id, "") if update.append else ""
+                artifacts[artifact.artifact_id] = before + texts(artifact.parts)
+                continue
+            elif response.HasField("status_update"):
+                status = response.status_update.status
+            else:
+                continue
+            state = TaskState.Name(status.state)
+            error = texts(status.message.parts) if status.HasField("message") else ""
+    finally:
+        await client.close()
+    if state == "TASK_STATE_COMPLETED":
+        error = ""
+    return state, "".join(artifacts.values()), error
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["provider"]:
+        from .provider import run_provider_cli
+
+        return run_provider_cli(argv[1:]) or 0
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            settings = settings_from_args(args)
+        except ValueError as exc:
+            parser.exit(2, f"{PROG} serve: error: {exc}\n")
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        from .server import run_server
+
+        run_server(settings)
+        return 0
+    if args.command == "call":
+        return call(args.url, args.text, context_id=args.context_id, stream=not args.no_stream)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`text/event-stream` responses for the doors (AG-UI, A2A streaming).
+
+One event is one frame: ``data: <compact JSON>\\n\\n``. JSON never contains a raw
+newline, so every event is exactly one ``data:`` line.
+
+A caller that disconnects ends only its own stream: the server cancels the
+task sending the response, the body generator is closed, and that closes the
+source it was following (a ``Funduq.follow`` generator). Following is reading;
+nothing a stream does can end or change the run it follows.
+
+Usage from a route::
+
+    async def events():
+        async with contextlib.aclosing(funduq.follow(run_id)) as stream:
+            async for _seq, event in stream:
+                yield event
+
+    return sse_response(events())
+
+Everything that can fail with a status code (404, 429, ...) must be decided
+*before* returning ``sse_response``: once the stream starts the status is 200.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import Any
+
+from quart import Response
+
+SSE_CONTENT_TYPE = "text/event-stream"
+
+SSE_HEADERS = {
+    "Cache-Control": "no-cache",
+    # Tell buffering reverse proxies (nginx) to pass frames through as produced.
+    "X-Accel-Buffering": "no",
+}
+
+
+def sse_frame(data: Any) -> bytes:
+    """One SSE frame carrying `data` as compact JSON."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + text.encode("utf-8") + b"\n\n"
+
+
+async def sse_frames(events: AsyncIterable[Any]) -> AsyncIterator[bytes]:
+    """Encode each JSON-able item of `events` as a frame; closing this closes `events`."""
+    try:
+        async for event in events:
+            yield sse_frame(event)
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def sse_response(
+    events: AsyncIterable[Any],
+    *,
+    status: int = 200,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """A streaming `text/event-stream` response relaying `events` (JSON-able items).
+
+    The response has no timeout: a stream lasts as long as what it follows
+    (Quart's RESPONSE_TIMEOUT would otherwise cut it after 60 s).
+    """
+    response = Response(
+        sse_frames(events),
+        status=status,
+        content_type=SSE_CONTENT_TYPE,
+        headers={**SSE_HEADERS, **(headers or {})},
+    )
+    response.timeout = None
+    return response
