@@ -1,0 +1,348 @@
+"""The provider link's frames: one pydantic model per frame of DESIGN §5.
+
+A frame is one JSON text message on `WS /ws/provider`: an object with
+camelCase keys, discriminated by `kind`. Optional fields travel as `null`
+rather than being dropped, so every frame a peer receives has every key its
+kind defines. AG-UI events (`report.event`) and run inputs (`offer.run.runInput`)
+are plain JSON objects here: the link carries them, the broker and the SDK
+interpret them. An event handed in as an ag-ui-protocol model is turned into
+its JSON form by ag-ui-protocol's own serializer, which leaves unset optional
+fields out (and keeps meaningful nulls, such as a CUSTOM event's `value`).
+
+Decoding is strict about types (a number where a string belongs is an error,
+not a coercion) and lenient about keys it does not know (ignored, so a peer
+speaking a later revision that adds a field is still understood).
+
+`decode_frame(text)` returns a frame or raises `FrameError(reason, id)`,
+where `id` is the frame's `id` when it carried a usable one, so the receiver
+can answer `err {id, reason}`; a frame without one closes the link.
+`encode_frame(frame)` returns the JSON text to send.
+
+This module is I/O-free and imports only pydantic: the provider SDK and the
+server both use it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+__all__ = [
+    "FROM_FUNDUQ",
+    "FROM_PROVIDER",
+    "KINDS",
+    "MAX_ID_CHARS",
+    "VERDICTS",
+    "AgentSpec",
+    "Cancel",
+    "Connect",
+    "ConnectErr",
+    "ConnectOk",
+    "Err",
+    "Finish",
+    "Frame",
+    "FrameError",
+    "Hello",
+    "Offer",
+    "OfferRun",
+    "Ok",
+    "QueryThreadMessages",
+    "Register",
+    "Report",
+    "decode_frame",
+    "encode_frame",
+]
+
+#: Longest request id either side accepts (and echoes back in an `err`).
+MAX_ID_CHARS = 256
+#: The three answers to an offer. `declined` = full right now; `refused` = never.
+VERDICTS = ("accepted", "declined", "refused")
+
+_HEX64 = r"^[0-9a-f]{64}$"
+_HEX128 = r"^[0-9a-f]{128}$"
+# Agent names appear in URLs (/a2a/{provider}/{agent}): keep them path-safe.
+_AGENT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+Nonce = Annotated[str, Field(min_length=1, max_length=256)]
+PublicKeyHex = Annotated[str, Field(pattern=_HEX64)]
+SignatureHex = Annotated[str, Field(pattern=_HEX128)]
+RunId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+JsonObject = dict[str, Any]
+
+
+class FrameError(ValueError):
+    """A text that is not a frame this side accepts.
+
+    `reason` says what is wrong in words a provider's author can act on;
+    `id` is the frame's `id` when it carried a usable one (answer
+    `err {id, reason}`), else None (close the link).
+    """
+
+    def __init__(self, reason: str, id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.id = id
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        strict=True,
+        frozen=True,
+    )
+
+
+# --- funduq -> provider -----------------------------------------------------
+
+
+class Hello(_Model):
+    """First frame on every link: funduq's key and this connection's nonce."""
+
+    kind: Literal["hello"] = "hello"
+    funduq_key: PublicKeyHex
+    nonce: Nonce
+
+
+class ConnectOk(_Model):
+    """The provider is attached. `answer` is funduq's signature over
+    `funduq-connect-funduq:{funduqNonce}:{providerNonce}`."""
+
+    kind: Literal["connect.ok"] = "connect.ok"
+    answer: SignatureHex | None = None
+
+
+class ConnectErr(_Model):
+    """The handshake failed; the socket closes after this frame."""
+
+    kind: Literal["connect.err"] = "connect.err"
+    reason: str
+
+
+class OfferRun(_Model):
+    run_id: RunId
+    thread_id: Id
+    agent_name: Annotated[str, Field(min_length=1)]
+    run_input: JsonObject
+    metadata: JsonObject | None = None
+
+
+class Offer(_Model):
+    """A request to take a run. `id` is fresh per offer and never the run id."""
+
+    kind: Literal["offer"] = "offer"
+    id: Id
+    run: OfferRun
+
+
+class Cancel(_Model):
+    """A request to stop a run the provider holds."""
+
+    kind: Literal["cancel"] = "cancel"
+    run_id: RunId
+
+
+# --- provider -> funduq -----------------------------------------------------
+
+
+class Connect(_Model):
+    """The provider's proof of its key: an Ed25519 signature over
+    `funduq-connect-provider:{funduqKey}:{funduqNonce}:{providerNonce}`."""
+
+    kind: Literal["connect"] = "connect"
+    public_key: PublicKeyHex
+    nonce: Nonce
+    proof: SignatureHex
+    max_concurrent_runs: Annotated[int, Field(ge=0)] | None = None
+
+
+class AgentSpec(_Model):
+    name: Annotated[str, Field(pattern=_AGENT_NAME)]
+    description: str | None = None
+    card: JsonObject | None = None
+    metadata: JsonObject | None = None
+
+
+class Register(_Model):
+    """Publish the agents this link serves; replaces what it served before."""
+
+    kind: Literal["register"] = "register"
+    id: Id
+    agents: list[AgentSpec]
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> Register:
+        seen: set[str] = set()
+        for agent in self.agents:
+            if agent.name in seen:
+                raise ValueError(f"agent {agent.name!r} is listed twice")
+            seen.add(agent.name)
+        return self
+
+
+class Report(_Model):
+    """One AG-UI event of a run the provider holds. `seq` is the provider's own
+    1-based count of events for that run (optional, informational)."""
+
+    kind: Literal["report"] = "report"
+    run_id: RunId
+    event: JsonObject
+    seq: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("event", mode="before")
+    @classmethod
+    def _event_as_json(cls, value: Any) -> Any:
+        if isinstance(value, BaseModel):
+            # ag-ui-protocol's serializer omits optional fields that have no value.
+            return value.model_dump(mode="json", by_alias=True)
+        return value
+
+
+class Finish(_Model):
+    """The stream of this run ended (whatever its last event was)."""
+
+    kind: Literal["finish"] = "finish"
+    run_id: RunId
+
+
+class QueryThreadMessages(_Model):
+    """Ask for a thread's messages; answered `ok` with `payload.messages`."""
+
+    kind: Literal["query.threadMessages"] = "query.threadMessages"
+    id: Id
+    thread_id: Id
+    limit: Annotated[int, Field(ge=0)] | None = None
+
+
+# --- either way -------------------------------------------------------------
+
+
+class Ok(_Model):
+    """An answer. To an offer: `verdict` (and `reason`, a refusal's). To a
+    request: `payload`, the reply's body."""
+
+    kind: Literal["ok"] = "ok"
+    id: Id
+    verdict: Literal["accepted", "declined", "refused"] | None = None
+    reason: str | None = None
+    payload: Any = None
+
+
+class Err(_Model):
+    """A rejected request (never a refusal of a run)."""
+
+    kind: Literal["err"] = "err"
+    id: Id | None = None
+    reason: str
+
+
+Frame = Annotated[
+    Hello
+    | Connect
+    | ConnectOk
+    | ConnectErr
+    | Register
+    | Offer
+    | Ok
+    | Err
+    | Report
+    | Finish
+    | Cancel
+    | QueryThreadMessages,
+    Field(discriminator="kind"),
+]
+
+_FRAME = TypeAdapter(Frame)
+
+KINDS: frozenset[str] = frozenset(
+    m.model_fields["kind"].default
+    for m in (
+        Hello,
+        Connect,
+        ConnectOk,
+        ConnectErr,
+        Register,
+        Offer,
+        Ok,
+        Err,
+        Report,
+        Finish,
+        Cancel,
+        QueryThreadMessages,
+    )
+)
+#: The kinds a provider may send.
+FROM_PROVIDER: frozenset[str] = frozenset(
+    {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages"}
+)
+#: The kinds funduq may send.
+FROM_FUNDUQ: frozenset[str] = frozenset(
+    {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel"}
+)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _usable_id(obj: dict[str, Any]) -> str | None:
+    value = obj.get("id")
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS:
+        return value
+    return None
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_url=False, include_input=False):
+        # The first location element of a tagged union is the tag itself.
+        loc = [str(p) for p in item["loc"]][1:]
+        where = ".".join(loc) if loc else "frame"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def decode_frame(text: str | bytes, *, accept: frozenset[str] | None = None) -> Frame:
+    """Parse one message into a frame, or raise FrameError.
+
+    `accept` limits the kinds this side takes (FROM_PROVIDER on the server,
+    FROM_FUNDUQ in the SDK); a frame of another kind is an error carrying its id.
+    """
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raise FrameError("frames are JSON text messages, not binary")
+    try:
+        obj = json.loads(text, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise FrameError(f"frame is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise FrameError("frame is not a JSON object")
+    frame_id = _usable_id(obj)
+    kind = obj.get("kind")
+    if not isinstance(kind, str):
+        raise FrameError("frame has no string 'kind'", frame_id)
+    if kind not in KINDS:
+        raise FrameError(f"unknown frame kind {kind!r}", frame_id)
+    if accept is not None and kind not in accept:
+        raise FrameError(f"{kind!r} is not a frame this side accepts", frame_id)
+    try:
+        return _FRAME.validate_python(obj)
+    except ValidationError as exc:
+        raise FrameError(f"{kind!r} frame does not validate: {_describe(exc)}", frame_id) from None
+
+
+def encode_frame(frame: BaseModel) -> str:
+    """The frame as compact JSON text: camelCase keys, optional fields as null."""
+    return frame.model_dump_json(by_alias=True)

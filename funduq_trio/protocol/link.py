@@ -1,0 +1,426 @@
+"""The provider link's server side as an I/O-free state machine.
+
+Theory of operation
+-------------------
+This module is to `WS /ws/provider` what h11 is to HTTP/1.1: it never touches
+a socket, a clock or trio. The shell (`web/provider_socket.py`) owns the
+websocket and the broker session; it hands this machine what happened and
+does what the machine answers, in order:
+
+* `LinkMachine.hello()` -> the first frame to send.
+* `receive(text)` -> actions for one message from the provider.
+* `offer(offer_id, run)`, `cancel(run_id)`, `close(reason)` -> actions for a
+  request of the broker (the `ProviderLink` port: these never block).
+* `register_done(...)`, `query_done(...)` -> the reply frame once the shell
+  finished the broker call an earlier `Register` / `QueryThreadMessages`
+  action asked for.
+* `connection_lost()` -> actions once the socket is gone, whoever closed it.
+
+Every method returns a list of actions; the shell performs them in order:
+
+=========================== ===============================================
+action                      what the shell does
+=========================== ===============================================
+`Send(frame)`               queue the frame for the writer (never blocks)
+`Attach(key, maxRuns)`      `session = funduq.attach_provider(key, maxRuns, link)`
+`Register(id, agents)`      `await session.register(agents)`, then `register_done`
+`Answer(id, verdict, why)`  `session.answer(id, verdict, why)`
+`Report(runId, event)`      `session.report(runId, event)` (False = not its run: ignored)
+`Finish(runId)`             `session.finish(runId)`
+`QueryThreadMessages(...)`  `await session.thread_messages(...)`, then `query_done`
+`Detach()`                  `session.detach()` (the machine emits it exactly once)
+`Close(reason, code)`       send nothing more; close the socket with code/reason
+=========================== ===============================================
+
+States and transitions (the whole table; `TRANSITIONS` below is the code's
+copy and `_move` refuses anything not in it):
+
+    AWAIT_CONNECT --connect verified, key allowed--> ATTACHED
+        send connect.ok {answer}, Attach
+    AWAIT_CONNECT --anything else (bad proof, key not allowed, another kind,
+                    undecodable, oversized)--> CLOSED
+        send connect.err {reason}, Close
+    AWAIT_CONNECT --connection lost--> CLOSED   (nothing to detach)
+    ATTACHED --register/ok/err/report/finish/query--> ATTACHED   (see below)
+    ATTACHED --protocol violation--> CLOSED     Close, Detach
+    ATTACHED --broker closes the link--> CLOSED Close (Detach when the socket is gone)
+    ATTACHED --connection lost--> CLOSED        Detach
+    CLOSED --anything--> CLOSED                 nothing
+
+While ATTACHED:
+* `register {id, agents}` -> Register; then `ok {id}` (or `err {id, reason}`).
+* `query.threadMessages {id, threadId, limit}` -> QueryThreadMessages; then
+  `ok {id, payload: {messages}}` (or `err {id, reason}`).
+* `report` / `finish` -> Report / Finish. Whether the provider holds the run
+  is the broker's to say; a report for a run it does not hold is ignored.
+* `ok {id, verdict, reason}` answering an outstanding offer -> Answer. The
+  offer stops being outstanding. The answer goes to the broker even when the
+  broker has since given up on that offer (it ignores late answers).
+* `err {id, reason}` answering an outstanding offer: the provider rejected
+  the offer frame itself. The offer stops being outstanding; the broker is
+  told nothing and its delivery timeout puts the run back (`unanswered`).
+* `err` without an id: a complaint about something funduq sent; ignored.
+
+Protocol violations (close the link, reason in the close frame):
+* an `ok`/`err` whose id names no offer funduq made on this link, or an offer
+  already answered (a second answer);
+* an `ok` to an offer with no verdict, or a refusal without a reason;
+* a second `connect`;
+* a frame that does not decode and carries no usable `id` (one that carries
+  an id is answered `err {id, reason}` and the link stays up);
+* a frame larger than `max_frame_bytes` (close code 1009).
+
+The handshake: funduq's `hello {funduqKey, nonce}` goes first. The provider's
+`connect.proof` must be its key's signature over
+`funduq-connect-provider:{funduqKey}:{funduqNonce}:{providerNonce}` where
+funduqKey and funduqNonce are *this* link's (so a proof made for another
+connection, or for another funduq, does not verify). Then, when an allowlist
+is configured (`FUNDUQ_PROVIDER_KEYS`), the key must be on it. `connect.ok`
+carries funduq's signature over `funduq-connect-funduq:{funduqNonce}:{providerNonce}`
+so a provider that pinned funduq's key knows whom it reached.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from funduq_trio import identity as _identity
+from funduq_trio.protocol import frames as f
+
+__all__ = [
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY",
+    "CLOSE_TOO_BIG",
+    "TRANSITIONS",
+    "Action",
+    "Answer",
+    "Attach",
+    "Close",
+    "Detach",
+    "Finish",
+    "LinkMachine",
+    "QueryThreadMessages",
+    "Register",
+    "Report",
+    "Send",
+    "State",
+]
+
+#: WebSocket close codes the link uses.
+CLOSE_NORMAL = 1000  # funduq closed the link (replaced, withdrawn, shutting down)
+CLOSE_POLICY = 1008  # the provider broke the protocol or failed the handshake
+CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
+
+#: How many answered offer ids the machine remembers, to tell "a second
+#: answer" from "an answer to an offer never made" in the close reason.
+#: Both close the link; only the wording depends on it.
+_REMEMBERED_ANSWERS = 4096
+
+
+class State(enum.Enum):
+    AWAIT_CONNECT = "AWAIT_CONNECT"
+    ATTACHED = "ATTACHED"
+    CLOSED = "CLOSED"
+
+
+# (state, what happened) -> next state. Nothing else moves the machine.
+TRANSITIONS: dict[tuple[State, str], State] = {
+    (State.AWAIT_CONNECT, "connect accepted"): State.ATTACHED,
+    (State.AWAIT_CONNECT, "connect rejected"): State.CLOSED,
+    (State.AWAIT_CONNECT, "connection lost"): State.CLOSED,
+    (State.AWAIT_CONNECT, "funduq closes"): State.CLOSED,
+    (State.ATTACHED, "protocol violation"): State.CLOSED,
+    (State.ATTACHED, "funduq closes"): State.CLOSED,
+    (State.ATTACHED, "connection lost"): State.CLOSED,
+}
+
+
+# --- actions ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    frame: Any  # a frames.* model
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    public_key: str
+    max_concurrent_runs: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    request_id: str
+    agents: list[dict[str, Any]]  # [{name, description, card, metadata}]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    offer_id: str
+    verdict: str  # accepted | declined | refused
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    run_id: str
+    event: dict[str, Any]
+    seq: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    run_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueryThreadMessages:
+    request_id: str
+    thread_id: str
+    limit: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Detach:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    reason: str
+    code: int = CLOSE_POLICY
+
+
+Action = Send | Attach | Register | Answer | Report | Finish | QueryThreadMessages | Detach | Close
+
+
+class Signer(Protocol):
+    public_key_hex: str
+
+    def sign(self, payload: bytes | str) -> str: ...
+
+
+# --- the machine ------------------------------------------------------------
+
+
+class LinkMachine:
+    """One provider connection, server side. See the module docstring."""
+
+    def __init__(
+        self,
+        funduq_identity: Signer,
+        nonce: str,
+        *,
+        allowed_keys: frozenset[str] | None = None,
+        max_frame_bytes: int = 1024 * 1024,
+    ) -> None:
+        self.state = State.AWAIT_CONNECT
+        self.nonce = nonce
+        self.public_key: str | None = None  # the provider's, once attached
+        self.close_reason: str | None = None
+        self._identity = funduq_identity
+        self._allowed = allowed_keys
+        self._max_frame_bytes = max_frame_bytes
+        self._detached = False
+        self._attached = False
+        self._outstanding: dict[str, str] = {}  # offer id -> run id
+        self._answered: deque[str] = deque()
+        self._answered_set: set[str] = set()
+
+    # -- bookkeeping --
+
+    def _move(self, event: str) -> None:
+        try:
+            self.state = TRANSITIONS[(self.state, event)]
+        except KeyError:
+            raise RuntimeError(f"no transition from {self.state.name} on {event!r}") from None
+
+    @property
+    def outstanding_offers(self) -> frozenset[str]:
+        return frozenset(self._outstanding)
+
+    def _remember_answered(self, offer_id: str) -> None:
+        self._outstanding.pop(offer_id, None)
+        self._answered.append(offer_id)
+        self._answered_set.add(offer_id)
+        if len(self._answered) > _REMEMBERED_ANSWERS:
+            self._answered_set.discard(self._answered.popleft())
+
+    def _detach(self) -> list[Action]:
+        if self._attached and not self._detached:
+            self._detached = True
+            return [Detach()]
+        return []
+
+    def _violation(self, reason: str, code: int = CLOSE_POLICY) -> list[Action]:
+        """The provider broke the protocol while attached: close, then detach."""
+        self._move("protocol violation")
+        self.close_reason = reason
+        return [Close(reason, code), *self._detach()]
+
+    def _reject_connect(self, reason: str, code: int = CLOSE_POLICY) -> list[Action]:
+        self._move("connect rejected")
+        self.close_reason = reason
+        return [Send(f.ConnectErr(reason=reason)), Close(reason, code)]
+
+    def _too_big(self, text: str | bytes) -> bool:
+        limit = self._max_frame_bytes
+        if isinstance(text, str):
+            if len(text) * 4 <= limit:  # UTF-8 is at most 4 bytes a character
+                return False
+            return len(text.encode("utf-8", "surrogatepass")) > limit
+        return len(text) > limit
+
+    # -- inputs from the shell --
+
+    def hello(self) -> Send:
+        """The first frame of the link."""
+        return Send(f.Hello(funduq_key=self._identity.public_key_hex, nonce=self.nonce))
+
+    def receive(self, text: str | bytes) -> list[Action]:
+        """One message from the provider."""
+        if self.state is State.CLOSED:
+            return []
+        if self._too_big(text):
+            reason = f"frame larger than {self._max_frame_bytes} bytes"
+            if self.state is State.AWAIT_CONNECT:
+                return self._reject_connect(reason, CLOSE_TOO_BIG)
+            return self._violation(reason, CLOSE_TOO_BIG)
+        if self.state is State.AWAIT_CONNECT:
+            return self._receive_connect(text)
+        try:
+            frame = f.decode_frame(text, accept=f.FROM_PROVIDER)
+        except f.FrameError as exc:
+            if exc.id is not None:
+                return [Send(f.Err(id=exc.id, reason=exc.reason))]
+            return self._violation(exc.reason)
+        return self._receive_attached(frame)
+
+    def _receive_connect(self, text: str | bytes) -> list[Action]:
+        try:
+            frame = f.decode_frame(text, accept=f.FROM_PROVIDER)
+        except f.FrameError as exc:
+            return self._reject_connect(exc.reason)
+        if not isinstance(frame, f.Connect):
+            return self._reject_connect(f"expected a 'connect' frame first, got {frame.kind!r}")
+        payload = _identity.provider_connect_payload(
+            self._identity.public_key_hex, self.nonce, frame.nonce
+        )
+        if not _identity.verify(frame.public_key, payload, frame.proof):
+            return self._reject_connect(
+                "proof does not verify: it must be publicKey's signature over "
+                "funduq-connect-provider:{funduqKey}:{funduqNonce}:{providerNonce} "
+                "with this connection's hello"
+            )
+        if self._allowed is not None and frame.public_key not in self._allowed:
+            return self._reject_connect("key not allowed on this funduq")
+        self._move("connect accepted")
+        self._attached = True
+        self.public_key = frame.public_key
+        answer = self._identity.sign(_identity.funduq_connect_payload(self.nonce, frame.nonce))
+        return [
+            Send(f.ConnectOk(answer=answer)),
+            Attach(frame.public_key, frame.max_concurrent_runs),
+        ]
+
+    def _receive_attached(self, frame: Any) -> list[Action]:
+        if isinstance(frame, f.Report):
+            return [Report(frame.run_id, frame.event, frame.seq)]
+        if isinstance(frame, f.Finish):
+            return [Finish(frame.run_id)]
+        if isinstance(frame, f.Ok):
+            return self._receive_ok(frame)
+        if isinstance(frame, f.Register):
+            agents = [a.model_dump(by_alias=True) for a in frame.agents]
+            return [Register(frame.id, agents)]
+        if isinstance(frame, f.QueryThreadMessages):
+            return [QueryThreadMessages(frame.id, frame.thread_id, frame.limit)]
+        if isinstance(frame, f.Err):
+            return self._receive_err(frame)
+        if isinstance(frame, f.Connect):
+            return self._violation("a second 'connect' on an attached link")
+        raise AssertionError(f"unhandled provider frame {frame.kind!r}")  # pragma: no cover
+
+    def _unknown_answer(self, kind: str, offer_id: str) -> list[Action]:
+        if offer_id in self._answered_set:
+            return self._violation(f"a second answer ({kind}) to offer {offer_id!r}")
+        return self._violation(f"{kind} for {offer_id!r}, an offer funduq never made on this link")
+
+    def _receive_ok(self, frame: f.Ok) -> list[Action]:
+        if frame.id not in self._outstanding:
+            return self._unknown_answer("ok", frame.id)
+        if frame.verdict is None:
+            return self._violation(f"ok to offer {frame.id!r} carries no verdict")
+        if frame.verdict == "refused" and not frame.reason:
+            return self._violation(f"refusal of offer {frame.id!r} carries no reason")
+        self._remember_answered(frame.id)
+        reason = frame.reason if frame.verdict == "refused" else None
+        return [Answer(frame.id, frame.verdict, reason)]
+
+    def _receive_err(self, frame: f.Err) -> list[Action]:
+        if frame.id is None:
+            return []
+        if frame.id not in self._outstanding:
+            return self._unknown_answer("err", frame.id)
+        self._remember_answered(frame.id)
+        return []
+
+    # -- the broker's requests (ProviderLink port) --
+
+    def offer(self, offer_id: str, run: dict[str, Any]) -> list[Action]:
+        """Offer a run: `run` is `{runId, threadId, agentName, runInput, metadata}`."""
+        if self.state is not State.ATTACHED:
+            return []
+        if offer_id in self._outstanding or offer_id in self._answered_set:
+            raise ValueError(f"offer id {offer_id!r} was already used on this link")
+        frame = f.Offer(id=offer_id, run=f.OfferRun.model_validate(run))
+        self._outstanding[offer_id] = frame.run.run_id
+        return [Send(frame)]
+
+    def cancel(self, run_id: str) -> list[Action]:
+        if self.state is not State.ATTACHED:
+            return []
+        return [Send(f.Cancel(run_id=run_id))]
+
+    def close(self, reason: str) -> list[Action]:
+        """The broker closes the link (replaced by a newer connection, withdrawn,
+        shutting down). Detach follows from connection_lost, once the socket is
+        gone, so the broker is never re-entered from inside its own call."""
+        if self.state is State.CLOSED:
+            return []
+        self._move("funduq closes")
+        self.close_reason = reason
+        return [Close(reason, CLOSE_NORMAL)]
+
+    # -- completions of the shell's broker calls --
+
+    def register_done(self, request_id: str, error: str | None = None) -> list[Action]:
+        if self.state is not State.ATTACHED:
+            return []
+        if error is not None:
+            return [Send(f.Err(id=request_id, reason=error))]
+        return [Send(f.Ok(id=request_id))]
+
+    def query_done(
+        self,
+        request_id: str,
+        messages: list[dict[str, Any]] | None = None,
+        error: str | None = None,
+    ) -> list[Action]:
+        if self.state is not State.ATTACHED:
+            return []
+        if error is not None:
+            return [Send(f.Err(id=request_id, reason=error))]
+        return [Send(f.Ok(id=request_id, payload={"messages": messages or []}))]
+
+    def connection_lost(self) -> list[Action]:
+        """The socket is gone (either side closed it, or it broke)."""
+        if self.state is not State.CLOSED:
+            self._move("connection lost")
+            if self.close_reason is None:
+                self.close_reason = "connection lost"
+        return self._detach()
