@@ -1,0 +1,569 @@
+"""The ``Funduq`` facade: the one object the doors, the provider link and the
+tests use. It owns the record, the provider registry, the live lanes and the
+thread nurseries; everything a run goes through happens in its lane
+(``lanes.py``) -- this module only starts lanes, routes requests to them and
+reads the record.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import trio
+
+from ..config import Settings
+from ..identity import Identity, dispatch_hop
+from ..protocol import agui, reasons
+from ..protocol import statuses as st
+from . import authority
+from .errors import (
+    AgentNotFound,
+    InvalidRunInput,
+    NotAuthorized,
+    RunNotCancellable,
+    RunNotFound,
+    RunNotPaused,
+    ThreadQueueFull,
+    UnknownThread,
+)
+from .inbox import Cancel
+from .lanes import Lane, ThreadLanes
+from .providers import AgentView, ProviderLink, Providers, ProviderSession
+from .record import Record, dumps, iso, open_record
+
+log = logging.getLogger("funduq")
+
+#: Request-level metadata keys that prove something to funduq; they are not
+#: forwarded to providers.
+PROOF_KEYS = ("cancel", "resolution")
+
+
+@dataclass(frozen=True)
+class RunTicket:
+    run_id: str
+    thread_id: str
+
+
+@dataclass
+class ThreadInfo:
+    id: str
+    key: str
+    agent: str
+    segment_head: str | None
+    message_ids: set[str]
+    message_count: int
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class Funduq:
+    """The broker. ``async with Funduq(settings) as funduq: ...``"""
+
+    def __init__(self, settings: Settings, *, identity: Identity | None = None) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.record: Record
+        self.providers: Providers
+        self.lanes: dict[str, Lane] = {}
+        self.threads: dict[str, ThreadLanes] = {}
+        self._thread_info: dict[str, ThreadInfo] = {}
+        self._reserved: dict[str, int] = {}
+        self._arrival = 0
+        self._nursery: trio.Nursery | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self.running = False
+
+    # -- life ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Funduq":
+        await self._stack.__aenter__()
+        try:
+            self.record = await self._stack.enter_async_context(
+                open_record(self.settings.database_path))
+            if self.identity is None:
+                self.identity = await trio.to_thread.run_sync(self._load_identity)
+            self.providers = Providers(self.record, self.settings.quality_allowance)
+            self.providers.messages_of = self._provider_thread_messages
+            self.providers.load()
+            self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+            self._stack.callback(self._nursery.cancel_scope.cancel)
+            await self._restore()
+            self.running = True
+        except BaseException:
+            await self._stack.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self.running = False
+        return await self._stack.__aexit__(*exc)
+
+    def _load_identity(self) -> Identity:
+        if self.settings.identity_key:
+            return Identity.from_private_hex(self.settings.identity_key)
+        return Identity.load_or_create(self.settings.data_dir / "funduq.key")
+
+    async def _restore(self) -> None:
+        """After a restart: what nobody can still be holding fails
+        ``orphaned_by_restart``; queued runs queue again in arrival order;
+        paused runs stay answerable."""
+        orphaned = tuple(st.ORPHANED_BY_RESTART)
+
+        def read(conn: Any) -> tuple[int, list[Any], list[Any]]:
+            arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
+            marks = ",".join("?" * len(orphaned))
+            orphans = conn.execute(
+                f"SELECT id, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
+                f"AND json_extract(e.event, '$.type') = 'RUN_ERROR') "
+                f"FROM runs r WHERE status IN ({marks})", orphaned).fetchall()
+            queued = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ? ORDER BY arrival",
+                (st.QUEUED,)).fetchall()
+            return arrival, orphans, queued
+
+        self._arrival, orphans, queued = await self.record.read(read)
+        for run_id, metadata, last_seq, reported in orphans:
+            metadata = json.loads(metadata)
+            metadata["failureReason"] = reasons.ORPHANED_BY_RESTART
+            events = [] if reported else [(last_seq + 1, agui.run_error(reasons.ORPHANED_BY_RESTART))]
+            await self.record.move(run_id, st.FAILED, metadata=metadata, events=events,
+                                   stamp="completed_at")
+        for row in queued:
+            self._start_lane(_run_row(row), arriving=False)
+        if orphans or queued:
+            log.info("restart: %d runs orphaned, %d queued again", len(orphans), len(queued))
+
+    # -- lanes and threads ---------------------------------------------------------
+
+    def _start_lane(self, row: dict[str, Any], *, arriving: bool) -> Lane:
+        lane = Lane(self, row, arriving=arriving)
+        self.lanes[lane.run_id] = lane
+        thread = self.threads.get(lane.thread_id)
+        if thread is None:
+            thread = self.threads[lane.thread_id] = ThreadLanes(lane.thread_id)
+            self._nursery.start_soon(thread.hold, name=f"thread {lane.thread_id}")
+        lane.thread = thread
+        thread.enqueue(lane)
+        thread.start(lane)
+        return lane
+
+    def _lane_ended(self, lane: Lane) -> None:
+        if self.lanes.get(lane.run_id) is lane:
+            del self.lanes[lane.run_id]
+        thread = lane.thread
+        if thread is not None and thread.ended(lane) and self.threads.get(thread.id) is thread:
+            del self.threads[thread.id]
+
+    def _offer_payload(self, lane: Lane) -> dict[str, Any]:
+        run_input = lane.run_input
+        chain = lane.caller_metadata.get("actorChain")
+        if isinstance(chain, list) and chain:
+            # The chain as funduq dispatched it: the caller's hops verbatim plus
+            # one hop of funduq's naming where it went.
+            hop = dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)
+            forwarded = run_input.get("forwardedProps")
+            forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
+            forwarded["actorChain"] = [*chain, hop]
+            run_input = {**run_input, "forwardedProps": forwarded}
+        metadata = {k: v for k, v in lane.caller_metadata.items() if k not in PROOF_KEYS}
+        return {"runId": lane.run_id, "threadId": lane.thread_id, "agentName": lane.agent,
+                "runInput": run_input, "metadata": metadata}
+
+    # -- providers (the port the link plugs into) -----------------------------------
+
+    def attach_provider(self, public_key: str, max_concurrent_runs: int | None,
+                        link: ProviderLink) -> ProviderSession:
+        return self.providers.attach(public_key, max_concurrent_runs, link)
+
+    def find_agent(self, provider: str, agent: str) -> AgentView | None:
+        key = self.providers.resolve_key(provider)
+        return None if key is None else self.providers.view(key, agent)
+
+    async def roster(self) -> list[dict[str, Any]]:
+        return [v.as_json() for v in self.providers.roster()]
+
+    async def _provider_thread_messages(self, key: str, thread_id: str,
+                                        limit: int | None) -> list[dict[str, Any]]:
+        info = await self._thread(thread_id)
+        if info is None or info.key != key:
+            raise UnknownThread(thread_id)
+        return await self._messages(thread_id, limit)
+
+    # -- callers ---------------------------------------------------------------------
+
+    async def start_run(
+        self, provider: str, agent: str, run_input: Any, *, thread_id: str | None = None,
+        metadata: dict[str, Any] | None = None, create_unknown_thread: bool = False,
+    ) -> RunTicket:
+        view = self.find_agent(provider, agent)
+        if view is None:
+            raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
+        key = view.key
+        try:
+            run_input = agui.read_run_input(run_input)
+        except agui.InvalidInput as exc:
+            raise InvalidRunInput(str(exc)) from None
+        metadata = dict(metadata or {})
+        info = await self._thread(thread_id) if thread_id is not None else None
+        if info is not None and (info.key, info.agent) != (key, agent):
+            info = None
+        if info is None and thread_id is not None and not create_unknown_thread:
+            raise UnknownThread(f"unknown thread {thread_id!r} for this agent")
+        chain = metadata.get("actorChain")
+        if info is None:
+            head = authority.segment_head_of(chain) if chain is not None else None
+        else:
+            authority.check_write(info.segment_head, chain, key)
+        tid = info.id if info is not None else _new_id("thread")
+        self._reserve(tid)
+        try:
+            run_id = _new_id("run")
+            run_input["threadId"], run_input["runId"] = tid, run_id
+            if info is None:
+                info = ThreadInfo(tid, key, agent, head, set(), 0)
+                self._thread_info[tid] = info
+                new_thread = (tid, key, agent, head, time.time())
+            else:
+                new_thread = None
+            messages = self._new_messages(info, run_input, run_id)
+            self._arrival += 1
+            row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
+                   "status": st.QUEUED, "input": run_input, "caller_metadata": metadata,
+                   "metadata": {}, "next_seq": 1, "arrival": self._arrival}
+            await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+        finally:
+            self._reserved[tid] -= 1
+            if not self._reserved[tid]:
+                del self._reserved[tid]
+        self._start_lane(row, arriving=True)
+        return RunTicket(run_id, tid)
+
+    def _reserve(self, thread_id: str) -> None:
+        """Count a run against the thread's queue limit before any await, so
+        two utterances racing cannot both take the last slot."""
+        thread = self.threads.get(thread_id)
+        pending = (len(thread.pending) if thread else 0) + self._reserved.get(thread_id, 0)
+        if pending >= self.settings.thread_queue_limit:
+            raise ThreadQueueFull(
+                f"thread {thread_id} already holds {pending} pending runs "
+                f"(limit {self.settings.thread_queue_limit}); retry once one is taken")
+        self._reserved[thread_id] = self._reserved.get(thread_id, 0) + 1
+
+    def _new_messages(self, info: ThreadInfo, run_input: dict[str, Any],
+                      run_id: str) -> list[tuple[Any, ...]]:
+        """Messages the thread has not seen yet. Earlier messages the thread
+        holds are history a caller re-sent; the last one is always the new
+        utterance, and keeps its caller's id unless the thread already holds it."""
+        rows = []
+        messages = run_input.get("messages") or []
+        for i, message in enumerate(messages):
+            mid = message.get("id")
+            last = i == len(messages) - 1
+            if mid in info.message_ids:
+                if not last:
+                    continue
+                message["id"] = mid = _new_id("msg")
+            rows.append((info.id, info.message_count, mid, run_id, dumps(message)))
+            info.message_ids.add(mid)
+            info.message_count += 1
+        return rows
+
+    async def _record_replies(self, lane: Lane) -> None:
+        """Append the assistant's replies of a run to its thread's history."""
+        replies = lane.replies()
+        info = await self._thread(lane.thread_id)
+        if not replies or info is None:
+            return
+        rows = []
+        for message in replies:
+            if message["id"] in info.message_ids:
+                continue
+            rows.append((info.id, info.message_count, message["id"], lane.run_id, dumps(message)))
+            info.message_ids.add(message["id"])
+            info.message_count += 1
+        if rows:
+            await self.record.write(lambda c: c.executemany(_INSERT_MESSAGE, rows))
+
+    async def follow(self, run_id: str, after_seq: int = 0
+                     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """The run's events after ``after_seq``, in order, each durable before it
+        is yielded; ends once the run settles or pauses."""
+        lane = self.lanes.get(run_id)
+        if lane is None:
+            if not await self._run_exists(run_id):
+                raise RunNotFound(run_id)
+            for item in await self._events(run_id, after_seq):
+                yield item
+            return
+        feed = lane.feed
+        if after_seq < feed.first_seq - 1:
+            for item in await self._events(run_id, after_seq, feed.first_seq):
+                yield item
+        index = bisect.bisect_right(feed.events, after_seq, key=lambda item: item[0])
+        while True:
+            while index < len(feed.events):
+                index += 1
+                yield feed.events[index - 1]
+            if feed.closed:
+                return
+            await feed.changed()
+
+    async def wait_run(self, run_id: str) -> dict[str, Any]:
+        """Wait until the run settles or pauses; return its record."""
+        lane = self.lanes.get(run_id)
+        if lane is not None:
+            await lane.done.wait()
+        run = await self.get_run(run_id)
+        if run is None:
+            raise RunNotFound(run_id)
+        return run
+
+    async def cancel_run(self, run_id: str, *, proof: Any = None) -> dict[str, Any]:
+        """Ask to stop a run. Authority is checked before anything about the
+        run's state is revealed."""
+        facts = await self._run_facts(run_id)
+        if facts is None:
+            raise RunNotFound(run_id)
+        segment_head, key = facts
+        by = None
+        if segment_head is not None:
+            by = authority.check_cancel(proof, run_id, (segment_head, key), time.time())
+        lane = self.lanes.get(run_id)
+        if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
+            raise RunNotCancellable(f"run {run_id} is paused or has ended; nothing to stop")
+        cancel = Cancel(by)
+        lane.tell(cancel)
+        if lane.status != st.OFFERING:
+            # An offering run reads the cancel only after the provider's answer;
+            # don't hold the caller for that.
+            await cancel.seen.wait()
+        run = await self.get_run(run_id)
+        assert run is not None
+        return run
+
+    async def paused_run(self, thread_id: str) -> str | None:
+        return await self.record.read(lambda c: _scalar(c.execute(
+            "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
+            (thread_id, st.INPUT_REQUIRED))))
+
+    async def answer_pause(self, run_id: str, run_input: Any, *,
+                           metadata: dict[str, Any] | None = None) -> RunTicket:
+        """Answer a paused run: the same run id is queued again, offered in its
+        thread's order, its event log continuing."""
+        facts = await self._run_facts(run_id)
+        if facts is None:
+            raise RunNotFound(run_id)
+        segment_head, key = facts
+        metadata = dict(metadata or {})
+        by = None
+        if segment_head is not None:
+            by = authority.check_resolution(metadata.get("resolution"), run_id,
+                                            (segment_head, key), time.time())
+        try:
+            run_input = agui.read_run_input(run_input)
+        except agui.InvalidInput as exc:
+            raise InvalidRunInput(str(exc)) from None
+        row = await self.record.read(lambda c: c.execute(
+            f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
+        row = _run_row(row)
+        if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
+            raise RunNotPaused(f"run {run_id} is not waiting for an answer")
+        row["input"] = {**run_input, "threadId": row["thread_id"], "runId": run_id}
+        row["metadata"].setdefault("funduq", {})["answeredBy"] = by
+        row["caller_metadata"] = {**row["caller_metadata"],
+                                  **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}}
+        info = await self._thread(row["thread_id"])
+        messages = self._new_messages(info, row["input"], run_id) if info else []
+        self._arrival += 1
+        arrival = self._arrival
+        caller = dumps(row["caller_metadata"])
+
+        def reopen(conn: Any) -> bool:
+            moved = conn.execute(
+                "UPDATE runs SET status=?, input=?, metadata=?, caller_metadata=?, arrival=?, "
+                "completed_at=NULL WHERE id=? AND status=?",
+                (st.QUEUED, dumps(row["input"]), dumps(row["metadata"]), caller, arrival,
+                 run_id, st.INPUT_REQUIRED)).rowcount == 1
+            if moved and messages:
+                conn.executemany(_INSERT_MESSAGE, messages)
+            return moved
+
+        if not await self.record.write(reopen) or run_id in self.lanes:
+            raise RunNotPaused(f"run {run_id} is not waiting for an answer")
+        row["status"] = st.QUEUED
+        self._start_lane(row, arriving=False)
+        return RunTicket(run_id, row["thread_id"])
+
+    # -- reading the record ------------------------------------------------------------
+
+    async def get_run(self, run_id: str) -> dict[str, Any] | None:
+        def read(conn: Any) -> Any:
+            row = conn.execute(
+                "SELECT id, thread_id, provider_key, agent_name, status, metadata, created_at, "
+                "started_at, completed_at FROM runs WHERE id=?", (run_id,)).fetchone()
+            if row is None:
+                return None
+            events = conn.execute("SELECT seq, event FROM events WHERE run_id=? ORDER BY seq",
+                                  (run_id,)).fetchall()
+            return row, events
+
+        found = await self.record.read(read)
+        if found is None:
+            return None
+        row, events = found
+        return {**_run_json(row), "events": [{"seq": s, "event": json.loads(e)} for s, e in events]}
+
+    async def list_runs(self, *, thread_id: str | None = None, provider: str | None = None,
+                        agent: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        where, args = [], []
+        if thread_id is not None:
+            where.append("thread_id=?")
+            args.append(thread_id)
+        if provider is not None:
+            where.append("provider_key=?")
+            args.append(self.providers.resolve_key(provider) or provider)
+        if agent is not None:
+            where.append("agent_name=?")
+            args.append(agent)
+        sql = ("SELECT id, thread_id, provider_key, agent_name, status, metadata, created_at, "
+               "started_at, completed_at FROM runs" + (" WHERE " + " AND ".join(where) if where
+                                                       else "") + " ORDER BY arrival DESC LIMIT ?")
+        rows = await self.record.read(lambda c: c.execute(sql, (*args, limit)).fetchall())
+        return [_run_json(r) for r in rows]
+
+    async def get_thread(self, thread_id: str) -> dict[str, Any] | None:
+        info = await self._thread(thread_id)
+        if info is None:
+            return None
+
+        def read(conn: Any) -> list[Any]:
+            return conn.execute("SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
+                                (thread_id,)).fetchall()
+
+        runs = await self.record.read(read)
+        return {"threadId": thread_id, "agent": {"provider": info.key, "name": info.agent},
+                "segmentHead": info.segment_head, "messages": await self._messages(thread_id),
+                "runs": [{"runId": r, "status": s} for r, s in runs]}
+
+    async def ready(self) -> bool:
+        """Readiness: the broker runs and the record answers."""
+        if not self.running:
+            return False
+        try:
+            await self.record.read(lambda c: c.execute("SELECT 1").fetchone())
+        except Exception:
+            return False
+        return True
+
+    async def _thread(self, thread_id: str) -> ThreadInfo | None:
+        info = self._thread_info.get(thread_id)
+        if info is not None:
+            return info
+
+        def read(conn: Any) -> Any:
+            row = conn.execute("SELECT provider_key, agent_name, segment_head FROM threads "
+                               "WHERE id=?", (thread_id,)).fetchone()
+            if row is None:
+                return None
+            ids = [r[0] for r in conn.execute(
+                "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,))]
+            return row, ids
+
+        found = await self.record.read(read)
+        if found is None:
+            return None
+        (key, agent, head), ids = found
+        info = self._thread_info.setdefault(
+            thread_id, ThreadInfo(thread_id, key, agent, head, set(ids), len(ids)))
+        return info
+
+    async def _messages(self, thread_id: str, limit: int | None = None) -> list[dict[str, Any]]:
+        def read(conn: Any) -> list[Any]:
+            if limit is None:
+                return conn.execute("SELECT message FROM messages WHERE thread_id=? ORDER BY idx",
+                                    (thread_id,)).fetchall()
+            rows = conn.execute("SELECT message FROM messages WHERE thread_id=? "
+                                "ORDER BY idx DESC LIMIT ?", (thread_id, limit)).fetchall()
+            return rows[::-1]
+
+        return [json.loads(m) for (m,) in await self.record.read(read)]
+
+    async def _events(self, run_id: str, after: int, before: int | None = None
+                      ) -> list[tuple[int, dict[str, Any]]]:
+        def read(conn: Any) -> list[Any]:
+            return conn.execute(
+                "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq",
+                (run_id, after, before if before is not None else 2**62)).fetchall()
+
+        return [(s, json.loads(e)) for s, e in await self.record.read(read)]
+
+    async def _run_exists(self, run_id: str) -> bool:
+        return await self.record.read(lambda c: c.execute(
+            "SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None)
+
+    async def _run_facts(self, run_id: str) -> tuple[str | None, str] | None:
+        """(segment head of its thread, its provider key), or None."""
+        lane = self.lanes.get(run_id)
+        if lane is not None:
+            info = await self._thread(lane.thread_id)
+            return (info.segment_head if info else None), lane.key
+        return await self.record.read(lambda c: c.execute(
+            "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
+            "ON t.id = r.thread_id WHERE r.id=?", (run_id,)).fetchone())
+
+
+# -- SQL helpers -----------------------------------------------------------------------
+
+_RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
+                "metadata, arrival, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events e "
+                "WHERE e.run_id = r.id)")
+_INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
+                   "VALUES (?,?,?,?,?)")
+
+
+def _run_row(row: Any) -> dict[str, Any]:
+    rid, tid, key, agent, status, run_input, caller, metadata, arrival, next_seq = row
+    return {"id": rid, "thread_id": tid, "provider_key": key, "agent_name": agent,
+            "status": status, "input": json.loads(run_input),
+            "caller_metadata": json.loads(caller), "metadata": json.loads(metadata),
+            "arrival": arrival, "next_seq": next_seq}
+
+
+def _run_json(row: Any) -> dict[str, Any]:
+    rid, tid, key, agent, status, metadata, created, started, completed = row
+    return {"runId": rid, "threadId": tid, "agent": {"provider": key, "name": agent},
+            "status": status, "metadata": json.loads(metadata), "createdAt": iso(created),
+            "startedAt": iso(started), "completedAt": iso(completed)}
+
+
+def _insert_run(conn: Any, row: dict[str, Any], new_thread: tuple[Any, ...] | None,
+                messages: list[tuple[Any, ...]]) -> None:
+    if new_thread is not None:
+        conn.execute("INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at)"
+                     " VALUES (?,?,?,?,?)", new_thread)
+    conn.execute(
+        "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input, "
+        "caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        (row["arrival"], row["id"], row["thread_id"], row["provider_key"], row["agent_name"],
+         row["status"], dumps(row["input"]), dumps(row["caller_metadata"]),
+         dumps(row["metadata"]), time.time()))
+    if messages:
+        conn.executemany(_INSERT_MESSAGE, messages)
+
+
+def _scalar(cursor: Any) -> Any:
+    row = cursor.fetchone()
+    return None if row is None else row[0]
+
+
+__all__ = ["Funduq", "RunTicket", "NotAuthorized"]

@@ -1,0 +1,52 @@
+"""What can be said to a run: the messages its lane's memory channel carries.
+
+The lane is the only reader. Everyone else -- the provider link, the doors,
+the thread queue, the provider registry -- only sends it what happened, and
+the lane applies those facts one at a time, in channel order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+
+@dataclass(slots=True)
+class Turn:
+    """You are now the head of your thread's pending queue."""
+
+
+@dataclass(slots=True)
+class Wake:
+    """Something changed for your agent: a place freed, a provider attached,
+    (re)published or left. Look again."""
+
+
+@dataclass(slots=True)
+class Cancel:
+    """A caller asked to stop the run. ``seen`` is set once the lane read it."""
+
+    by: str | None = None
+    seen: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass(slots=True)
+class Report:
+    """An event the provider holding the run reported (not yet validated)."""
+
+    event: Any
+
+
+@dataclass(slots=True)
+class Finish:
+    """The provider says the run's stream ended."""
+
+
+@dataclass(slots=True)
+class Gone:
+    """The provider holding the run stopped serving (link closed or withdrawn)."""
+
+
+Message = Turn | Wake | Cancel | Report | Finish | Gone

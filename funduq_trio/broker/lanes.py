@@ -1,0 +1,395 @@
+"""A run's lane -- the one task that owns a run -- and a thread's nursery.
+
+Theory of operation
+-------------------
+Every run gets one task (its *lane*) from the moment it is queued until it
+settles or pauses. The lane's only input is a memory channel (see
+``inbox.py``); the provider link, the doors, the thread queue and the
+provider registry only *send it what happened*. The lane applies those facts
+one at a time, so the order things happen to a run is channel order, not
+whoever touched it last.
+
+The wait for an offer's answer is the lane's own await: it offers, awaits
+the answer (inside the delivery timeout's cancel scope) and only then reads
+its inbox again -- so a cancel that arrived meanwhile is read *after* the
+answer. Accepted: the run is running and is then asked to stop like any
+running run. Declined or unanswered: it is back in the queue and the cancel
+ends it here. Never both.
+
+A thread's lanes live in the thread's own nursery, held open by one task
+while the thread has active runs. Only the head of a thread's pending queue
+is offered; the next becomes head the moment the head *leaves the queue*
+(accepted or settled), not when its turn finishes.
+
+Clocks are cancel scopes inside the lane that waits: the grace window of an
+unserved agent, the delivery timeout of an offer, the undelivered window of a
+held run. No sweeper polls timestamps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..protocol import agui
+from ..protocol import statuses as st
+from ..protocol import reasons
+from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
+from .providers import ACCEPTED, DECLINED, REFUSED, ProviderSession
+
+if TYPE_CHECKING:
+    from .funduq import Funduq
+
+log = logging.getLogger("funduq.lanes")
+
+
+class Feed:
+    """A live run's events for its followers, in seq order. Events land here
+    only after the record has them (persisted before relayed)."""
+
+    def __init__(self, first_seq: int) -> None:
+        self.first_seq = first_seq
+        self.events: list[tuple[int, dict[str, Any]]] = []
+        self.closed = False
+        self._changed = trio.Event()
+
+    def publish(self, seq: int, event: dict[str, Any]) -> None:
+        self.events.append((seq, event))
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed.set()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+class ThreadLanes:
+    """A thread with active runs: its nursery and its pending queue."""
+
+    def __init__(self, thread_id: str) -> None:
+        self.id = thread_id
+        self.pending: deque[Lane] = deque()
+        self.lanes = 0
+        self._nursery: trio.Nursery | None = None
+        self._starting: list[Lane] = []
+        self._drained = trio.Event()
+
+    async def hold(self) -> None:
+        """The thread's task: its lanes run in this nursery; it ends once the
+        last of them has ended."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for lane in self._starting:
+                nursery.start_soon(lane.run)
+            self._starting.clear()
+            await self._drained.wait()
+
+    def start(self, lane: "Lane") -> None:
+        self.lanes += 1
+        if self._nursery is None:
+            self._starting.append(lane)
+        else:
+            self._nursery.start_soon(lane.run)
+
+    def ended(self, lane: "Lane") -> bool:
+        """A lane ended. True when it was the thread's last."""
+        self.lanes -= 1
+        if self.lanes == 0:
+            self._drained.set()
+            return True
+        return False
+
+    def enqueue(self, lane: "Lane") -> None:
+        self.pending.append(lane)
+        if len(self.pending) == 1:
+            lane.tell(Turn())
+
+    def leave(self, lane: "Lane") -> None:
+        """The lane left the pending queue (accepted or settled): next, please."""
+        if not self.pending or lane not in self.pending:
+            return
+        was_head = self.pending[0] is lane
+        self.pending.remove(lane)
+        if was_head and self.pending:
+            self.pending[0].tell(Turn())
+
+
+class Lane:
+    """The one task that owns a run from queued until it settles or pauses."""
+
+    def __init__(self, funduq: "Funduq", row: dict[str, Any], *, arriving: bool) -> None:
+        self.f = funduq
+        self.run_id: str = row["id"]
+        self.thread_id: str = row["thread_id"]
+        self.key: str = row["provider_key"]
+        self.agent: str = row["agent_name"]
+        self.status: str = row["status"]
+        self.run_input: dict[str, Any] = row["input"]
+        self.caller_metadata: dict[str, Any] = row["caller_metadata"]
+        self.metadata: dict[str, Any] = row["metadata"]
+        self.next_seq: int = row["next_seq"]
+        self.arriving = arriving
+        self.feed = Feed(self.next_seq)
+        self.done = trio.Event()
+        self.thread: ThreadLanes | None = None
+        self._send, self._inbox = trio.open_memory_channel[Message](math.inf)
+        # What the stream said so far (the funnel reads these).
+        self._finished: dict[str, Any] | None = None
+        self._reported_error = False
+        self._cancel_requested = False
+        self._texts: dict[str, dict[str, Any]] = {}
+        self._session: ProviderSession | None = None
+
+    # -- the inbox ---------------------------------------------------------------
+
+    def tell(self, message: Message) -> None:
+        try:
+            self._send.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if isinstance(message, Cancel):
+                message.seen.set()
+
+    async def _receive(self, deadline: float = math.inf) -> Message | None:
+        with trio.move_on_at(deadline):
+            return await self._inbox.receive()
+        return None
+
+    # -- the task ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            if self.arriving and self.f.providers.serving(self.key, self.agent) is None:
+                await self._settle(st.FAILED, reasons.AGENT_OFFLINE)
+                return
+            if await self._until_accepted():
+                await self._while_held()
+        finally:
+            self._inbox.close()
+            for message in self._drain():
+                if isinstance(message, Cancel):
+                    message.seen.set()
+            self.f.providers.stop_waiting(self.key, self)
+            if self.thread is not None:
+                self.thread.leave(self)
+            self.feed.close()
+            self.done.set()
+            self.f._lane_ended(self)
+
+    def _drain(self) -> list[Message]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return out
+
+    # -- pending: waiting for a turn, a place, an answer --------------------------
+
+    async def _until_accepted(self) -> bool:
+        """Returns True once a provider holds the run, False once it settled."""
+        head = False
+        declined = False
+        while True:
+            for message in self._drain():
+                outcome = await self._pending_message(message)
+                if outcome == "settled":
+                    return False
+                head = head or outcome == "turn"
+                declined = declined and outcome != "wake"
+            if not head:
+                message = await self._receive()
+            else:
+                session = self.f.providers.serving(self.key, self.agent)
+                if session is None:
+                    grace = self.f.settings.unserved_grace_seconds
+                    deadline = self.f.providers.unserved_since(self.key, self.agent) + grace
+                    self.f.providers.wait(self.key, self)
+                    message = await self._receive(deadline)
+                    if message is None:
+                        await self._settle(st.FAILED, reasons.NO_PROVIDER_TOOK_IT)
+                        return False
+                elif declined or not session.has_room():
+                    self.f.providers.wait(self.key, self)
+                    message = await self._receive()
+                else:
+                    answer = await self._offer(session)
+                    if answer == "accepted":
+                        return True
+                    if answer == "settled":
+                        return False
+                    declined = answer == "declined"
+                    continue
+            self.f.providers.stop_waiting(self.key, self)
+            outcome = await self._pending_message(message)
+            if outcome == "settled":
+                return False
+            head = head or outcome == "turn"
+            declined = declined and outcome != "wake"
+
+    async def _pending_message(self, message: Message | None) -> str:
+        if isinstance(message, Turn):
+            return "turn"
+        if isinstance(message, Wake):
+            return "wake"
+        if isinstance(message, Cancel):
+            self._cancel_requested = True
+            self._note_cancel(message.by)
+            await self._settle(st.CANCELLED)
+            message.seen.set()
+            return "settled"
+        # Reports, finishes and "gone" for a run nobody holds: nothing to apply.
+        log.debug("run %s ignored %r while pending", self.run_id, message)
+        return "ignored"
+
+    async def _offer(self, session: ProviderSession) -> str:
+        if not await self._move(st.OFFERING):
+            return "settled"
+        offer = session.offer(self, self.f._offer_payload(self))
+        with trio.move_on_after(self.f.settings.deliver_timeout_seconds):
+            await offer.answered.wait()
+        session.withdraw(offer)
+        verdict, reason = offer.verdict, offer.reason
+        if verdict == ACCEPTED:
+            if not await self._move(st.RUNNING, stamp="started_at"):
+                return "settled"
+            self.thread.leave(self)
+            self._session = session
+            return "accepted"
+        if verdict == REFUSED:
+            session.give_back()
+            # A refusal is permanent and the reason is the provider's, verbatim.
+            await self._settle(st.FAILED, reason or "refused")
+            return "settled"
+        await self._move(st.QUEUED)
+        if verdict == DECLINED:
+            session.give_back(wake=False)
+            await self.f.providers.count(self.key, "misdeclared")
+            return "declined"
+        session.give_back()
+        if offer.answered.is_set():  # resolved with no verdict: the link went away
+            return "gone"
+        await self.f.providers.count(self.key, "unanswered")
+        return "unanswered"
+
+    # -- held: relaying until the stream ends --------------------------------------
+
+    async def _while_held(self) -> None:
+        session = self._session
+        deadline = trio.current_time() + self.f.settings.undelivered_window_seconds
+        while True:
+            message = await self._receive(deadline)
+            if message is None:
+                # Silence is not a verdict: count it against the provider, once,
+                # and leave the run alone.
+                deadline = math.inf
+                await self.f.providers.count(self.key, "undelivered")
+                continue
+            if isinstance(message, Report):
+                if not await self._relay(message.event, session):
+                    return
+            elif isinstance(message, Finish):
+                await self._funnel(session)
+                return
+            elif isinstance(message, Cancel):
+                if self.status == st.RUNNING:
+                    self._cancel_requested = True
+                    self._note_cancel(message.by)
+                    if await self._move(st.CANCELLING):
+                        session.cancel(self.run_id)
+                message.seen.set()
+            elif isinstance(message, Gone):
+                session.release(self.run_id)
+                await self._settle(st.FAILED, reasons.PROVIDER_LEFT_HOLDING_IT)
+                await self.f.providers.count(self.key, "abandoned")
+                return
+
+    async def _relay(self, raw: Any, session: ProviderSession) -> bool:
+        try:
+            event = agui.read_event(raw)
+        except agui.MalformedEvent as exc:
+            log.info("run %s: malformed event from provider: %s", self.run_id, exc)
+            session.cancel(self.run_id)  # please stop: the run is over for us
+            session.release(self.run_id)
+            await self._settle(st.FAILED, agui.MALFORMED)
+            return False
+        kind = event["type"]
+        if kind == agui.RUN_FINISHED:
+            self._finished = event
+        elif kind == agui.RUN_ERROR:
+            self._reported_error = True
+        self._note_text(event)
+        await self._append(event)
+        return True
+
+    async def _funnel(self, session: ProviderSession) -> None:
+        """How a run that reached a provider settles: first match wins."""
+        session.release(self.run_id)
+        outcome = agui.outcome_of(self._finished) if self._finished else None
+        if outcome == "interrupt":
+            self.metadata["interrupts"] = agui.interrupts_of(self._finished)
+            await self._move(st.INPUT_REQUIRED, stamp="completed_at")
+            await self.f._record_replies(self)
+        elif outcome == "cancelled" and self._cancel_requested:
+            # AG-UI 1.0's own word that the run stopped as asked.
+            await self._settle(st.CANCELLED)
+        elif outcome is not None:
+            await self._settle(st.COMPLETED)
+        elif self._cancel_requested:
+            await self._settle(st.CANCELLED)
+        else:
+            await self._settle(st.FAILED, reasons.STREAM_ENDED_WITHOUT_FINISHING)
+
+    # -- writing -------------------------------------------------------------------
+
+    async def _append(self, event: dict[str, Any]) -> None:
+        seq = self.next_seq
+        self.next_seq += 1
+        await self.f.record.append_event(self.run_id, seq, event)
+        self.feed.publish(seq, event)
+
+    async def _move(self, to: str, *, stamp: str | None = None,
+                    events: list[tuple[int, dict[str, Any]]] = ()) -> bool:
+        moved = await self.f.record.move(self.run_id, to, metadata=self.metadata,
+                                         events=events, stamp=stamp)
+        if moved:
+            self.status = to
+        else:
+            log.error("run %s: guarded write %s -> %s refused", self.run_id, self.status, to)
+        return moved
+
+    async def _settle(self, to: str, reason: str | None = None) -> None:
+        """Write a terminal status; a failure nobody reported gets a RUN_ERROR."""
+        events = []
+        if to == st.FAILED:
+            self.metadata["failureReason"] = reason
+            if not self._reported_error:
+                events.append((self.next_seq, agui.run_error(reason)))
+                self.next_seq += 1
+        if await self._move(to, stamp="completed_at", events=events):
+            for seq, event in events:
+                self.feed.publish(seq, event)
+            await self.f._record_replies(self)
+
+    def _note_cancel(self, by: str | None) -> None:
+        self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by
+
+    def _note_text(self, event: dict[str, Any]) -> None:
+        """Collect the assistant's text so the thread's history has replies."""
+        kind, mid = event["type"], event.get("messageId")
+        if mid is None:
+            return
+        if kind == "TEXT_MESSAGE_START":
+            self._texts[mid] = {"id": mid, "role": event.get("role", "assistant"), "content": ""}
+        elif kind in ("TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_CHUNK"):
+            msg = self._texts.setdefault(mid, {"id": mid, "role": "assistant", "content": ""})
+            msg["content"] += event.get("delta") or ""
+
+    def replies(self) -> list[dict[str, Any]]:
+        return list(self._texts.values())

@@ -1,0 +1,341 @@
+"""Attached providers: who serves which agent, how many places each has left,
+and the quality counters that outlive a connection.
+
+A *session* is one attached link. Its places are spent the moment an offer
+leaves and come back when the offer is not accepted or the held run ends.
+The registry never decides a run's fate; it only tells lanes what happened
+(a place freed, a provider came or went) and lets each lane decide.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from ..identity import fingerprint_of
+from .inbox import Finish, Gone, Report, Wake
+from .record import COUNTERS, Record, dumps
+
+if TYPE_CHECKING:
+    from .lanes import Lane
+
+log = logging.getLogger("funduq.providers")
+
+ACCEPTED, DECLINED, REFUSED = "accepted", "declined", "refused"
+VERDICTS = frozenset({ACCEPTED, DECLINED, REFUSED})
+
+
+class ProviderLink(Protocol):
+    """What the broker needs from a link (the WebSocket shell implements it).
+    None of these may block: they queue a frame and return."""
+
+    def send_offer(self, offer_id: str, run: dict[str, Any]) -> None: ...
+    def send_cancel(self, run_id: str) -> None: ...
+    def close(self, reason: str) -> None: ...
+
+
+@dataclass(eq=False)
+class Offer:
+    """One offer in flight: the answer slot its lane awaits."""
+
+    id: str
+    lane: "Lane"
+    session: "ProviderSession"
+    verdict: str | None = None
+    reason: str | None = None
+    answered: trio.Event = field(default_factory=trio.Event)
+
+    def resolve(self, verdict: str | None, reason: str | None = None) -> None:
+        if not self.answered.is_set():
+            self.verdict, self.reason = verdict, reason
+            self.answered.set()
+
+
+@dataclass(frozen=True)
+class AgentView:
+    key: str
+    fingerprint: str
+    name: str
+    description: str
+    card: dict[str, Any]
+    metadata: dict[str, Any]
+    online: bool
+
+    def as_json(self) -> dict[str, Any]:
+        return {"provider": self.key, "fingerprint": self.fingerprint, "name": self.name,
+                "description": self.description, "online": self.online}
+
+
+class ProviderSession:
+    """One attached provider link, as the broker sees it."""
+
+    def __init__(self, registry: "Providers", key: str, max_concurrent: int | None,
+                 link: ProviderLink) -> None:
+        self.registry = registry
+        self.key = key
+        self.fingerprint = fingerprint_of(key)
+        self.max_concurrent = max_concurrent
+        self.link = link
+        self.live = True
+        self.in_use = 0
+        self.agents: dict[str, dict[str, Any]] = {}
+        self.offers: dict[str, Offer] = {}
+        self.held: dict[str, "Lane"] = {}
+
+    # -- places ------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        return self.max_concurrent is None or self.in_use < self.max_concurrent
+
+    def offer(self, lane: "Lane", run: dict[str, Any]) -> Offer:
+        """Spend a place and send the offer. A dead session answers at once."""
+        offer = Offer("offer_" + secrets.token_hex(8), lane, self)
+        self.in_use += 1
+        if not self.live:
+            offer.resolve(None)
+            return offer
+        self.offers[offer.id] = offer
+        self.link.send_offer(offer.id, run)
+        return offer
+
+    def withdraw(self, offer: Offer) -> None:
+        """The lane stopped waiting: a later answer to this offer is ignored."""
+        self.offers.pop(offer.id, None)
+
+    def give_back(self, *, wake: bool = True) -> None:
+        """A place came back. A decline gives its place back silently: the
+        provider just said it is full, so it wakes nobody."""
+        self.in_use = max(0, self.in_use - 1)
+        if wake and self.live:
+            self.registry.wake(self.key, one=True)
+
+    def release(self, run_id: str) -> None:
+        """A held run ended (settled or paused): its place frees."""
+        if self.held.pop(run_id, None) is not None:
+            self.give_back()
+
+    def cancel(self, run_id: str) -> None:
+        if self.live and run_id in self.held:
+            self.link.send_cancel(run_id)
+
+    # -- what the provider says --------------------------------------------
+
+    async def register(self, agents: list[dict[str, Any]]) -> None:
+        """Publish (replace) the agents this link serves."""
+        published = {a["name"]: a for a in agents}
+        await self.registry.record_agents(self.key, list(published.values()))
+        if not self.live:
+            return
+        dropped = set(self.agents) - set(published)
+        self.agents = published
+        self.registry.served_changed(self.key, dropped)
+
+    def answer(self, offer_id: str, verdict: str, reason: str | None = None) -> None:
+        offer = self.offers.pop(offer_id, None)
+        if offer is None:
+            log.info("provider %s answered offer %s after funduq stopped waiting",
+                     self.fingerprint, offer_id)
+            return
+        if verdict == ACCEPTED:
+            # Held from the answer on: its events queue behind the answer in
+            # the lane's inbox, and the lane claims the run when it reads it.
+            self.held[offer.lane.run_id] = offer.lane
+        offer.resolve(verdict, reason)
+
+    def report(self, run_id: str, event: Any) -> bool:
+        lane = self.held.get(run_id)
+        if lane is None:
+            return False
+        lane.tell(Report(event))
+        return True
+
+    def finish(self, run_id: str) -> bool:
+        lane = self.held.get(run_id)
+        if lane is None:
+            return False
+        lane.tell(Finish())
+        return True
+
+    async def thread_messages(self, thread_id: str, limit: int | None) -> list[dict[str, Any]]:
+        return await self.registry.thread_messages(self.key, thread_id, limit)
+
+    def detach(self) -> None:
+        """The link is gone. Idempotent."""
+        if not self.live:
+            return
+        self.live = False
+        self.registry.session_gone(self)
+
+
+class Providers:
+    """The registry of providers, their agents, places and counters."""
+
+    def __init__(self, record: Record, allowance: int) -> None:
+        self.record = record
+        self.allowance = allowance
+        self.sessions: dict[str, ProviderSession] = {}
+        self.counters: dict[str, dict[str, int]] = {}
+        self.agents: dict[tuple[str, str], dict[str, Any]] = {}
+        self.by_fingerprint: dict[str, str] = {}
+        self.unserved: dict[tuple[str, str], float] = {}
+        self.waiters: dict[str, dict[int, "Lane"]] = {}
+        self.started_at = 0.0
+        self.messages_of: Any = None  # set by the facade: async (thread_id, limit) -> list
+
+    def load(self) -> None:
+        """Read counters and published agents back from the record (start-up)."""
+        def read(conn: Any) -> tuple[list[Any], list[Any]]:
+            return (conn.execute("SELECT key, fingerprint, " + ", ".join(COUNTERS)
+                                 + " FROM providers").fetchall(),
+                    conn.execute("SELECT provider_key, name, description, card, metadata "
+                                 "FROM agents").fetchall())
+        import json
+        providers, agents = self.record.read_now(read)
+        for key, fp, *counts in providers:
+            self.counters[key] = dict(zip(COUNTERS, counts))
+            self.by_fingerprint[fp] = key
+        for key, name, description, card, metadata in agents:
+            self.agents[(key, name)] = {"name": name, "description": description,
+                                        "card": json.loads(card), "metadata": json.loads(metadata)}
+        self.started_at = trio.current_time()
+
+    # -- lookups -------------------------------------------------------------
+
+    def resolve_key(self, provider: str) -> str | None:
+        provider = provider.lower()
+        if len(provider) == 64:
+            return provider if provider in self.counters else None
+        return self.by_fingerprint.get(provider)
+
+    def serving(self, key: str, name: str) -> ProviderSession | None:
+        session = self.sessions.get(key)
+        if session is not None and session.live and name in session.agents:
+            return session
+        return None
+
+    def unserved_since(self, key: str, name: str) -> float:
+        return self.unserved.get((key, name), self.started_at)
+
+    def view(self, key: str, name: str) -> AgentView | None:
+        agent = self.agents.get((key, name))
+        if agent is None:
+            return None
+        return AgentView(key, fingerprint_of(key), name, agent.get("description") or "",
+                         agent.get("card") or {}, agent.get("metadata") or {},
+                         self.serving(key, name) is not None)
+
+    def roster(self) -> list[AgentView]:
+        return [v for k in sorted(self.agents) if (v := self.view(*k)) is not None]
+
+    # -- sessions --------------------------------------------------------------
+
+    def attach(self, key: str, max_concurrent: int | None, link: ProviderLink) -> ProviderSession:
+        key = key.lower()
+        session = ProviderSession(self, key, max_concurrent, link)
+        old = self.sessions.get(key)
+        self.sessions[key] = session
+        self.counters.setdefault(key, dict.fromkeys(COUNTERS, 0))
+        self.by_fingerprint[session.fingerprint] = key
+        if old is not None and old.live:
+            old.link.close("replaced by a newer connection under the same key")
+            old.detach()
+        return session
+
+    async def record_agents(self, key: str, agents: list[dict[str, Any]]) -> None:
+        fp = fingerprint_of(key)
+        rows = [(key, a["name"], a.get("description") or "", dumps(a.get("card") or {}),
+                 dumps(a.get("metadata") or {})) for a in agents]
+
+        def write(conn: Any) -> None:
+            conn.execute("INSERT OR IGNORE INTO providers (key, fingerprint) VALUES (?, ?)",
+                         (key, fp))
+            conn.executemany(
+                "INSERT INTO agents (provider_key, name, description, card, metadata) "
+                "VALUES (?,?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
+                "description=excluded.description, card=excluded.card, "
+                "metadata=excluded.metadata", rows)
+        await self.record.write(write)
+        for a in agents:
+            self.agents[(key, a["name"])] = {k: a.get(k) for k in
+                                             ("name", "description", "card", "metadata")}
+
+    def served_changed(self, key: str, dropped: set[str]) -> None:
+        now = trio.current_time()
+        session = self.sessions.get(key)
+        for name in list(session.agents) if session else ():
+            self.unserved.pop((key, name), None)
+        for name in dropped:
+            self.unserved[(key, name)] = now
+        self.wake(key)
+
+    def session_gone(self, session: ProviderSession) -> None:
+        key = session.key
+        if self.sessions.get(key) is session:
+            del self.sessions[key]
+        now = trio.current_time()
+        for name in session.agents:
+            if self.serving(key, name) is None:
+                self.unserved[(key, name)] = now
+        for offer in list(session.offers.values()):
+            offer.resolve(None)
+        session.offers.clear()
+        for lane in list(session.held.values()):
+            lane.tell(Gone())
+        self.wake(key)
+
+    # -- waiting lanes -----------------------------------------------------------
+
+    def wait(self, key: str, lane: "Lane") -> None:
+        self.waiters.setdefault(key, {})[id(lane)] = lane
+
+    def stop_waiting(self, key: str, lane: "Lane") -> None:
+        waiting = self.waiters.get(key)
+        if waiting is not None:
+            waiting.pop(id(lane), None)
+            if not waiting:
+                del self.waiters[key]
+
+    def wake(self, key: str, *, one: bool = False) -> None:
+        """Tell lanes waiting on this provider that something changed. A freed
+        place wakes the longest waiter; anything else wakes them all."""
+        waiting = self.waiters.get(key)
+        if not waiting:
+            return
+        if one:
+            lane = waiting.pop(next(iter(waiting)))
+            lane.tell(Wake())
+        else:
+            del self.waiters[key]
+            for lane in waiting.values():
+                lane.tell(Wake())
+
+    # -- quality -------------------------------------------------------------------
+
+    async def count(self, key: str, counter: str) -> None:
+        """Count a strike against a provider; at the allowance it is withdrawn."""
+        counts = self.counters.setdefault(key, dict.fromkeys(COUNTERS, 0))
+        counts[counter] += 1
+        value = counts[counter]
+        await self.record.write(lambda c: c.execute(
+            f"UPDATE providers SET {counter}=? WHERE key=?", (value, key)))
+        if value >= self.allowance:
+            self.withdraw(key, f"{counter} reached the allowance ({self.allowance})")
+
+    def withdraw(self, key: str, why: str) -> None:
+        session = self.sessions.get(key)
+        if session is not None and session.live:
+            log.warning("withdrawing provider %s: %s", session.fingerprint, why)
+            session.link.close(f"withdrawn: {why}")
+            session.detach()
+
+    async def thread_messages(self, key: str, thread_id: str,
+                              limit: int | None) -> list[dict[str, Any]]:
+        return await self.messages_of(key, thread_id, limit)
+
+
+NO_LIMIT = math.inf

@@ -1,0 +1,294 @@
+"""The record: everything funduq observed, in one SQLite file (WAL).
+
+SQLite calls block, so they run off the trio thread. Writes go through one
+writer task that gathers whatever writes are waiting into a single
+transaction (a group commit): a run's event is durable before anyone relays
+it, yet a thousand busy runs share one commit instead of paying one each --
+one transaction per event is what capped the original at ~24 runs/s.
+
+Status writes are guarded (``UPDATE ... WHERE status IN (legal sources)``,
+sources from ``protocol.statuses``) and report whether they moved the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+
+import trio
+
+from ..protocol import statuses
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS providers (
+    key TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    misdeclared INTEGER NOT NULL DEFAULT 0,
+    unanswered INTEGER NOT NULL DEFAULT 0,
+    abandoned INTEGER NOT NULL DEFAULT 0,
+    undelivered INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS providers_fingerprint ON providers (fingerprint);
+CREATE TABLE IF NOT EXISTS agents (
+    provider_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    card TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (provider_key, name)
+);
+CREATE TABLE IF NOT EXISTS threads (
+    id TEXT PRIMARY KEY,
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    segment_head TEXT,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    arrival INTEGER NOT NULL,
+    id TEXT PRIMARY KEY,
+    thread_id TEXT NOT NULL,
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    input TEXT NOT NULL,
+    caller_metadata TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    started_at REAL,
+    completed_at REAL
+);
+CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    event TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS messages (
+    thread_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    message_id TEXT NOT NULL,
+    run_id TEXT,
+    message TEXT NOT NULL,
+    PRIMARY KEY (thread_id, idx)
+) WITHOUT ROWID;
+"""
+
+COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+@dataclass
+class _Write:
+    fn: Callable[[sqlite3.Connection], Any]
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class RunRow:
+    """A run as the record holds it (what a restart reads back)."""
+
+    id: str
+    thread_id: str
+    provider_key: str
+    agent_name: str
+    status: str
+    input: dict[str, Any]
+    caller_metadata: dict[str, Any]
+    metadata: dict[str, Any]
+    arrival: int
+    next_seq: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Record:
+    """The SQLite record. Use ``async with open_record(path) as record``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pending: list[_Write] = []
+        self._batch_done = trio.Event()
+        self._wake = trio.Event()
+        self._readers = threading.local()
+        self._writer_conn: sqlite3.Connection | None = None
+        self.commits = 0  # group commits done (for benchmarks)
+        self.writes = 0
+
+    # -- connections -------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        return conn
+
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._readers, "conn", None)
+        if conn is None:
+            conn = self._readers.conn = self._connect()
+            self._readers.all = getattr(self._readers, "all", [])
+        return conn
+
+    def _open_sync(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = self._connect()
+        conn.executescript(SCHEMA)
+        self._writer_conn = conn
+
+    # -- writing -----------------------------------------------------------
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in the next group commit; return once it is durable."""
+        op = _Write(fn)
+        self._pending.append(op)
+        done = self._batch_done
+        self._wake.set()
+        await done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+    def _apply(self, ops: list[_Write]) -> None:
+        conn = self._writer_conn
+        assert conn is not None
+        conn.execute("BEGIN")
+        try:
+            for op in ops:
+                conn.execute("SAVEPOINT op")
+                try:
+                    op.result = op.fn(conn)
+                except Exception as exc:  # one bad write must not lose the others
+                    conn.execute("ROLLBACK TO op")
+                    op.error = exc
+                conn.execute("RELEASE op")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    async def _run_writer(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        self._wake = trio.Event()
+        ops, done = self._pending, self._batch_done
+        if not ops:
+            return
+        self._pending, self._batch_done = [], trio.Event()
+        try:
+            await trio.to_thread.run_sync(self._apply, ops)
+        except BaseException as exc:
+            for op in ops:
+                op.error = op.error or exc
+            raise
+        finally:
+            self.commits += 1
+            self.writes += len(ops)
+            done.set()
+
+    # -- reading -----------------------------------------------------------
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await trio.to_thread.run_sync(lambda: fn(self._reader()))
+
+    def read_now(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Blocking read on the trio thread: only for start-up, before serving."""
+        assert self._writer_conn is not None
+        return fn(self._writer_conn)
+
+    # -- the writes the broker makes -----------------------------------------
+
+    async def move(
+        self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
+        events: Iterable[tuple[int, dict[str, Any]]] = (), stamp: str | None = None,
+        run_input: dict[str, Any] | None = None, arrival: int | None = None,
+    ) -> bool:
+        """Guarded status write, with any events and metadata that go with it,
+        in one transaction. Returns False (and writes nothing) when the run is
+        not in a status the move starts from."""
+        src = tuple(statuses.sources(to))
+        sets, args = ["status=?"], [to]
+        if metadata is not None:
+            sets.append("metadata=?")
+            args.append(dumps(metadata))
+        if stamp is not None:
+            sets.append(f"{stamp}=?")
+            args.append(time.time())
+        if run_input is not None:
+            sets.append("input=?")
+            args.append(dumps(run_input))
+        if arrival is not None:
+            sets.append("arrival=?")
+            args.append(arrival)
+        sql = (f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
+               f"({','.join('?' * len(src))})")
+        rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
+
+        def apply(conn: sqlite3.Connection) -> bool:
+            moved = conn.execute(sql, (*args, run_id, *src)).rowcount == 1
+            if moved and rows:
+                conn.executemany("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", rows)
+            return moved
+
+        return await self.write(apply)
+
+    async def append_event(self, run_id: str, seq: int, event: dict[str, Any]) -> None:
+        row = (run_id, seq, dumps(event))
+        await self.write(
+            lambda c: c.execute("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", row)
+        )
+
+    async def bump_counter(self, provider_key: str, counter: str) -> int:
+        assert counter in COUNTERS
+
+        def apply(conn: sqlite3.Connection) -> int:
+            conn.execute(f"UPDATE providers SET {counter}={counter}+1 WHERE key=?", (provider_key,))
+            return conn.execute(
+                f"SELECT {counter} FROM providers WHERE key=?", (provider_key,)
+            ).fetchone()[0]
+
+        return await self.write(apply)
+
+
+@asynccontextmanager
+async def open_record(path: Path) -> AsyncIterator[Record]:
+    """Open the record and run its writer; on the way out, commit whatever
+    is still waiting before the file is closed."""
+    record = Record(path)
+    await trio.to_thread.run_sync(record._open_sync)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(record._run_writer)
+            try:
+                yield record
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await record._flush()
+            if record._writer_conn is not None:
+                record._writer_conn.close()

@@ -1,0 +1,87 @@
+"""AG-UI, as funduq reads it: which events are known, malformed or merely new,
+what a finished stream says, and the RUN_ERROR funduq writes when a run fails
+without saying so itself. I/O-free; event names come from ag-ui's EventType."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ag_ui.core import Event, EventType, RunAgentInput
+from pydantic import TypeAdapter, ValidationError
+
+from .reasons import INVALID_INPUT_PREFIX, MALFORMED_EVENT
+
+KNOWN_TYPES = frozenset(t.value for t in EventType)
+RUN_STARTED = EventType.RUN_STARTED.value
+RUN_FINISHED = EventType.RUN_FINISHED.value
+RUN_ERROR = EventType.RUN_ERROR.value
+
+MALFORMED = MALFORMED_EVENT
+
+_event = TypeAdapter(Event)
+
+
+class MalformedEvent(ValueError):
+    """A known event type that fails validation, or an event with no string type."""
+
+
+class InvalidInput(ValueError):
+    """A body that does not validate as RunAgentInput."""
+
+
+def read_event(raw: Any) -> dict[str, Any]:
+    """The event as funduq records and relays it.
+
+    A known type is validated and re-serialized the way ag-ui does (optional
+    fields without a value left out); an unknown type is newer AG-UI than
+    ours and passes untouched -- skipping it is the caller's call, not ours.
+    """
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise MalformedEvent("event has no string 'type'")
+    if raw["type"] not in KNOWN_TYPES:
+        return raw
+    try:
+        model = _event.validate_python(raw)
+    except ValidationError as exc:
+        raise MalformedEvent(_short(exc)) from None
+    return model.model_dump(mode="json", by_alias=True)
+
+
+def outcome_of(event: dict[str, Any]) -> str | None:
+    """For a RUN_FINISHED: its outcome type ('success' when absent); else None."""
+    if event.get("type") != RUN_FINISHED:
+        return None
+    outcome = event.get("outcome")
+    return outcome.get("type", "success") if isinstance(outcome, dict) else "success"
+
+
+def interrupts_of(event: dict[str, Any]) -> list[Any]:
+    """A RUN_FINISHED interrupt outcome's interrupts, verbatim (expiresAt included)."""
+    return list((event.get("outcome") or {}).get("interrupts") or [])
+
+
+def run_error(reason: str) -> dict[str, Any]:
+    """The RUN_ERROR funduq writes for a run that failed without reporting one."""
+    return {"type": RUN_ERROR, "message": reason, "code": reason}
+
+
+def run_started(thread_id: str, run_id: str) -> dict[str, Any]:
+    return {"type": RUN_STARTED, "threadId": thread_id, "runId": run_id}
+
+
+def read_run_input(raw: Any) -> dict[str, Any]:
+    """Validate a RunAgentInput; return it in wire form (camelCase, no nulls)."""
+    try:
+        model = RunAgentInput.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidInput(INVALID_INPUT_PREFIX + _short(exc)) from None
+    return model.model_dump(mode="json", by_alias=True)
+
+
+def _short(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    more = len(exc.errors()) - 3
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")

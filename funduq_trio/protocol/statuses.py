@@ -1,0 +1,75 @@
+"""The run status table: the one place funduq's legal status moves are written.
+
+Theory of operation
+-------------------
+A run's status is an *observation*, never an intention: funduq writes a status
+only once it has seen the thing the status names (an offer leaving, an answer
+arriving, a stream ending). Every write is guarded: it names the statuses it
+may come from, and a run found anywhere else is left untouched (in SQL,
+``UPDATE ... WHERE status IN (...)``). The guard is why two parties racing to
+settle one run cannot both win.
+
+Everything else about statuses -- which are active, which are terminal, which
+still wait in a thread's queue -- is derived from the table below, so adding a
+status or a move is a one-line change here and nowhere else.
+
+    queued ──offer leaves──▶ offering ──accepted──▶ running ──cancel──▶ cancelling
+      ▲                        │                     │  │                 │  │
+      └──declined/unanswered───┘                     │  └─stream ends─────┘  │
+      └──pause answered── input-required ◀──interrupt┘   (the funnel)        │
+                                                       completed / cancelled / failed
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+QUEUED: Final = "queued"
+OFFERING: Final = "offering"
+RUNNING: Final = "running"
+CANCELLING: Final = "cancelling"
+INPUT_REQUIRED: Final = "input-required"
+COMPLETED: Final = "completed"
+FAILED: Final = "failed"
+CANCELLED: Final = "cancelled"
+
+#: to-status -> the statuses a run may be in for the move to apply.
+MOVES: Final[dict[str, frozenset[str]]] = {
+    OFFERING: frozenset({QUEUED}),
+    RUNNING: frozenset({OFFERING}),
+    QUEUED: frozenset({OFFERING, INPUT_REQUIRED}),
+    CANCELLING: frozenset({RUNNING}),
+    INPUT_REQUIRED: frozenset({RUNNING, CANCELLING}),
+    COMPLETED: frozenset({RUNNING, CANCELLING}),
+    CANCELLED: frozenset({QUEUED, OFFERING, CANCELLING}),
+    FAILED: frozenset({QUEUED, OFFERING, RUNNING, CANCELLING}),
+}
+
+ALL: Final = frozenset(MOVES) | frozenset().union(*MOVES.values())
+#: A terminal status is one nothing moves out of.
+TERMINAL: Final = frozenset(s for s in ALL if not any(s in src for src in MOVES.values()))
+ACTIVE: Final = ALL - TERMINAL
+#: Pending: still in its thread's queue (nobody has accepted it yet).
+PENDING: Final = MOVES[OFFERING] | MOVES[RUNNING]
+#: Held: a provider has it -- exactly the statuses a run can complete from.
+HELD: Final = MOVES[COMPLETED]
+#: Runs a restart cannot honestly resume: their provider's link died with us.
+ORPHANED_BY_RESTART: Final = frozenset({OFFERING}) | HELD
+
+
+def may_move(current: str, to: str) -> bool:
+    """True when a run in ``current`` may be written ``to``."""
+    return current in MOVES[to]
+
+
+def sources(to: str) -> frozenset[str]:
+    """The from-statuses a guarded write to ``to`` names."""
+    return MOVES[to]
+
+
+class IllegalMove(Exception):
+    """A guarded write found the run somewhere the move does not start from."""
+
+    def __init__(self, run_id: str, found: str | None, to: str) -> None:
+        super().__init__(f"run {run_id}: cannot move {found!r} -> {to!r}")
+        self.run_id, self.found, self.to = run_id, found, to
