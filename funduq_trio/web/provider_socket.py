@@ -1,0 +1,223 @@
+"""`WS /ws/provider`: the thin trio shell over `protocol/link.py`.
+
+One connection is one `ProviderSocket`. Its reader loop feeds each message to
+the link's state machine and performs the actions it answers; a writer task
+drains a memory channel onto the socket, so the broker's side of the port
+(`send_offer`, `send_cancel`, `close`) only queues and never blocks. Every
+rule of the link (handshake, ids, violations, size limit) lives in the
+machine; this module only does I/O.
+
+Mounting: `mount_provider_socket(app, funduq)` (or
+`register_provider_socket(app, lambda: funduq)` where the facade is found
+later) adds the route to a quart-trio app.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from quart import websocket
+
+from funduq_trio.identity import new_nonce
+from funduq_trio.protocol import link as L
+from funduq_trio.protocol.frames import encode_frame
+
+__all__ = ["OUTBOX_FRAMES", "ProviderSocket", "mount_provider_socket", "register_provider_socket"]
+
+log = logging.getLogger("funduq_trio.provider_socket")
+
+#: Frames queued for one provider and not yet written. A provider that stops
+#: reading while funduq keeps queueing past this is closed (1008), so a stuck
+#: peer cannot grow the server's memory without bound.
+OUTBOX_FRAMES = 10_000
+_CLOSE_REASON_BYTES = 123  # RFC 6455: a close reason fits in 123 bytes
+
+
+def _close_reason(reason: str) -> str:
+    data = reason.encode("utf-8")
+    if len(data) <= _CLOSE_REASON_BYTES:
+        return reason
+    return data[: _CLOSE_REASON_BYTES - 3].decode("utf-8", "ignore") + "..."
+
+
+class ProviderSocket:
+    """One provider connection; implements the broker's `ProviderLink` port."""
+
+    def __init__(self, ws: Any, funduq: Any) -> None:
+        settings = funduq.settings
+        self._ws = ws
+        self._funduq = funduq
+        self.machine = L.LinkMachine(
+            funduq.identity,
+            new_nonce(),
+            allowed_keys=settings.provider_keys,
+            max_frame_bytes=settings.max_frame_bytes,
+        )
+        self._out_send, self._out_receive = trio.open_memory_channel[Any](OUTBOX_FRAMES)
+        self._session: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._close: L.Close | None = None  # how this side closes the socket
+
+    # -- the broker's port (ProviderLink): never blocks ------------------------
+
+    def send_offer(self, offer_id: str, run: dict[str, Any]) -> None:
+        self._perform(self.machine.offer(offer_id, run))
+
+    def send_cancel(self, run_id: str) -> None:
+        self._perform(self.machine.cancel(run_id))
+
+    def close(self, reason: str) -> None:
+        self._perform(self.machine.close(reason))
+
+    # -- performing the machine's actions -------------------------------------
+
+    def _perform(self, actions: list[L.Action]) -> list[L.Action]:
+        """Do the actions that need no waiting, in order; return the ones that
+        do (Register, QueryThreadMessages) for the reader loop."""
+        waiting: list[L.Action] = []
+        for action in actions:
+            if isinstance(action, L.Send):
+                self._queue(action.frame)
+            elif isinstance(action, L.Report):
+                if self._session is not None and not self._session.report(
+                    action.run_id, action.event
+                ):
+                    log.info(
+                        "provider %s reported for run %s, which it does not hold: ignored",
+                        self.machine.public_key,
+                        action.run_id,
+                    )
+            elif isinstance(action, L.Finish):
+                if self._session is not None and not self._session.finish(action.run_id):
+                    log.info(
+                        "provider %s finished run %s, which it does not hold: ignored",
+                        self.machine.public_key,
+                        action.run_id,
+                    )
+            elif isinstance(action, L.Answer):
+                if self._session is not None:
+                    self._session.answer(action.offer_id, action.verdict, action.reason)
+            elif isinstance(action, L.Attach):
+                self._session = self._funduq.attach_provider(
+                    action.public_key, action.max_concurrent_runs, self
+                )
+            elif isinstance(action, L.Detach):
+                if self._session is not None:
+                    self._session.detach()
+            elif isinstance(action, L.Close):
+                self._begin_close(action)
+            else:
+                waiting.append(action)
+        return waiting
+
+    def _queue(self, frame: Any) -> None:
+        if self._close is not None:
+            return
+        try:
+            self._out_send.send_nowait(frame)
+        except trio.WouldBlock:
+            log.warning("provider %s is not reading its frames: closing", self.machine.public_key)
+            self._perform(self.machine.close("provider is not reading its frames"))
+            # The outbox is full, so the close cannot queue behind it: stop now.
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def _begin_close(self, close: L.Close) -> None:
+        if self._close is not None:
+            return
+        try:
+            # Behind whatever is already queued (a connect.err goes out first).
+            self._out_send.send_nowait(close)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            if self._nursery is not None:
+                self._nursery.cancel_scope.cancel()
+        self._close = close
+
+    # -- the connection's tasks -------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the connection until either side closes it."""
+        await self._ws.accept()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer)
+                self._perform([self.machine.hello()])
+                await self._reader(nursery)
+                nursery.cancel_scope.cancel()
+            if self._close is not None:
+                with trio.move_on_after(5):
+                    await self._ws.close(self._close.code, _close_reason(self._close.reason))
+        except Exception:
+            log.exception("provider link failed")
+            raise
+        finally:
+            self._perform(self.machine.connection_lost())
+            log.info(
+                "provider link %s closed: %s", self.machine.public_key, self.machine.close_reason
+            )
+
+    async def _writer(self) -> None:
+        nursery = self._nursery
+        assert nursery is not None
+        try:
+            async for item in self._out_receive:
+                if isinstance(item, L.Close):
+                    break
+                await self._ws.send(encode_frame(item))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            log.info("provider link write failed: %r", exc)
+        nursery.cancel_scope.cancel()
+
+    async def _reader(self, nursery: trio.Nursery) -> None:
+        while self.machine.state is not L.State.CLOSED:
+            message = await self._ws.receive()
+            for action in self._perform(self.machine.receive(message)):
+                if isinstance(action, L.Register):
+                    await self._register(action)
+                elif isinstance(action, L.QueryThreadMessages):
+                    nursery.start_soon(self._query, action)
+        # Closing: the writer sends what is queued, then the close.
+        await trio.sleep_forever()
+
+    async def _register(self, action: L.Register) -> None:
+        error: str | None = None
+        try:
+            await self._session.register(action.agents)
+        except Exception as exc:
+            log.exception("register from provider %s failed", self.machine.public_key)
+            error = f"funduq could not register these agents: {exc}"
+        self._perform(self.machine.register_done(action.request_id, error))
+
+    async def _query(self, action: L.QueryThreadMessages) -> None:
+        try:
+            messages = await self._session.thread_messages(action.thread_id, action.limit)
+        except Exception as exc:  # noqa: BLE001 - any failure is answered, not fatal
+            log.info("query.threadMessages from %s failed: %r", self.machine.public_key, exc)
+            self._perform(self.machine.query_done(action.request_id, error=str(exc) or repr(exc)))
+            return
+        self._perform(self.machine.query_done(action.request_id, messages))
+
+
+async def serve_provider_link(ws: Any, funduq: Any) -> None:
+    """Serve one accepted-or-not websocket as a provider link."""
+    await ProviderSocket(ws, funduq).run()
+
+
+def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None:
+    """Add `WS /ws/provider` to a quart-trio app; `funduq_getter()` returns the
+    `Funduq` facade when a connection arrives."""
+
+    @app.websocket("/ws/provider")
+    async def provider_socket() -> None:
+        await serve_provider_link(websocket._get_current_object(), funduq_getter())
+
+
+def mount_provider_socket(app: Any, funduq: Any) -> None:
+    """Add `WS /ws/provider`, served by this facade."""
+    register_provider_socket(app, lambda: funduq)
