@@ -69,8 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the example provider (see `funduq-trio provider --help`)",
         add_help=False,
     )
-    call = sub.add_parser("call", help="send one message over A2A and print the reply")
-    call.add_argument("--url", required=True, help="the agent's A2A URL: http://HOST:PORT/a2a/PROVIDER/AGENT")
+    call = sub.add_parser(
+        "call",
+        help="send one message over A2A and print the reply",
+        description="Send one message with a2a-sdk's client and print the reply's text. "
+        "Either --url is the agent's A2A URL (http://HOST:PORT/a2a/PROVIDER/AGENT), or "
+        "--url is the server (http://HOST:PORT) and --agent names an online agent.",
+    )
+    call.add_argument("--url", required=True, help="the agent's A2A URL, or the server's with --agent")
+    call.add_argument("--agent", default=None, help="look the agent up by name in GET /agents")
     call.add_argument("--context-id", default=None, help="continue this thread (A2A contextId)")
     call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")
     call.add_argument("text", help="the message text")
@@ -93,6 +100,27 @@ def settings_from_args(args: argparse.Namespace, env: Any = None) -> Settings:
     if problems:
         raise ValueError("; ".join(problems))
     return settings
+
+
+def agent_url(server: str, name: str) -> str:
+    """The A2A URL of the one online agent called `name` on the server at `server`."""
+    import httpx
+
+    server = server.rstrip("/")
+    try:
+        response = httpx.get(f"{server}/agents", timeout=30)
+        response.raise_for_status()
+        roster = response.json()["agents"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot read {server}/agents: {exc}") from None
+    online = [a for a in roster if a.get("name") == name and a.get("online")]
+    if not online:
+        raise ValueError(f"no online agent named {name!r} at {server} (see {server}/agents)")
+    if len(online) > 1:
+        providers = ", ".join(a["fingerprint"] for a in online)
+        raise ValueError(f"{len(online)} providers serve {name!r} ({providers}); pass the full "
+                         f"--url {server}/a2a/PROVIDER/{name}")
+    return f"{server}/a2a/{online[0]['fingerprint']}/{name}"
 
 
 def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True) -> int:
@@ -176,7 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         run_server(settings)
         return 0
     if args.command == "call":
-        return call(args.url, args.text, context_id=args.context_id, stream=not args.no_stream)
+        url = args.url
+        if args.agent is not None:
+            try:
+                url = agent_url(args.url, args.agent)
+            except (ValueError, OSError) as exc:
+                print(f"{PROG} call: error: {exc}", file=sys.stderr)
+                return 1
+        return call(url, args.text, context_id=args.context_id, stream=not args.no_stream)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
