@@ -61,8 +61,18 @@ class ThreadInfo:
     message_count: int
 
 
+_entropy = bytearray()
+
+
 def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
+    """``prefix_`` + 24 random hex digits. Ids are unguessable but never
+    credentials; entropy is drawn from the OS in blocks, not per id."""
+    global _entropy
+    if len(_entropy) < 12:
+        _entropy = bytearray(secrets.token_bytes(4096))
+    chunk = _entropy[:12]
+    del _entropy[:12]
+    return f"{prefix}_{chunk.hex()}"
 
 
 class Funduq:
@@ -137,7 +147,7 @@ class Funduq:
             metadata["failureReason"] = reasons.ORPHANED_BY_RESTART
             events = [] if reported else [(last_seq + 1, agui.run_error(reasons.ORPHANED_BY_RESTART))]
             await self.record.move(run_id, st.FAILED, metadata=metadata, events=events,
-                                   stamp="completed_at")
+                                   stamp=("completed_at", time.time()))
         for row in queued:
             self._start_lane(_run_row(row), arriving=False)
         if orphans or queued:
@@ -239,7 +249,8 @@ class Funduq:
             self._arrival += 1
             row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
                    "status": st.QUEUED, "input": run_input, "caller_metadata": metadata,
-                   "metadata": {}, "next_seq": 1, "arrival": self._arrival}
+                   "metadata": {}, "next_seq": 1, "arrival": self._arrival,
+                   "created_at": time.time()}
             await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
         finally:
             self._reserved[tid] -= 1
@@ -278,12 +289,13 @@ class Funduq:
             info.message_count += 1
         return rows
 
-    async def _record_replies(self, lane: Lane) -> None:
-        """Append the assistant's replies of a run to its thread's history."""
+    def _replies_writer(self, lane: Lane) -> Any:
+        """The write that appends a run's assistant replies to its thread's
+        history, done in the same transaction as the run's settling."""
+        info = self._thread_info.get(lane.thread_id)
         replies = lane.replies()
-        info = await self._thread(lane.thread_id)
         if not replies or info is None:
-            return
+            return None
         rows = []
         for message in replies:
             if message["id"] in info.message_ids:
@@ -291,8 +303,7 @@ class Funduq:
             rows.append((info.id, info.message_count, message["id"], lane.run_id, dumps(message)))
             info.message_ids.add(message["id"])
             info.message_count += 1
-        if rows:
-            await self.record.write(lambda c: c.executemany(_INSERT_MESSAGE, rows))
+        return lambda conn: conn.executemany(_INSERT_MESSAGE, rows)
 
     async def follow(self, run_id: str, after_seq: int = 0
                      ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
@@ -323,6 +334,9 @@ class Funduq:
         lane = self.lanes.get(run_id)
         if lane is not None:
             await lane.done.wait()
+            run = lane.snapshot()
+            if run is not None:
+                return run
         run = await self.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
@@ -525,15 +539,17 @@ class Funduq:
 # -- SQL helpers -----------------------------------------------------------------------
 
 _RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
-                "metadata, arrival, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events e "
+                "metadata, arrival, created_at, started_at, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events e "
                 "WHERE e.run_id = r.id)")
 _INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
                    "VALUES (?,?,?,?,?)")
 
 
 def _run_row(row: Any) -> dict[str, Any]:
-    rid, tid, key, agent, status, run_input, caller, metadata, arrival, next_seq = row
+    rid, tid, key, agent, status, run_input, caller, metadata, arrival, created, started, \
+        next_seq = row
     return {"id": rid, "thread_id": tid, "provider_key": key, "agent_name": agent,
+            "created_at": created, "started_at": started,
             "status": status, "input": json.loads(run_input),
             "caller_metadata": json.loads(caller), "metadata": json.loads(metadata),
             "arrival": arrival, "next_seq": next_seq}
@@ -556,7 +572,7 @@ def _insert_run(conn: Any, row: dict[str, Any], new_thread: tuple[Any, ...] | No
         "caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
         (row["arrival"], row["id"], row["thread_id"], row["provider_key"], row["agent_name"],
          row["status"], dumps(row["input"]), dumps(row["caller_metadata"]),
-         dumps(row["metadata"]), time.time()))
+         dumps(row["metadata"]), row["created_at"]))
     if messages:
         conn.executemany(_INSERT_MESSAGE, messages)
 

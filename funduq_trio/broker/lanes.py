@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +41,15 @@ from ..protocol import statuses as st
 from ..protocol import reasons
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
 from .providers import ACCEPTED, DECLINED, REFUSED, ProviderSession
+from .record import iso
 
 if TYPE_CHECKING:
     from .funduq import Funduq
 
 log = logging.getLogger("funduq.lanes")
+
+#: At most this many queued reports share one write.
+REPORT_BURST = 256
 
 
 class Feed:
@@ -135,6 +140,8 @@ class Lane:
         self.caller_metadata: dict[str, Any] = row["caller_metadata"]
         self.metadata: dict[str, Any] = row["metadata"]
         self.next_seq: int = row["next_seq"]
+        self.stamps: dict[str, float | None] = {
+            k: row.get(k) for k in ("created_at", "started_at", "completed_at")}
         self.arriving = arriving
         self.feed = Feed(self.next_seq)
         self.done = trio.Event()
@@ -146,6 +153,7 @@ class Lane:
         self._cancel_requested = False
         self._texts: dict[str, dict[str, Any]] = {}
         self._session: ProviderSession | None = None
+        self._backlog: deque[Message] = deque()
 
     # -- the inbox ---------------------------------------------------------------
 
@@ -157,9 +165,26 @@ class Lane:
                 message.seen.set()
 
     async def _receive(self, deadline: float = math.inf) -> Message | None:
+        if self._backlog:
+            return self._backlog.popleft()
         with trio.move_on_at(deadline):
             return await self._inbox.receive()
         return None
+
+    def _more_reports(self, first: Report) -> list[Any]:
+        """The report just read plus any that queue right behind it, so one
+        group commit carries a burst (a message that is not a report waits)."""
+        raws = [first.event]
+        while len(raws) < REPORT_BURST and not self._backlog:
+            try:
+                message = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if isinstance(message, Report):
+                raws.append(message.event)
+            else:
+                self._backlog.append(message)
+        return raws
 
     # -- the task ----------------------------------------------------------------
 
@@ -183,7 +208,8 @@ class Lane:
             self.f._lane_ended(self)
 
     def _drain(self) -> list[Message]:
-        out = []
+        out = list(self._backlog)
+        self._backlog.clear()
         while True:
             try:
                 out.append(self._inbox.receive_nowait())
@@ -257,8 +283,9 @@ class Lane:
         session.withdraw(offer)
         verdict, reason = offer.verdict, offer.reason
         if verdict == ACCEPTED:
-            if not await self._move(st.RUNNING, stamp="started_at"):
-                return "settled"
+            # Not awaited: the record's writer is first-in first-out, so every
+            # event persisted (and relayed) later lands after this status.
+            await self._move(st.RUNNING, stamp="started_at", wait=False)
             self.thread.leave(self)
             self._session = session
             return "accepted"
@@ -292,7 +319,7 @@ class Lane:
                 await self.f.providers.count(self.key, "undelivered")
                 continue
             if isinstance(message, Report):
-                if not await self._relay(message.event, session):
+                if not await self._relay(self._more_reports(message), session):
                     return
             elif isinstance(message, Finish):
                 await self._funnel(session)
@@ -310,22 +337,28 @@ class Lane:
                 await self.f.providers.count(self.key, "abandoned")
                 return
 
-    async def _relay(self, raw: Any, session: ProviderSession) -> bool:
-        try:
-            event = agui.read_event(raw)
-        except agui.MalformedEvent as exc:
-            log.info("run %s: malformed event from provider: %s", self.run_id, exc)
-            session.cancel(self.run_id)  # please stop: the run is over for us
-            session.release(self.run_id)
-            await self._settle(st.FAILED, agui.MALFORMED)
-            return False
-        kind = event["type"]
-        if kind == agui.RUN_FINISHED:
-            self._finished = event
-        elif kind == agui.RUN_ERROR:
-            self._reported_error = True
-        self._note_text(event)
-        await self._append(event)
+    async def _relay(self, raws: list[Any], session: ProviderSession) -> bool:
+        """Validate, persist, then relay a burst of reported events. A
+        malformed one fails the run; the valid ones before it are kept."""
+        events = []
+        for raw in raws:
+            try:
+                event = agui.read_event(raw)
+            except agui.MalformedEvent as exc:
+                log.info("run %s: malformed event from provider: %s", self.run_id, exc)
+                await self._append(events)
+                session.cancel(self.run_id)  # please stop: the run is over for us
+                session.release(self.run_id)
+                await self._settle(st.FAILED, agui.MALFORMED)
+                return False
+            kind = event["type"]
+            if kind == agui.RUN_FINISHED:
+                self._finished = event
+            elif kind == agui.RUN_ERROR:
+                self._reported_error = True
+            self._note_text(event)
+            events.append(event)
+        await self._append(events)
         return True
 
     async def _funnel(self, session: ProviderSession) -> None:
@@ -334,8 +367,8 @@ class Lane:
         outcome = agui.outcome_of(self._finished) if self._finished else None
         if outcome == "interrupt":
             self.metadata["interrupts"] = agui.interrupts_of(self._finished)
-            await self._move(st.INPUT_REQUIRED, stamp="completed_at")
-            await self.f._record_replies(self)
+            await self._move(st.INPUT_REQUIRED, stamp="completed_at",
+                             then=self.f._replies_writer(self))
         elif outcome == "cancelled" and self._cancel_requested:
             # AG-UI 1.0's own word that the run stopped as asked.
             await self._settle(st.CANCELLED)
@@ -348,21 +381,39 @@ class Lane:
 
     # -- writing -------------------------------------------------------------------
 
-    async def _append(self, event: dict[str, Any]) -> None:
-        seq = self.next_seq
-        self.next_seq += 1
-        await self.f.record.append_event(self.run_id, seq, event)
-        self.feed.publish(seq, event)
+    async def _append(self, events: list[dict[str, Any]]) -> None:
+        if not events:
+            return
+        numbered = list(enumerate(events, start=self.next_seq))
+        self.next_seq += len(events)
+        await self.f.record.append_events(self.run_id, numbered)
+        for seq, event in numbered:
+            self.feed.publish(seq, event)
 
     async def _move(self, to: str, *, stamp: str | None = None,
-                    events: list[tuple[int, dict[str, Any]]] = ()) -> bool:
-        moved = await self.f.record.move(self.run_id, to, metadata=self.metadata,
-                                         events=events, stamp=stamp)
+                    events: list[tuple[int, dict[str, Any]]] = (), then: Any = None,
+                    wait: bool = True) -> bool:
+        when = time.time()
+        moved = await self.f.record.move(self.run_id, to, metadata=self.metadata, events=events,
+                                         stamp=stamp and (stamp, when), then=then, wait=wait)
         if moved:
             self.status = to
-        else:
-            log.error("run %s: guarded write %s -> %s refused", self.run_id, self.status, to)
+            if stamp:
+                self.stamps[stamp] = when
         return moved
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """The run's record as the lane knows it, when the lane saw all of its
+        events (a run reopened after a pause did not); the same shape as
+        ``Funduq.get_run``."""
+        if self.feed.first_seq != 1:
+            return None
+        return {"runId": self.run_id, "threadId": self.thread_id,
+                "agent": {"provider": self.key, "name": self.agent}, "status": self.status,
+                "metadata": self.metadata, "createdAt": iso(self.stamps.get("created_at")),
+                "startedAt": iso(self.stamps.get("started_at")),
+                "completedAt": iso(self.stamps.get("completed_at")),
+                "events": [{"seq": seq, "event": event} for seq, event in self.feed.events]}
 
     async def _settle(self, to: str, reason: str | None = None) -> None:
         """Write a terminal status; a failure nobody reported gets a RUN_ERROR."""
@@ -372,10 +423,10 @@ class Lane:
             if not self._reported_error:
                 events.append((self.next_seq, agui.run_error(reason)))
                 self.next_seq += 1
-        if await self._move(to, stamp="completed_at", events=events):
+        if await self._move(to, stamp="completed_at", events=events,
+                            then=self.f._replies_writer(self)):
             for seq, event in events:
                 self.feed.publish(seq, event)
-            await self.f._record_replies(self)
 
     def _note_cancel(self, by: str | None) -> None:
         self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by

@@ -13,6 +13,7 @@ sources from ``protocol.statuses``) and report whether they moved the run.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -26,6 +27,7 @@ import trio
 from ..protocol import statuses
 
 T = TypeVar("T")
+log = logging.getLogger("funduq.record")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS providers (
@@ -169,23 +171,36 @@ class Record:
             raise op.error
         return op.result
 
+    def write_soon(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
+        """Queue ``fn`` for the next group commit without waiting for it. The
+        writer is first-in first-out, so anything written (and awaited) after
+        it is durable only once this is too."""
+        self._pending.append(_Write(fn))
+        self._wake.set()
+
     def _apply(self, ops: list[_Write]) -> None:
+        """One transaction for the whole batch. Should any write fail, the
+        batch is rolled back and replayed one write per transaction, so one
+        bad write never takes the others with it."""
         conn = self._writer_conn
         assert conn is not None
-        conn.execute("BEGIN")
         try:
+            conn.execute("BEGIN")
             for op in ops:
-                conn.execute("SAVEPOINT op")
-                try:
-                    op.result = op.fn(conn)
-                except Exception as exc:  # one bad write must not lose the others
-                    conn.execute("ROLLBACK TO op")
-                    op.error = exc
-                conn.execute("RELEASE op")
+                op.result = op.fn(conn)
             conn.execute("COMMIT")
-        except BaseException:
+            return
+        except Exception:  # noqa: BLE001 -- replayed below, one by one
             conn.execute("ROLLBACK")
-            raise
+        for op in ops:
+            try:
+                conn.execute("BEGIN")
+                op.result = op.fn(conn)
+                conn.execute("COMMIT")
+            except Exception as exc:  # noqa: BLE001 -- reported to that write's caller
+                conn.execute("ROLLBACK")
+                op.error = exc
+                log.warning("write failed: %s", exc)
 
     async def _run_writer(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -224,20 +239,24 @@ class Record:
 
     async def move(
         self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
-        events: Iterable[tuple[int, dict[str, Any]]] = (), stamp: str | None = None,
+        events: Iterable[tuple[int, dict[str, Any]]] = (),
+        stamp: tuple[str, float] | None = None,
         run_input: dict[str, Any] | None = None, arrival: int | None = None,
+        then: Callable[[sqlite3.Connection], Any] | None = None, wait: bool = True,
     ) -> bool:
         """Guarded status write, with any events and metadata that go with it,
-        in one transaction. Returns False (and writes nothing) when the run is
-        not in a status the move starts from."""
+        in one transaction, and ``then`` after it when it moved. Returns False
+        (and writes nothing) when the run is not in a status the move starts
+        from. ``wait=False`` queues it without waiting (first-in first-out)."""
         src = tuple(statuses.sources(to))
         sets, args = ["status=?"], [to]
         if metadata is not None:
             sets.append("metadata=?")
             args.append(dumps(metadata))
         if stamp is not None:
-            sets.append(f"{stamp}=?")
-            args.append(time.time())
+            column, when = stamp
+            sets.append(f"{column}=?")
+            args.append(when)
         if run_input is not None:
             sets.append("input=?")
             args.append(dumps(run_input))
@@ -252,14 +271,21 @@ class Record:
             moved = conn.execute(sql, (*args, run_id, *src)).rowcount == 1
             if moved and rows:
                 conn.executemany("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", rows)
+            if moved and then is not None:
+                then(conn)
+            if not moved:
+                log.error("run %s: guarded write to %r refused", run_id, to)
             return moved
 
+        if not wait:
+            self.write_soon(apply)
+            return True
         return await self.write(apply)
 
-    async def append_event(self, run_id: str, seq: int, event: dict[str, Any]) -> None:
-        row = (run_id, seq, dumps(event))
+    async def append_events(self, run_id: str, events: list[tuple[int, dict[str, Any]]]) -> None:
+        rows = [(run_id, seq, dumps(event)) for seq, event in events]
         await self.write(
-            lambda c: c.execute("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", row)
+            lambda c: c.executemany("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", rows)
         )
 
     async def bump_counter(self, provider_key: str, counter: str) -> int:

@@ -4,6 +4,7 @@ without saying so itself. I/O-free; event names come from ag-ui's EventType."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ag_ui.core import Event, EventType, RunAgentInput
@@ -44,7 +45,19 @@ def read_event(raw: Any) -> dict[str, Any]:
         model = _event.validate_python(raw)
     except ValidationError as exc:
         raise MalformedEvent(_short(exc)) from None
-    return model.model_dump(mode="json", by_alias=True)
+    # Relay it as produced, less the optional fields it sent as null (ag-ui's
+    # own serializer leaves those out; a meaningful null stays).
+    omittable = _omittable(type(model))
+    return {k: v for k, v in raw.items() if v is not None or k not in omittable}
+
+
+@functools.cache
+def _omittable(model: type) -> frozenset[str]:
+    names: set[str] = set()
+    for name, f in model.model_fields.items():
+        if not f.is_required() and f.default is None:
+            names.update(n for n in (name, f.alias) if n)
+    return frozenset(names)
 
 
 def outcome_of(event: dict[str, Any]) -> str | None:
