@@ -1,0 +1,132 @@
+"""`funduq-trio provider`: run the example provider built on the SDK.
+
+    funduq-trio provider --url ws://127.0.0.1:8000/ws/provider \
+        --key-file provider.key --agent echo [--max-concurrent N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from funduq_trio.identity import Identity, IdentityFileError
+
+from .echo import make_echo
+from .runtime import Backoff, ConnectRejected, FunduqKeyMismatch, Provider, RegisterRejected
+
+__all__ = ["build_provider_parser", "run_provider_cli"]
+
+PROG = "funduq-trio provider"
+
+
+def _agents(args: argparse.Namespace) -> dict[str, Callable[..., Any]]:
+    return {"echo": make_echo(args.echo_deltas, delay=args.echo_delay)}
+
+
+def build_provider_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run the example provider: connect out to funduq, publish the chosen "
+        "agents, serve their runs; reconnect when the link drops.",
+    )
+    parser.add_argument(
+        "--url",
+        default="ws://127.0.0.1:8000/ws/provider",
+        help="funduq's provider link (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--key-file",
+        default="provider.key",
+        help="the provider's Ed25519 key (hex); created if absent (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--agent",
+        action="append",
+        choices=["echo"],
+        help="an agent to serve (repeatable; default: echo)",
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        metavar="N",
+        help="runs held at once (default: unlimited)",
+    )
+    parser.add_argument(
+        "--funduq-key",
+        default=None,
+        metavar="HEX",
+        help="pin funduq's public key: refuse a funduq that cannot prove it holds it",
+    )
+    parser.add_argument(
+        "--echo-deltas",
+        type=int,
+        default=3,
+        metavar="N",
+        help="TEXT_MESSAGE_CONTENT events per echo run (events per run = N + 4)",
+    )
+    parser.add_argument(
+        "--echo-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="pause before each echo delta (default: none)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the link's doings")
+    return parser
+
+
+def run_provider_cli(argv: list[str] | None = None) -> int:
+    """The `funduq-trio provider` command. Returns the process exit status."""
+    parser = build_provider_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.max_concurrent is not None and args.max_concurrent < 0:
+        parser.error("--max-concurrent is a count (>= 0)")
+    if args.echo_deltas < 1:
+        parser.error("--echo-deltas is at least 1")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        identity = Identity.load_or_create(args.key_file)
+    except (IdentityFileError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    provider = Provider(
+        identity,
+        args.url,
+        funduq_key=args.funduq_key,
+        max_concurrent_runs=args.max_concurrent,
+        backoff=Backoff(),
+    )
+    chosen = _agents(args)
+    for name in args.agent or ["echo"]:
+        provider.add_agent(chosen[name], name=name)
+    print(
+        f"{PROG}: key {identity.public_key_hex} (fingerprint {identity.fingerprint}); "
+        f"serving {', '.join(provider.agents)} at {args.url}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    status = 0
+
+    async def main() -> None:
+        nonlocal status
+        try:
+            await provider.run()
+        except (ConnectRejected, FunduqKeyMismatch, RegisterRejected) as exc:
+            print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 1
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    return status

@@ -1,0 +1,599 @@
+"""The provider runtime: serve agents over the provider link.
+
+An agent is an async generator of AG-UI events::
+
+    async def echo(run_input: RunAgentInput) -> AsyncIterator[Event]: ...
+    async def chatty(run_input: RunAgentInput, ctx: RunContext) -> AsyncIterator[Event]: ...
+
+(the second form also gets the run's context: ids, offer metadata, whether a
+cancel was asked for, and `await ctx.thread_messages(limit)`). Events may be
+ag-ui-protocol models or plain JSON dicts.
+
+`Provider` connects out to funduq, proves its key, optionally checks funduq's
+key against a pinned one, publishes its agents and then:
+
+* answers every offer at once, from what it already knows, never awaiting an
+  agent: `refused` for an agent it does not serve or an input that does not
+  validate as RunAgentInput, `declined` when it already holds
+  `max_concurrent_runs` runs, otherwise `accepted`;
+* runs each accepted run in its own task, reporting each event with a 1-based
+  per-run `seq`, and always sending `finish` at the end, whether the agent
+  returned, raised (a RUN_ERROR is reported first) or was cancelled;
+* cancels a run's task when a `cancel` frame names it;
+* reconnects with exponential backoff when the link drops. Runs held on a
+  dropped link are cancelled: funduq has already failed them
+  (`provider_left_holding_it`) and would ignore anything more about them.
+
+This package imports only trio, trio-websocket, pydantic, ag-ui-protocol,
+cryptography, `funduq_trio.protocol.frames` and `funduq_trio.identity`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import itertools
+import logging
+import math
+import random
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from ag_ui.core import RunAgentInput, RunErrorEvent
+from pydantic import BaseModel, ValidationError
+
+from funduq_trio.identity import (
+    Identity,
+    funduq_connect_payload,
+    new_nonce,
+    provider_connect_payload,
+    verify,
+)
+from funduq_trio.protocol import frames as f
+
+from .transport import Connection, Connector, LinkLost, websocket_connector
+
+__all__ = [
+    "Backoff",
+    "ConnectRejected",
+    "FunduqKeyMismatch",
+    "Provider",
+    "ProviderIdentity",
+    "QueryFailed",
+    "RegisterRejected",
+    "RunContext",
+    "current_run",
+    "describe_validation_error",
+]
+
+log = logging.getLogger("funduq_trio.provider")
+
+#: A provider's identity is an Ed25519 key like funduq's own.
+ProviderIdentity = Identity
+
+MiB = 1024 * 1024
+
+_current_run: contextvars.ContextVar[RunContext] = contextvars.ContextVar("funduq_run")
+
+
+def current_run() -> RunContext:
+    """The context of the run whose task is calling (LookupError outside one)."""
+    return _current_run.get()
+
+
+class ConnectRejected(Exception):
+    """funduq answered the handshake with `connect.err` (bad proof, key not allowed)."""
+
+
+class FunduqKeyMismatch(Exception):
+    """The funduq reached is not the pinned one (or could not prove it is)."""
+
+
+class RegisterRejected(Exception):
+    """funduq refused the agents this provider published."""
+
+
+class QueryFailed(Exception):
+    """funduq answered a query with `err`."""
+
+
+class _ProtocolError(Exception):
+    """funduq sent something this SDK cannot follow; the link is dropped."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delays between reconnection attempts: `initial * factor**attempt`, capped
+    at `maximum`, each spread by +/- `jitter` (a fraction) so a fleet of
+    providers does not reconnect in lockstep. Reset once a link registers."""
+
+    initial: float = 0.5
+    factor: float = 2.0
+    maximum: float = 30.0
+    jitter: float = 0.1
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        base = min(self.maximum, self.initial * self.factor ** min(attempt, 64))
+        if self.jitter:
+            base *= 1 + (rng or random).uniform(-self.jitter, self.jitter)
+        return max(0.0, base)
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in item["loc"]) or "input"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+@dataclass(eq=False)
+class RunContext:
+    """What a run's agent may know about the run besides its input."""
+
+    run_id: str
+    thread_id: str
+    agent_name: str
+    run_input: RunAgentInput
+    metadata: dict[str, Any] | None
+    arrival: int  # this runtime's count of accepted runs, in acceptance order
+    cancel_requested: bool = False
+    _link: _Link | None = field(default=None, repr=False)
+
+    async def thread_messages(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """The thread's messages as funduq recorded them (`limit` = the most
+        recent N; None = all). For agents that keep no history of their own."""
+        if self._link is None:
+            raise LinkLost("this run's link is gone")
+        return await self._link.query_thread_messages(self.thread_id, limit)
+
+
+@dataclass
+class _AgentEntry:
+    name: str
+    fn: Callable[..., Any]
+    spec: f.AgentSpec
+    wants_ctx: bool
+
+
+@dataclass(eq=False)
+class _Run:
+    ctx: RunContext
+    entry: _AgentEntry
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+@dataclass
+class _Pending:
+    what: str  # "register" | "query"
+    done: trio.Event = field(default_factory=trio.Event)
+    frame: Any = None
+
+
+def _wants_ctx(fn: Callable[..., Any]) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional)
+
+
+class _Link:
+    """One connection's state: its outbox, the runs accepted on it, and the
+    replies it waits for. Dies with the connection."""
+
+    def __init__(
+        self, conn: Connection, nursery: trio.Nursery, *, max_frame_bytes: int, report_window: int
+    ) -> None:
+        self.conn = conn
+        self.nursery = nursery
+        self.max_frame_bytes = max_frame_bytes
+        self.out_send, self.out_receive = trio.open_memory_channel[tuple[str, bool]](math.inf)
+        self.credits = trio.Semaphore(report_window)
+        self.runs: dict[str, _Run] = {}
+        self.pending: dict[str, _Pending] = {}
+        self.end_reason: str | None = None
+        self.fatal: BaseException | None = None
+        self.registered = False
+        self._ids = itertools.count(1)
+
+    def end(self, reason: str, fatal: BaseException | None = None) -> None:
+        if self.end_reason is None:
+            self.end_reason = reason
+            self.fatal = fatal
+        for pending in self.pending.values():
+            pending.done.set()
+        self.nursery.cancel_scope.cancel()
+
+    def next_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def queue(self, frame: BaseModel) -> None:
+        """Queue a control frame (never blocks, never waits behind credits)."""
+        try:
+            self.out_send.send_nowait((f.encode_frame(frame), False))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    async def report(self, run_id: str, event: Any, seq: int) -> None:
+        if not isinstance(event, (dict, BaseModel)):
+            raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
+        text = f.encode_frame(f.Report(run_id=run_id, event=event, seq=seq))
+        if len(text.encode("utf-8")) > self.max_frame_bytes:
+            raise ValueError(
+                f"event #{seq} is {len(text.encode('utf-8'))} bytes on the wire, over the "
+                f"link's frame limit of {self.max_frame_bytes}"
+            )
+        await self.credits.acquire()
+        try:
+            self.out_send.send_nowait((text, True))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self.credits.release()
+
+    async def query_thread_messages(
+        self, thread_id: str, limit: int | None
+    ) -> list[dict[str, Any]]:
+        request_id = self.next_id("query")
+        pending = self.pending[request_id] = _Pending("query")
+        self.queue(f.QueryThreadMessages(id=request_id, thread_id=thread_id, limit=limit))
+        await pending.done.wait()
+        self.pending.pop(request_id, None)
+        reply = pending.frame
+        if reply is None:
+            raise LinkLost(self.end_reason or "link lost")
+        if isinstance(reply, f.Err):
+            raise QueryFailed(reply.reason)
+        payload = reply.payload if isinstance(reply.payload, dict) else {}
+        return list(payload.get("messages") or [])
+
+
+class Provider:
+    """A provider runtime. See the module docstring.
+
+    `identity`: the provider's `ProviderIdentity`. `url`: funduq's
+    `ws://host:port/ws/provider`. `funduq_key`: pin funduq's public key (hex);
+    the link is refused unless funduq proves it holds it.
+    `max_concurrent_runs`: how many runs this provider holds at once (None =
+    unlimited). `backoff`, `connector`, `rng`: reconnection and transport,
+    injectable for tests.
+    """
+
+    def __init__(
+        self,
+        identity: Identity,
+        url: str,
+        *,
+        funduq_key: str | None = None,
+        max_concurrent_runs: int | None = None,
+        backoff: Backoff | None = None,
+        connector: Connector | None = None,
+        max_frame_bytes: int = MiB,
+        report_window: int = 256,
+        retry_rejected: bool = False,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_concurrent_runs is not None and max_concurrent_runs < 0:
+            raise ValueError("max_concurrent_runs is a count (>= 0) or None for unlimited")
+        self.identity = identity
+        self.url = url
+        self.funduq_key = funduq_key.lower() if funduq_key else None
+        self.max_concurrent_runs = max_concurrent_runs
+        self.backoff = backoff or Backoff()
+        self.connector = connector or websocket_connector()
+        self.max_frame_bytes = max_frame_bytes
+        self.report_window = report_window
+        self.retry_rejected = retry_rejected
+        self.rng = rng
+        self.agents: dict[str, _AgentEntry] = {}
+        self.registrations = 0  # links that published our agents, ever
+        self.last_end_reason: str | None = None
+        self._registered = trio.Event()
+        self._arrivals = itertools.count(1)
+        self._link: _Link | None = None
+
+    # -- agents ------------------------------------------------------------------
+
+    def add_agent(
+        self,
+        agent: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        card: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        """Serve `agent` under `name` (default: its function name)."""
+        name = name or getattr(agent, "__name__", None)
+        if not name:
+            raise ValueError("an agent needs a name")
+        if description is None:
+            description = inspect.getdoc(agent) or ""
+        spec = f.AgentSpec(name=name, description=description, card=card, metadata=metadata)
+        self.agents[name] = _AgentEntry(name, agent, spec, _wants_ctx(agent))
+        return agent
+
+    def agent(self, name: str | None = None, **details: Any) -> Callable[[Any], Any]:
+        """Decorator form of `add_agent`."""
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            return self.add_agent(fn, name=name, **details)
+
+        return decorate
+
+    @property
+    def held_runs(self) -> frozenset[str]:
+        """Run ids this provider holds on its current link."""
+        return frozenset(self._link.runs) if self._link else frozenset()
+
+    async def wait_registered(self, count: int = 1) -> None:
+        """Wait until `count` links (in total) have published this provider's agents."""
+        while self.registrations < count:
+            await self._registered.wait()
+
+    # -- the connection loop ------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, reconnecting when the link drops. `task_status`
+        is reported started once the first link has published the agents.
+
+        Raises ConnectRejected (unless `retry_rejected`), FunduqKeyMismatch
+        and RegisterRejected: retrying those would only repeat them."""
+        attempt = 0
+        started = False
+
+        def on_registered() -> None:
+            nonlocal started, attempt
+            attempt = 0
+            if not started:
+                started = True
+                task_status.started()
+
+        while True:
+            try:
+                reason = await self.serve_once(on_registered=on_registered)
+            except ConnectRejected as exc:
+                if not self.retry_rejected:
+                    raise
+                reason = f"connect refused: {exc}"
+            self.last_end_reason = reason
+            delay = self.backoff.delay(attempt, self.rng)
+            attempt += 1
+            log.warning("link to %s ended (%s); reconnecting in %.2fs", self.url, reason, delay)
+            await trio.sleep(delay)
+
+    async def serve_once(self, *, on_registered: Callable[[], None] | None = None) -> str:
+        """One connection, from dial to drop. Returns why it ended."""
+        reason = "link ended"
+        error: Exception | None = None
+        # Outcomes leave the nursery as values: an exception raised inside it
+        # would come out wrapped in an ExceptionGroup.
+        async with trio.open_nursery() as conn_nursery:
+            try:
+                conn = await self.connector(conn_nursery, self.url)
+            except LinkLost as exc:
+                reason = str(exc)
+            else:
+                try:
+                    reason = await self._serve(conn, on_registered)
+                except (ConnectRejected, FunduqKeyMismatch, RegisterRejected) as exc:
+                    error = exc
+                finally:
+                    await conn.aclose()
+            conn_nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return reason
+
+    async def _receive(self, conn: Connection) -> Any:
+        text = await conn.receive()
+        try:
+            return f.decode_frame(text, accept=f.FROM_FUNDUQ)
+        except f.FrameError as exc:
+            raise _ProtocolError(exc.reason) from None
+
+    async def _handshake(self, conn: Connection) -> None:
+        hello = await self._receive(conn)
+        if not isinstance(hello, f.Hello):
+            raise _ProtocolError(f"expected hello, got {hello.kind!r}")
+        if self.funduq_key is not None and hello.funduq_key != self.funduq_key:
+            raise FunduqKeyMismatch(
+                f"funduq at {self.url} presents key {hello.funduq_key}, not the pinned "
+                f"{self.funduq_key}"
+            )
+        nonce = new_nonce()
+        proof = self.identity.sign(provider_connect_payload(hello.funduq_key, hello.nonce, nonce))
+        await conn.send(
+            f.encode_frame(
+                f.Connect(
+                    public_key=self.identity.public_key_hex,
+                    nonce=nonce,
+                    proof=proof,
+                    max_concurrent_runs=self.max_concurrent_runs,
+                )
+            )
+        )
+        reply = await self._receive(conn)
+        if isinstance(reply, f.ConnectErr):
+            raise ConnectRejected(reply.reason)
+        if not isinstance(reply, f.ConnectOk):
+            raise _ProtocolError(f"expected connect.ok, got {reply.kind!r}")
+        payload = funduq_connect_payload(hello.nonce, nonce)
+        if reply.answer is None:
+            if self.funduq_key is not None:
+                raise FunduqKeyMismatch("funduq sent no answer to prove its pinned key")
+        elif not verify(hello.funduq_key, payload, reply.answer):
+            raise FunduqKeyMismatch("funduq's connect.ok answer does not verify under its key")
+
+    async def _serve(self, conn: Connection, on_registered: Callable[[], None] | None) -> str:
+        try:
+            await self._handshake(conn)
+        except LinkLost as exc:
+            return str(exc)
+        except _ProtocolError as exc:
+            return f"protocol error: {exc}"
+        async with trio.open_nursery() as nursery:
+            link = _Link(
+                conn,
+                nursery,
+                max_frame_bytes=self.max_frame_bytes,
+                report_window=self.report_window,
+            )
+            self._link = link
+            nursery.start_soon(self._writer, link)
+            nursery.start_soon(self._reader, link, on_registered)
+            register_id = link.next_id("register")
+            link.pending[register_id] = _Pending("register")
+            link.queue(f.Register(id=register_id, agents=[a.spec for a in self.agents.values()]))
+        if self._link is link:
+            self._link = None
+        if link.fatal is not None:
+            raise link.fatal
+        return link.end_reason or "link ended"
+
+    async def _writer(self, link: _Link) -> None:
+        try:
+            async for text, is_report in link.out_receive:
+                await link.conn.send(text)
+                if is_report:
+                    link.credits.release()
+        except LinkLost as exc:
+            link.end(str(exc))
+
+    async def _reader(self, link: _Link, on_registered: Callable[[], None] | None) -> None:
+        try:
+            while True:
+                text = await link.conn.receive()
+                try:
+                    frame = f.decode_frame(text, accept=f.FROM_FUNDUQ)
+                except f.FrameError as exc:
+                    if exc.id is None:
+                        raise _ProtocolError(exc.reason) from None
+                    link.queue(f.Err(id=exc.id, reason=exc.reason))
+                    continue
+                if isinstance(frame, f.Offer):
+                    link.queue(self._answer(link, frame))
+                elif isinstance(frame, f.Cancel):
+                    run = link.runs.get(frame.run_id)
+                    if run is not None:
+                        run.ctx.cancel_requested = True
+                        run.scope.cancel()
+                elif isinstance(frame, (f.Ok, f.Err)):
+                    self._reply(link, frame, on_registered)
+                else:
+                    raise _ProtocolError(f"unexpected {frame.kind!r} on an attached link")
+        except LinkLost as exc:
+            link.end(str(exc))
+        except _ProtocolError as exc:
+            link.end(f"protocol error: {exc}")
+
+    def _reply(
+        self, link: _Link, frame: f.Ok | f.Err, on_registered: Callable[[], None] | None
+    ) -> None:
+        if frame.id is None:
+            log.warning("funduq complained: %s", getattr(frame, "reason", frame))
+            return
+        pending = link.pending.get(frame.id)
+        if pending is None:
+            log.warning("funduq answered %r, which this provider never asked", frame.id)
+            return
+        if pending.what == "register":
+            link.pending.pop(frame.id, None)
+            if isinstance(frame, f.Err):
+                link.end("register refused", RegisterRejected(frame.reason))
+                return
+            link.registered = True
+            self.registrations += 1
+            self._registered.set()
+            self._registered = trio.Event()
+            log.info("attached to %s serving %s", self.url, ", ".join(self.agents) or "nothing")
+            if on_registered is not None:
+                on_registered()
+            return
+        pending.frame = frame
+        pending.done.set()
+
+    # -- offers and runs ------------------------------------------------------------
+
+    def _answer(self, link: _Link, offer: f.Offer) -> f.Ok:
+        """Decide an offer from what is already known. Never awaits."""
+        run = offer.run
+        entry = self.agents.get(run.agent_name)
+        if entry is None:
+            return f.Ok(
+                id=offer.id,
+                verdict="refused",
+                reason=f"agent {run.agent_name!r} is not served by this provider",
+            )
+        try:
+            run_input = RunAgentInput.model_validate(run.run_input)
+        except ValidationError as exc:
+            return f.Ok(
+                id=offer.id,
+                verdict="refused",
+                reason=f"input does not validate as RunAgentInput: {describe_validation_error(exc)}",
+            )
+        if run.run_id in link.runs:
+            return f.Ok(id=offer.id, verdict="declined")
+        if self.max_concurrent_runs is not None and len(link.runs) >= self.max_concurrent_runs:
+            return f.Ok(id=offer.id, verdict="declined")
+        ctx = RunContext(
+            run_id=run.run_id,
+            thread_id=run.thread_id,
+            agent_name=run.agent_name,
+            run_input=run_input,
+            metadata=run.metadata,
+            arrival=next(self._arrivals),
+            _link=link,
+        )
+        held = _Run(ctx, entry)
+        link.runs[run.run_id] = held
+        admit = getattr(entry.fn, "admit", None)
+        if callable(admit):
+            admit(ctx)
+        link.nursery.start_soon(self._run_task, link, held, name=f"run {run.run_id}")
+        return f.Ok(id=offer.id, verdict="accepted")
+
+    async def _run_task(self, link: _Link, held: _Run) -> None:
+        ctx = held.ctx
+        _current_run.set(ctx)
+        seq = 0
+        try:
+            with held.scope:
+                try:
+                    args = (ctx.run_input, ctx) if held.entry.wants_ctx else (ctx.run_input,)
+                    events = held.entry.fn(*args)
+                    if not hasattr(events, "__aiter__"):
+                        raise TypeError(
+                            f"agent {held.entry.name!r} returned {type(events).__name__}, "
+                            "not an async iterator of AG-UI events"
+                        )
+                    async with _closing(events.__aiter__()) as stream:
+                        async for event in stream:
+                            seq += 1
+                            await link.report(ctx.run_id, event, seq)
+                except Exception as exc:
+                    log.exception("agent %s failed on run %s", held.entry.name, ctx.run_id)
+                    seq += 1
+                    error = RunErrorEvent(
+                        message=f"{type(exc).__name__}: {exc}", code="agent_error"
+                    )
+                    await link.report(ctx.run_id, error, seq)
+        finally:
+            link.runs.pop(ctx.run_id, None)
+            release = getattr(held.entry.fn, "release", None)
+            if callable(release):
+                release(ctx)
+            link.queue(f.Finish(run_id=ctx.run_id))
+
+
+def _closing(iterator: Any) -> AbstractAsyncContextManager[Any]:
+    """aclosing() for async generators; a plain async iterator has nothing to close."""
+    return aclosing(iterator) if hasattr(iterator, "aclose") else nullcontext(iterator)
