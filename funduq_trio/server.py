@@ -11,6 +11,7 @@ as recorded; the next start settles them as the design says (restarts).
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from dataclasses import dataclass
@@ -51,7 +52,9 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     host = settings.host
     config.bind = [f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"]
     config.accesslog = None
-    config.errorlog = "-"
+    # Server errors go to the standard "hypercorn.error" logger (the CLI's
+    # logging config shows them; tests capture them) rather than a private handler.
+    config.errorlog = logging.getLogger("hypercorn.error")
     # The provider link enforces FUNDUQ_MAX_FRAME_BYTES itself (close 1009 with
     # its reason); hypercorn's own bound sits above it so the link's check is
     # the one a provider meets, while a runaway message is still cut (1009).
