@@ -12,6 +12,9 @@ cancels the server at exit. Keyword arguments override `Settings` fields.
 `sse_events(response)` reads an httpx streaming response as SSE and yields each
 event's JSON; `post_sse` posts and reads a whole stream.
 
+`sdk_provider(info)` attaches the SDK's `Provider` serving the example echo
+agent (or the agents you pass), started once its agents are published.
+
 `raw_provider(info, ["echo"])` attaches a provider that speaks the DESIGN §5
 frames directly over trio-websocket and lets a test play the provider's part
 by hand (answer each offer, report events, finish) -- for behaviour the SDK
@@ -36,6 +39,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket
 
 from funduq_trio.config import Settings
 from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
+from funduq_trio.provider import Provider, echo
 from funduq_trio.server import ServerInfo, serve
 
 # A safety net against a hung test, never a behaviour clock.
@@ -74,6 +78,21 @@ async def post_sse(
             return response, [event async for event in sse_events(response)]
         await response.aread()
         return response, []
+
+
+@contextlib.asynccontextmanager
+async def sdk_provider(
+    info: ServerInfo, agents: dict[str, Any] | None = None, **options: Any
+) -> AsyncIterator[Provider]:
+    """The SDK's provider serving `agents` ({name: agent function}; default the
+    example echo), attached and published; detached at exit."""
+    provider = Provider(Identity.generate(), info.provider_url, **options)
+    for name, agent in (agents or {"echo": echo}).items():
+        provider.add_agent(agent, name=name)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(provider.run)
+        yield provider
+        nursery.cancel_scope.cancel()
 
 
 class RawProvider:

@@ -13,6 +13,7 @@ from support import (
     post_sse,
     raw_provider,
     running_server,
+    sdk_provider,
     sse_events,
     user_input,
 )
@@ -94,6 +95,30 @@ async def test_stream_relays_the_run_end_to_end(tmp_path):
     # The provider was offered funduq's ids too.
     assert run["runInput"]["threadId"] == run["threadId"]
     assert run["runInput"]["runId"] == run["runId"]
+
+
+async def test_example_echo_provider_over_agui_across_two_turns(tmp_path):
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        sdk_provider(info) as provider,
+    ):
+        url = info.agui_url(provider.identity.fingerprint, "echo")
+        response, first = await post_sse(http, url, user_input("hello world"))
+        assert response.status_code == 200
+        assert [e["type"] for e in first][:2] == [RUN_STARTED, "TEXT_MESSAGE_START"]
+        assert first[-1]["type"] == RUN_FINISHED
+        said = "".join(e["delta"] for e in first if e["type"] == "TEXT_MESSAGE_CONTENT")
+        assert said == "hello world"
+
+        # The second turn names funduq's thread and continues it.
+        thread_id = first[0]["threadId"]
+        response, second = await post_sse(http, url, user_input("again", thread_id=thread_id))
+        assert [e["threadId"] for e in second if "threadId" in e] == [thread_id, thread_id]
+        assert second[0]["runId"] != first[0]["runId"]
+        thread = (await http.get(f"/threads/{thread_id}")).json()
+        assert [r["runId"] for r in thread["runs"]] == [first[0]["runId"], second[0]["runId"]]
+        assert all(r["status"] == "completed" for r in thread["runs"])
 
 
 async def test_stream_is_the_record(tmp_path):
