@@ -149,7 +149,9 @@ class Funduq:
             await self.record.move(run_id, st.FAILED, metadata=metadata, events=events,
                                    stamp=("completed_at", time.time()))
         for row in queued:
-            self._start_lane(_run_row(row), arriving=False)
+            row = _run_row(row)
+            await self._thread(row["thread_id"])  # its history, for the replies it will add
+            self._start_lane(row, arriving=False)
         if orphans or queued:
             log.info("restart: %d runs orphaned, %d queued again", len(orphans), len(queued))
 
