@@ -393,3 +393,66 @@ async def test_shutdown_ends_open_streams_and_restart_settles_the_run(tmp_path):
     assert record["status"] == "failed"
     assert record["metadata"]["failureReason"] == "orphaned_by_restart"
     assert [e["event"]["type"] for e in record["events"]] == [RUN_STARTED, RUN_ERROR]
+
+
+async def test_authority_rides_in_forwarded_props(tmp_path):
+    import time
+
+    from funduq_trio.identity import Identity, make_hop, resolve_payload
+
+    alice, mallory = Identity.generate(), Identity.generate()
+    interrupt = {"id": "int-1", "reason": "approval"}
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        url = f"/agui/{provider.fingerprint}/echo"
+        response = await http.post(url, json=user_input(forwardedProps={"actorChain": ["x.y.z"]}))
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "invalid_actor_chain"
+
+        # Alice's chain binds the thread; the run pauses on a question.
+        caller = Caller()
+        bound = user_input(forwardedProps={"actorChain": [make_hop(alice, None)], "app": 1})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller.post, http, url, bound)
+            run = await serve_one(provider, lambda run: [
+                started(run), finished(run, outcome={"type": "interrupt",
+                                                     "interrupts": [interrupt]})])
+        # forwardedProps reach the agent (with funduq's dispatch hop appended).
+        assert run["runInput"]["forwardedProps"]["app"] == 1
+        assert len(run["runInput"]["forwardedProps"]["actorChain"]) == 2
+        thread = (await http.get(f"/threads/{run['threadId']}")).json()
+        assert thread["segmentHead"] == alice.public_key_hex
+
+        # Writing to the bound thread takes its head's chain.
+        for props in ({}, {"actorChain": [make_hop(mallory, None)]}):
+            response = await http.post(
+                url, json=user_input("me too", thread_id=run["threadId"], forwardedProps=props))
+            assert response.status_code == 403
+            assert response.json()["error"]["code"] == "not_authorized"
+
+        # Answering the pause takes a resolution signed by the head.
+        resume = [{"interruptId": "int-1", "status": "resolved", "payload": "yes"}]
+        now = int(time.time())
+        forged = {"publicKey": mallory.public_key_hex, "timestamp": now,
+                  "signature": mallory.sign(resolve_payload(run["runId"], now))}
+        response = await http.post(url, json=user_input(
+            thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": forged}))
+        assert response.status_code == 403
+        assert response.json()["error"]["code"] == "not_authorized"
+        assert (await http.get(f"/runs/{run['runId']}")).json()["status"] == "input-required"
+
+        signed = {"publicKey": alice.public_key_hex, "timestamp": now,
+                  "signature": alice.sign(resolve_payload(run["runId"], now))}
+        caller = Caller()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller.post, http, url, user_input(
+                thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": signed}))
+            again = await serve_one(provider, lambda run: [started(run), finished(run)])
+        assert again["runId"] == run["runId"]
+        assert [e["type"] for e in caller.events] == [RUN_STARTED, RUN_FINISHED]
+        record = (await http.get(f"/runs/{run['runId']}")).json()
+        assert record["status"] == "completed"
+        assert record["metadata"]["funduq"]["answeredBy"] == alice.public_key_hex
