@@ -395,7 +395,9 @@ class Funduq:
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         row["input"] = {**run_input, "threadId": row["thread_id"], "runId": run_id}
-        row["metadata"].setdefault("funduq", {})["answeredBy"] = by
+        marks = row["metadata"].setdefault("funduq", {})
+        marks["answeredBy"] = by
+        marks.pop("cancelRequestedBy", None)  # the new turn is nobody's to stop yet
         row["caller_metadata"] = {**row["caller_metadata"],
                                   **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}}
         info = await self._thread(row["thread_id"])

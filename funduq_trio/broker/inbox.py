@@ -21,7 +21,10 @@ class Turn:
 @dataclass(slots=True)
 class Wake:
     """Something changed for your agent: a place freed, a provider attached,
-    (re)published or left. Look again."""
+    (re)published or left. Look again. ``baton``: you were woken for a freed
+    place, and must pass it on if you do not use it."""
+
+    baton: bool = False
 
 
 @dataclass(slots=True)

@@ -154,6 +154,7 @@ class Lane:
         self._texts: dict[str, dict[str, Any]] = {}
         self._session: ProviderSession | None = None
         self._backlog: deque[Message] = deque()
+        self._baton = False
 
     # -- the inbox ---------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class Lane:
                 if isinstance(message, Cancel):
                     message.seen.set()
             self.f.providers.stop_waiting(self.key, self)
+            self._pass_baton()
             if self.thread is not None:
                 self.thread.leave(self)
             self.feed.close()
@@ -234,15 +236,17 @@ class Lane:
             else:
                 session = self.f.providers.serving(self.key, self.agent)
                 if session is None:
+                    self._pass_baton()
                     grace = self.f.settings.unserved_grace_seconds
                     deadline = self.f.providers.unserved_since(self.key, self.agent) + grace
-                    self.f.providers.wait(self.key, self)
+                    self.f.providers.wait(self.key, self, for_room=False)
                     message = await self._receive(deadline)
                     if message is None:
                         await self._settle(st.FAILED, reasons.NO_PROVIDER_TOOK_IT)
                         return False
                 elif declined or not session.has_room():
-                    self.f.providers.wait(self.key, self)
+                    self._pass_baton()
+                    self.f.providers.wait(self.key, self, for_room=True)
                     message = await self._receive()
                 else:
                     answer = await self._offer(session)
@@ -263,6 +267,7 @@ class Lane:
         if isinstance(message, Turn):
             return "turn"
         if isinstance(message, Wake):
+            self._baton = self._baton or message.baton
             return "wake"
         if isinstance(message, Cancel):
             self._cancel_requested = True
@@ -274,10 +279,20 @@ class Lane:
         log.debug("run %s ignored %r while pending", self.run_id, message)
         return "ignored"
 
+    def _pass_baton(self) -> None:
+        """A lane woken for a freed place that will not use it hands the
+        wake-up to the next waiting head, so no freed place goes unnoticed."""
+        if self._baton:
+            self._baton = False
+            self.f.providers.wake_for_room(self.key)
+
     async def _offer(self, session: ProviderSession) -> str:
+        offer = session.reserve(self)
+        self._baton = False
         if not await self._move(st.OFFERING):
+            session.give_back()
             return "settled"
-        offer = session.offer(self, self.f._offer_payload(self))
+        session.send(offer, self.f._offer_payload(self))
         with trio.move_on_after(self.f.settings.deliver_timeout_seconds):
             await offer.answered.wait()
         session.withdraw(offer)

@@ -10,7 +10,6 @@ The registry never decides a run's fate; it only tells lanes what happened
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -92,16 +91,19 @@ class ProviderSession:
     def has_room(self) -> bool:
         return self.max_concurrent is None or self.in_use < self.max_concurrent
 
-    def offer(self, lane: "Lane", run: dict[str, Any]) -> Offer:
-        """Spend a place and send the offer. A dead session answers at once."""
-        offer = Offer("offer_" + secrets.token_hex(8), lane, self)
+    def reserve(self, lane: "Lane") -> Offer:
+        """Spend a place for an offer about to leave. Spent at once, before
+        any await, so two lanes that both saw room cannot both take it."""
         self.in_use += 1
+        return Offer("offer_" + secrets.token_hex(8), lane, self)
+
+    def send(self, offer: Offer, run: dict[str, Any]) -> None:
+        """Send a reserved offer. A session that has gone answers at once."""
         if not self.live:
             offer.resolve(None)
-            return offer
+            return
         self.offers[offer.id] = offer
         self.link.send_offer(offer.id, run)
-        return offer
 
     def withdraw(self, offer: Offer) -> None:
         """The lane stopped waiting: a later answer to this offer is ignored."""
@@ -112,7 +114,7 @@ class ProviderSession:
         provider just said it is full, so it wakes nobody."""
         self.in_use = max(0, self.in_use - 1)
         if wake and self.live:
-            self.registry.wake(self.key, one=True)
+            self.registry.wake_for_room(self.key)
 
     def release(self, run_id: str) -> None:
         """A held run ended (settled or paused): its place frees."""
@@ -183,7 +185,10 @@ class Providers:
         self.agents: dict[tuple[str, str], dict[str, Any]] = {}
         self.by_fingerprint: dict[str, str] = {}
         self.unserved: dict[tuple[str, str], float] = {}
-        self.waiters: dict[str, dict[int, "Lane"]] = {}
+        # Heads waiting on a provider: for a place (or after a decline), and
+        # for their agent to be served at all. Insertion order is wait order.
+        self.room_waiters: dict[str, dict[int, "Lane"]] = {}
+        self.serve_waiters: dict[str, dict[int, "Lane"]] = {}
         self.started_at = 0.0
         self.messages_of: Any = None  # set by the facade: async (thread_id, limit) -> list
 
@@ -290,29 +295,32 @@ class Providers:
 
     # -- waiting lanes -----------------------------------------------------------
 
-    def wait(self, key: str, lane: "Lane") -> None:
-        self.waiters.setdefault(key, {})[id(lane)] = lane
+    def wait(self, key: str, lane: "Lane", *, for_room: bool) -> None:
+        waiting = self.room_waiters if for_room else self.serve_waiters
+        waiting.setdefault(key, {})[id(lane)] = lane
 
     def stop_waiting(self, key: str, lane: "Lane") -> None:
-        waiting = self.waiters.get(key)
-        if waiting is not None:
-            waiting.pop(id(lane), None)
-            if not waiting:
-                del self.waiters[key]
+        for waiting in (self.room_waiters, self.serve_waiters):
+            lanes = waiting.get(key)
+            if lanes is not None and lanes.pop(id(lane), None) is not None and not lanes:
+                del waiting[key]
 
-    def wake(self, key: str, *, one: bool = False) -> None:
-        """Tell lanes waiting on this provider that something changed. A freed
-        place wakes the longest waiter; anything else wakes them all."""
-        waiting = self.waiters.get(key)
-        if not waiting:
-            return
-        if one:
-            lane = waiting.pop(next(iter(waiting)))
-            lane.tell(Wake())
-        else:
-            del self.waiters[key]
-            for lane in waiting.values():
+    def wake(self, key: str) -> None:
+        """Something changed on this provider (it came, went or republished):
+        every head waiting on it looks again."""
+        for waiting in (self.room_waiters, self.serve_waiters):
+            for lane in waiting.pop(key, {}).values():
                 lane.tell(Wake())
+
+    def wake_for_room(self, key: str) -> None:
+        """A place freed: the longest-waiting head gets it, as a baton it
+        passes on if it does not use the place (see Lane._pass_baton)."""
+        waiting = self.room_waiters.get(key)
+        if waiting:
+            lane = waiting.pop(next(iter(waiting)))
+            if not waiting:
+                del self.room_waiters[key]
+            lane.tell(Wake(baton=True))
 
     # -- quality -------------------------------------------------------------------
 
@@ -337,5 +345,3 @@ class Providers:
                               limit: int | None) -> list[dict[str, Any]]:
         return await self.messages_of(key, thread_id, limit)
 
-
-NO_LIMIT = math.inf
