@@ -174,6 +174,11 @@ class _Pending:
 
 
 def _wants_ctx(fn: Callable[..., Any]) -> bool:
+    """Whether an agent takes (run_input, ctx) rather than (run_input). A
+    wrapper may say so itself with a `funduq_wants_ctx` attribute."""
+    declared = getattr(fn, "funduq_wants_ctx", None)
+    if isinstance(declared, bool):
+        return declared
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -571,6 +576,8 @@ class Provider:
                     args = (ctx.run_input, ctx) if held.entry.wants_ctx else (ctx.run_input,)
                     events = held.entry.fn(*args)
                     if not hasattr(events, "__aiter__"):
+                        if inspect.iscoroutine(events):
+                            events.close()
                         raise TypeError(
                             f"agent {held.entry.name!r} returned {type(events).__name__}, "
                             "not an async iterator of AG-UI events"

@@ -27,6 +27,8 @@ __all__ = ["serialize_per_thread"]
 class serialize_per_thread:
     """Wrap an agent so runs of one thread take turns (FIFO by acceptance)."""
 
+    funduq_wants_ctx = True  # called as (run_input, ctx), whatever the wrapped agent takes
+
     def __init__(self, agent: Callable[..., Any]) -> None:
         self._agent = agent
         self._agent_wants_ctx = _wants_ctx(agent)

@@ -1,0 +1,641 @@
+"""The provider SDK.
+
+Most tests run the SDK against an in-memory funduq side (`FakeFunduq`) under
+trio's MockClock, so the timing claims (an answer never waits on an agent,
+backoff delays) are checked deterministically. The last tests run the SDK
+against the real server over real websockets: a caller's run travels
+caller -> funduq -> SDK provider -> back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from ag_ui.core import RunAgentInput, TextMessageContentEvent
+from support import http_client, post_sse, running_server, user_input
+
+from funduq_trio.identity import (
+    Identity,
+    funduq_connect_payload,
+    new_nonce,
+    provider_connect_payload,
+    verify,
+)
+from funduq_trio.protocol import frames as f
+from funduq_trio.provider import (
+    Backoff,
+    ConnectRejected,
+    FunduqKeyMismatch,
+    LinkLost,
+    Provider,
+    RunContext,
+    last_user_text,
+    make_echo,
+    serialize_per_thread,
+)
+from funduq_trio.provider.echo import split_text
+
+FUNDUQ = Identity.from_private_hex("d1" * 32)
+# Virtual seconds: under the autojump clock a test waiting on something that
+# never comes fails here instead of hanging.
+STUCK = 1000
+
+# --- an in-memory funduq ------------------------------------------------------
+
+
+class FakeConnection:
+    """The provider's end of an in-memory link."""
+
+    def __init__(self, outgoing: trio.MemorySendChannel, incoming: trio.MemoryReceiveChannel):
+        self.outgoing = outgoing
+        self.incoming = incoming
+
+    async def send(self, text: str) -> None:
+        try:
+            await self.outgoing.send(text)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise LinkLost("fake link closed") from None
+
+    async def receive(self) -> str:
+        try:
+            return await self.incoming.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise LinkLost("fake link closed") from None
+
+    async def aclose(self, reason: str = "") -> None:
+        await self.outgoing.aclose()
+        await self.incoming.aclose()
+
+
+class FunduqEnd:
+    """funduq's end of one in-memory link: the test plays funduq here."""
+
+    def __init__(self, outgoing: trio.MemorySendChannel, incoming: trio.MemoryReceiveChannel):
+        self.outgoing = outgoing
+        self.incoming = incoming
+        self.provider_key: str | None = None
+        self.max_runs: int | None = None
+
+    async def send(self, frame: Any) -> None:
+        await self.outgoing.send(f.encode_frame(frame))
+
+    async def recv(self) -> Any:
+        with trio.fail_after(STUCK):
+            text = await self.incoming.receive()
+        return f.decode_frame(text, accept=f.FROM_PROVIDER)
+
+    async def drop(self) -> None:
+        await self.outgoing.aclose()
+        await self.incoming.aclose()
+
+    async def handshake(self, identity: Identity = FUNDUQ) -> None:
+        nonce = new_nonce()
+        await self.send(f.Hello(funduq_key=identity.public_key_hex, nonce=nonce))
+        connect = await self.recv()
+        assert isinstance(connect, f.Connect)
+        assert verify(
+            connect.public_key,
+            provider_connect_payload(identity.public_key_hex, nonce, connect.nonce),
+            connect.proof,
+        )
+        self.provider_key = connect.public_key
+        self.max_runs = connect.max_concurrent_runs
+        answer = identity.sign(funduq_connect_payload(nonce, connect.nonce))
+        await self.send(f.ConnectOk(answer=answer))
+
+    async def attach(self) -> f.Register:
+        await self.handshake()
+        register = await self.recv()
+        assert isinstance(register, f.Register)
+        await self.send(f.Ok(id=register.id))
+        return register
+
+    async def offer(
+        self,
+        offer_id: str,
+        run_id: str,
+        *,
+        thread: str = "t1",
+        agent: str = "echo",
+        text: str = "hello",
+        run_input: dict[str, Any] | None = None,
+    ) -> None:
+        if run_input is None:
+            run_input = user_input(text, thread_id=thread) | {"runId": run_id}
+        run = {
+            "runId": run_id,
+            "threadId": thread,
+            "agentName": agent,
+            "runInput": run_input,
+            "metadata": None,
+        }
+        await self.send(f.Offer(id=offer_id, run=f.OfferRun.model_validate(run)))
+
+    async def until(self, kind: type, **match: Any) -> Any:
+        """The next frame of this kind (and these field values), skipping others."""
+        while True:
+            frame = await self.recv()
+            if isinstance(frame, kind) and all(getattr(frame, k) == v for k, v in match.items()):
+                return frame
+
+    async def run_frames(self, run_id: str) -> list[Any]:
+        """Reports of this run up to and including its finish (others skipped)."""
+        seen: list[Any] = []
+        while True:
+            frame = await self.recv()
+            if isinstance(frame, f.Report) and frame.run_id == run_id:
+                seen.append(frame)
+            elif isinstance(frame, f.Finish) and frame.run_id == run_id:
+                seen.append(frame)
+                return seen
+
+
+class FakeFunduq:
+    """Hands each connection the SDK opens to the test as a FunduqEnd."""
+
+    def __init__(self) -> None:
+        self._send, self.links = trio.open_memory_channel[FunduqEnd](math.inf)
+        self.dials: list[float] = []
+        self.refuse = 0  # refuse this many dials (funduq unreachable)
+
+    async def connect(self, nursery: trio.Nursery, url: str) -> FakeConnection:
+        self.dials.append(trio.current_time())
+        if self.refuse:
+            self.refuse -= 1
+            raise LinkLost("connection refused (fake)")
+        to_funduq, from_provider = trio.open_memory_channel[str](math.inf)
+        to_provider, from_funduq = trio.open_memory_channel[str](math.inf)
+        self._send.send_nowait(FunduqEnd(to_provider, from_provider))
+        return FakeConnection(to_funduq, from_funduq)
+
+    async def next_link(self) -> FunduqEnd:
+        with trio.fail_after(STUCK):
+            return await self.links.receive()
+
+
+def provider_for(fake: FakeFunduq, **kw: Any) -> Provider:
+    kw.setdefault("backoff", Backoff(initial=1.0, factor=2.0, maximum=8.0, jitter=0.0))
+    return Provider(Identity.generate(), "ws://fake/ws/provider", connector=fake.connect, **kw)
+
+
+# --- answers are receipts -----------------------------------------------------
+
+
+async def test_an_agent_that_blocks_forever_does_not_delay_the_next_answer(autojump_clock):
+    entered = trio.Event()
+
+    async def stuck(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        entered.set()
+        await trio.sleep_forever()
+        yield  # pragma: no cover
+
+    fake = FakeFunduq()
+    provider = provider_for(fake, max_concurrent_runs=2)
+    provider.add_agent(stuck, name="stuck")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        assert link.max_runs == 2
+        # A virtual-time limit: under autojump it fires only if the SDK waits
+        # on something that never comes (the stuck agent).
+        with trio.fail_after(1):
+            start = trio.current_time()
+            await link.offer("o1", "r1", agent="stuck")
+            assert await link.until(f.Ok, id="o1") == f.Ok(id="o1", verdict="accepted")
+            await entered.wait()
+            await link.offer("o2", "r2", agent="stuck", thread="t2")
+            assert (await link.until(f.Ok, id="o2")).verdict == "accepted"
+            await link.offer("o3", "r3", agent="stuck", thread="t3")
+            assert (await link.until(f.Ok, id="o3")).verdict == "declined"  # full
+            await link.offer("o4", "r4", agent="nobody")
+            ok = await link.until(f.Ok, id="o4")
+            assert ok.verdict == "refused" and "'nobody' is not served" in ok.reason
+            await link.offer("o5", "r5", agent="stuck", run_input={"threadId": "t1"})
+            ok = await link.until(f.Ok, id="o5")
+            assert ok.verdict == "refused"
+            assert ok.reason.startswith("input does not validate as RunAgentInput: ")
+            assert "runId" in ok.reason and "messages" in ok.reason
+            assert trio.current_time() == start  # no clock was waited on
+        assert provider.held_runs == {"r1", "r2"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_run_reports_seq_numbered_events_then_finishes(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(make_echo(deltas=8), name="echo")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        register = await link.attach()
+        assert [a.name for a in register.agents] == ["echo"]
+        await link.offer("o1", "r1", text="hello, world!")
+        frames = await link.run_frames("r1")
+        reports, finish = frames[:-1], frames[-1]
+        assert finish == f.Finish(run_id="r1")
+        assert [r.seq for r in reports] == list(range(1, 13))
+        types = [r.event["type"] for r in reports]
+        assert types == [
+            "RUN_STARTED",
+            "TEXT_MESSAGE_START",
+            *["TEXT_MESSAGE_CONTENT"] * 8,
+            "TEXT_MESSAGE_END",
+            "RUN_FINISHED",
+        ]
+        text = "".join(r.event["delta"] for r in reports if "delta" in r.event)
+        assert text == "hello, world!"
+        assert reports[0].event == {"type": "RUN_STARTED", "threadId": "t1", "runId": "r1"}
+        assert provider.held_runs == frozenset()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_agent_that_raises_reports_run_error_then_finishes(autojump_clock):
+    async def broken(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        yield {"type": "RUN_STARTED", "threadId": run_input.thread_id, "runId": run_input.run_id}
+        raise RuntimeError("the model fell over")
+
+    async def not_a_generator(run_input: RunAgentInput) -> list[Any]:
+        return []
+
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(broken, name="broken")
+    provider.add_agent(not_a_generator, name="plain")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        await link.offer("o1", "r1", agent="broken")
+        started, error, finish = await link.run_frames("r1")
+        assert started.seq == 1 and error.seq == 2
+        assert error.event == {
+            "type": "RUN_ERROR",
+            "message": "RuntimeError: the model fell over",
+            "code": "agent_error",
+        }
+        assert finish == f.Finish(run_id="r1")
+        await link.offer("o2", "r2", agent="plain")
+        error, finish = await link.run_frames("r2")
+        assert (
+            error.event["type"] == "RUN_ERROR" and "not an async iterator" in error.event["message"]
+        )
+        nursery.cancel_scope.cancel()
+
+
+async def test_cancel_reaches_the_agents_task_and_finish_follows(autojump_clock):
+    seen: dict[str, Any] = {}
+
+    async def patient(run_input: RunAgentInput, ctx: RunContext) -> AsyncIterator[Any]:
+        yield {"type": "RUN_STARTED", "threadId": ctx.thread_id, "runId": ctx.run_id}
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            seen["cancelled"] = True
+            seen["cancel_requested"] = ctx.cancel_requested
+            raise
+        yield  # pragma: no cover
+
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(patient, name="patient")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        await link.offer("o1", "r1", agent="patient")
+        await link.offer("o2", "r2", agent="patient", thread="t2")
+        await link.until(f.Report, run_id="r1")
+        await link.send(f.Cancel(run_id="r1"))
+        await link.send(f.Cancel(run_id="r-unknown"))  # not held: ignored
+        assert await link.until(f.Finish) == f.Finish(run_id="r1")
+        assert seen == {"cancelled": True, "cancel_requested": True}
+        assert provider.held_runs == {"r2"}  # the other run goes on
+        nursery.cancel_scope.cancel()
+
+
+# --- serialize_per_thread -----------------------------------------------------
+
+
+async def test_serialize_per_thread_runs_a_threads_runs_one_at_a_time_in_arrival_order(
+    autojump_clock,
+):
+    log: list[str] = []
+
+    async def slow(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        text = last_user_text(run_input)
+        log.append(f"start {text}")
+        await trio.sleep(10)
+        yield TextMessageContentEvent(message_id="m", delta=text)
+        log.append(f"end {text}")
+
+    agent = serialize_per_thread(slow)
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(agent, name="slow")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        for i, (thread, text) in enumerate(
+            [("A", "a1"), ("A", "a2"), ("B", "b1"), ("A", "a3"), ("B", "b2")]
+        ):
+            await link.offer(f"o{i}", f"run-{text}", thread=thread, agent="slow", text=text)
+        for i in range(5):  # all accepted at once: turn-taking is the agent's, not the answer's
+            assert (await link.until(f.Ok, id=f"o{i}")).verdict == "accepted"
+        assert agent.waiting("A") == ["run-a1", "run-a2", "run-a3"]
+        finished: list[str] = []
+        started_at = trio.current_time()
+        while len(finished) < 5:
+            frame = await link.until(f.Finish)
+            finished.append(frame.run_id)
+        assert trio.current_time() - started_at == 30  # thread A's three turns in a row
+        assert [e for e in log if e.split()[1].startswith("a")] == [
+            "start a1",
+            "end a1",
+            "start a2",
+            "end a2",
+            "start a3",
+            "end a3",
+        ]
+        assert [e for e in log if e.split()[1].startswith("b")] == [
+            "start b1",
+            "end b1",
+            "start b2",
+            "end b2",
+        ]
+        # B never waited for A: b1 started alongside a1
+        assert set(log[:2]) == {"start a1", "start b1"}
+        assert agent.waiting("A") == [] and agent.waiting("B") == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_serialize_per_thread_lets_the_next_turn_go_when_one_is_cancelled(autojump_clock):
+    log: list[str] = []
+
+    async def slow(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        log.append(f"start {last_user_text(run_input)}")
+        await trio.sleep(10)
+        yield {"type": "CUSTOM", "name": "done", "value": None}
+
+    agent = serialize_per_thread(slow)
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(agent, name="slow")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        await link.offer("o1", "r1", agent="slow", text="first")
+        await link.offer("o2", "r2", agent="slow", text="second")
+        await link.offer("o3", "r3", agent="slow", text="third")
+        await link.until(f.Ok, id="o3")
+        await link.send(f.Cancel(run_id="r2"))  # cancelled while waiting its turn
+        assert await link.until(f.Finish) == f.Finish(run_id="r2")
+        assert (await link.until(f.Finish)).run_id == "r1"
+        assert (await link.until(f.Finish)).run_id == "r3"
+        assert log == ["start first", "start third"]
+        nursery.cancel_scope.cancel()
+
+
+# --- reconnecting ---------------------------------------------------------------
+
+
+async def test_reconnects_with_backoff_and_resets_after_registering(autojump_clock):
+    cancelled = trio.Event()
+
+    async def holder(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+        yield  # pragma: no cover
+
+    # backoff: 1, 2, 4, 8, 8 ... s (no jitter)
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(holder, name="holder")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        await provider.wait_registered(1)
+        await link.offer("o1", "r1", agent="holder")
+        await link.until(f.Ok, id="o1")
+
+        # funduq drops the link: the held run's task is cancelled (funduq has
+        # already failed it), and the SDK dials again after 1 s.
+        fake.refuse = 2  # ...and funduq is unreachable for two more dials
+        dropped_at = trio.current_time()
+        await link.drop()
+        await cancelled.wait()
+        link = await fake.next_link()
+        assert [t - dropped_at for t in fake.dials[1:]] == [1, 1 + 2, 1 + 2 + 4]
+        assert provider.held_runs == frozenset()
+
+        # A link that never registers does not reset the backoff...
+        await link.handshake()
+        await link.drop()
+        link = await fake.next_link()
+        assert fake.dials[-1] - fake.dials[-2] == 8
+        # ...one that registers does.
+        await link.attach()
+        await provider.wait_registered(2)
+        await link.drop()
+        link = await fake.next_link()
+        assert fake.dials[-1] - fake.dials[-2] == 1
+        await link.attach()
+        await link.offer("o2", "r2", agent="holder")
+        assert (await link.until(f.Ok, id="o2")).verdict == "accepted"
+        nursery.cancel_scope.cancel()
+
+
+async def test_run_reports_started_once_the_first_link_registered(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(make_echo(), name="echo")
+
+    async def play_funduq() -> None:
+        link = await fake.next_link()
+        await trio.sleep(5)
+        await link.attach()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(play_funduq)
+        await nursery.start(provider.run)
+        assert trio.current_time() == 5 and provider.registrations == 1
+        nursery.cancel_scope.cancel()
+
+
+async def failure_of(provider: Provider, play_funduq: Any) -> Exception:
+    """Run the provider against `play_funduq()` and return what it raised."""
+    failure: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(play_funduq)
+        try:
+            await provider.run()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            failure.append(exc)
+        nursery.cancel_scope.cancel()
+    return failure[0]
+
+
+async def test_a_pinned_funduq_key_refuses_another_funduq(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake, funduq_key=Identity.generate().public_key_hex)
+    provider.add_agent(make_echo(), name="echo")
+
+    async def impostor() -> None:
+        link = await fake.next_link()
+        await link.send(f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=new_nonce()))
+
+    assert isinstance(await failure_of(provider, impostor), FunduqKeyMismatch)
+    assert len(fake.dials) == 1  # not retried
+
+
+async def test_a_pinned_funduq_key_accepts_the_funduq_that_proves_it(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake, funduq_key=FUNDUQ.public_key_hex)
+    provider.add_agent(make_echo(), name="echo")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        await provider.wait_registered(1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_connect_err_is_not_retried(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(make_echo(), name="echo")
+
+    async def refuse() -> None:
+        link = await fake.next_link()
+        await link.send(f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=new_nonce()))
+        await link.recv()
+        await link.send(f.ConnectErr(reason="key not allowed on this funduq"))
+
+    failure = await failure_of(provider, refuse)
+    assert isinstance(failure, ConnectRejected) and "key not allowed" in str(failure)
+    assert len(fake.dials) == 1
+
+
+# --- small pure parts -------------------------------------------------------------
+
+
+def test_backoff_grows_and_caps():
+    backoff = Backoff(initial=0.5, factor=2, maximum=4, jitter=0)
+    assert [backoff.delay(i) for i in range(6)] == [0.5, 1, 2, 4, 4, 4]
+    jittered = Backoff(initial=1, factor=2, maximum=30, jitter=0.1)
+    assert all(0.9 <= jittered.delay(0) <= 1.1 for _ in range(50))
+
+
+def test_echo_splits_into_exactly_n_deltas():
+    assert split_text("abcdefg", 3) == ["abc", "de", "fg"]
+    assert split_text("ab", 4) == ["a", "b", "", ""]
+    assert "".join(split_text("hello world", 8)) == "hello world"
+
+
+def test_the_sdk_imports_neither_the_broker_nor_the_web_app():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, funduq_trio.provider; "
+        "bad = [m for m in sys.modules if m.startswith(('quart', 'hypercorn', "
+        "'funduq_trio.broker', 'funduq_trio.web', 'funduq_trio.server', 'a2a'))]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the real thing -----------------------------------------------------------------
+
+
+async def test_a_run_travels_caller_funduq_sdk_and_back(tmp_path):
+    async with running_server(tmp_path) as info, http_client(info) as http:
+        identity = Identity.generate()
+        provider = Provider(
+            identity, info.provider_url, funduq_key=info.funduq.identity.public_key_hex
+        )
+        provider.add_agent(make_echo(deltas=8), name="echo", description="says it back")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            response, events = await post_sse(
+                http, f"/agui/{identity.fingerprint}/echo", user_input("round trip please")
+            )
+            assert response.status_code == 200
+            types = [e["type"] for e in events]
+            assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED"
+            assert types.count("TEXT_MESSAGE_CONTENT") == 8
+            text = "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT")
+            assert text == "round trip please"
+            run_id = events[0]["runId"]
+            record = (await http.get(f"/runs/{run_id}")).json()
+            assert record["status"] == "completed" and len(record["events"]) == 12
+            roster = (await http.get("/agents")).json()["agents"]
+            assert roster == [
+                {
+                    "provider": identity.public_key_hex,
+                    "fingerprint": identity.fingerprint,
+                    "name": "echo",
+                    "description": "says it back",
+                    "online": True,
+                }
+            ]
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_agent_reads_its_threads_messages_from_funduq(tmp_path):
+    async def recall(run_input: RunAgentInput, ctx: RunContext) -> AsyncIterator[Any]:
+        messages = await ctx.thread_messages()
+        said = " | ".join(m["content"] for m in messages if m["role"] == "user")
+        yield {"type": "RUN_STARTED", "threadId": ctx.thread_id, "runId": ctx.run_id}
+        yield {"type": "CUSTOM", "name": "recall", "value": said}
+        yield {"type": "RUN_FINISHED", "threadId": ctx.thread_id, "runId": ctx.run_id}
+
+    async with running_server(tmp_path) as info:
+        identity = Identity.generate()
+        provider = Provider(identity, info.provider_url)
+        provider.add_agent(recall, name="recall")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            first = await info.funduq.start_run(identity.fingerprint, "recall", user_input("one"))
+            await info.funduq.wait_run(first.run_id)
+            second = await info.funduq.start_run(
+                identity.fingerprint, "recall", user_input("two"), thread_id=first.thread_id
+            )
+            record = await info.funduq.wait_run(second.run_id)
+            assert record["status"] == "completed"
+            custom = [e["event"] for e in record["events"] if e["event"]["type"] == "CUSTOM"]
+            assert custom[0]["value"] == "one | two"
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_sdk_reconnects_when_the_server_drops_its_link(tmp_path):
+    from test_provider_link import attached  # a raw link under the same key replaces ours
+
+    async with running_server(tmp_path) as info:
+        identity = Identity.generate()
+        provider = Provider(
+            identity, info.provider_url, backoff=Backoff(initial=0.01, maximum=0.05, jitter=0)
+        )
+        provider.add_agent(make_echo(), name="echo")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            async with attached(info, identity=identity) as raw:
+                await raw.closed()  # the SDK came back and replaced the raw link in turn
+            with trio.fail_after(15):
+                await provider.wait_registered(2)
+            assert "replaced" in provider.last_end_reason
+            ticket = await info.funduq.start_run(identity.fingerprint, "echo", user_input("again"))
+            record = await info.funduq.wait_run(ticket.run_id)
+            assert record["status"] == "completed"
+            nursery.cancel_scope.cancel()
