@@ -1,0 +1,266 @@
+"""The A2A door: `POST /a2a/{provider}/{agent}` (JSON-RPC 2.0, SSE for the
+streaming methods) and `GET /a2a/{provider}/{agent}/.well-known/agent-card.json`.
+
+A thin trio shell over `protocol/a2a.py`, which owns every shape, the method
+tables of both protocol versions, the status mapping and the errors; this
+module only reads the request, calls the `Funduq` facade and writes the answer.
+a2a-sdk's own server classes are asyncio-only, so none of them run here.
+
+- Every answer is a JSON-RPC response at HTTP 200, errors included (as the
+  a2a-sdk server answers), so a client always learns the code and message.
+  The one exception is the card route: no such agent is a plain 404.
+- A task is a run and its `contextId` is the run's thread. A task id only
+  names tasks of the agent in the URL; any other run is "not found" here.
+- A message naming (`taskId`) the thread's paused task answers the pause: the
+  same task id continues. Any other message is a new run on its `contextId`'s
+  thread (a new thread without one; an unknown one is an invalid-params error).
+- Request-level metadata (`params.metadata`: `actorChain`, `cancel`,
+  `resolution`) goes to the broker; a message's own metadata binds nothing.
+- A streaming call is checked and its run started *before* the SSE response
+  begins, so every upfront error is an ordinary JSON answer. The stream opens
+  with the Task snapshot, then the updates of each event as it is recorded,
+  then the final status once the run settles or pauses. A caller that goes
+  away ends only its own stream, never the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from a2a.types import a2a_pb2 as pb
+from a2a.utils.errors import (
+    A2AError,
+    InternalError,
+    InvalidParamsError,
+    InvalidRequestError,
+    TaskNotFoundError,
+    UnsupportedOperationError,
+)
+from quart import Response, jsonify, request
+from werkzeug.exceptions import NotFound, RequestEntityTooLarge
+
+from ..broker.errors import FunduqError, RunNotPaused
+from ..identity import InvalidActorChain
+from ..protocol import a2a, statuses
+from .sse import sse_response
+
+CARD_PATH = "/.well-known/agent-card.json"
+
+log = logging.getLogger("funduq_trio.a2a")
+
+#: What the broker raises on purpose about a request (the rest are bugs).
+CALLER_ERRORS = (FunduqError, InvalidActorChain)
+
+
+def mount_a2a_door(app: Any, funduq: Any) -> None:
+    """Add the A2A routes to `app`. `funduq` is the `Funduq` facade, or a
+    zero-argument callable returning it (looked up per request)."""
+    get_funduq: Callable[[], Any] = funduq if callable(funduq) else (lambda: funduq)
+
+    async def rpc(provider: str, agent: str) -> Response:
+        return await A2ADoor(get_funduq(), provider, agent).answer()
+
+    app.add_url_rule("/a2a/<provider>/<agent>", "a2a_rpc", rpc, methods=["POST"])
+    app.add_url_rule("/a2a/<provider>/<agent>/", "a2a_rpc_slash", rpc, methods=["POST"])
+
+    async def card(provider: str, agent: str) -> Response:
+        view = get_funduq().find_agent(provider, agent)
+        if view is None:
+            raise NotFound(f"no agent {agent!r} published by provider {provider!r}")
+        rpc_url = f"{request.host_url.rstrip('/')}/a2a/{provider}/{agent}"
+        return jsonify(
+            a2a.agent_card(
+                name=view.name,
+                description=view.description,
+                rpc_url=rpc_url,
+                published=view.card if isinstance(view.card, Mapping) else None,
+            )
+        )
+
+    app.add_url_rule(f"/a2a/<provider>/<agent>{CARD_PATH}", "a2a_card", card, methods=["GET"])
+
+
+#: The brief's name for the same thing.
+mount_a2a = mount_a2a_door
+
+
+def _json(payload: dict[str, Any]) -> Response:
+    return jsonify(payload)
+
+
+class A2ADoor:
+    """One JSON-RPC request at one agent's endpoint."""
+
+    def __init__(self, funduq: Any, provider: str, agent: str) -> None:
+        self.funduq = funduq
+        self.provider = provider
+        self.agent = agent
+        self.view: Any = None
+
+    async def answer(self) -> Response:
+        try:
+            body = await request.get_data()
+        except RequestEntityTooLarge:
+            return _json(a2a.error_response(None, InvalidRequestError(message="Payload too large")))
+        try:
+            call = a2a.parse_call(body, request.headers.get("A2A-Version"))
+        except a2a.CallRejected as rejected:
+            return _json(rejected.response)
+        try:
+            self.view = self.funduq.find_agent(self.provider, self.agent)
+            if self.view is None:
+                raise InvalidRequestError(
+                    message=f"No agent {self.agent!r} is published by provider "
+                    f"{self.provider!r} at this funduq",
+                    data={"reason": "agent_not_found"},
+                )
+            if call.streaming:
+                return sse_response(await self.open_stream(call))
+            return _json(a2a.result_response(call, await self.perform(call)))
+        except A2AError as exc:
+            return _json(a2a.error_response(call, exc))
+        except CALLER_ERRORS as exc:
+            return _json(a2a.error_response(call, a2a.broker_error(exc, task_id=_task_id(call))))
+        except Exception as exc:
+            log.exception("A2A %s failed", call.method)
+            return _json(a2a.error_response(call, InternalError(message=str(exc) or None)))
+
+    # -- the record, seen from this agent's endpoint
+
+    def _ours(self, record: Mapping[str, Any] | None) -> bool:
+        if record is None:
+            return False
+        agent = record.get("agent") or {}
+        return agent.get("name") == self.view.name and agent.get("provider") in (
+            self.view.key,
+            self.view.fingerprint,
+        )
+
+    async def run_record(self, task_id: str) -> dict[str, Any]:
+        record = await self.funduq.get_run(task_id)
+        if not self._ours(record):
+            raise TaskNotFoundError(data={"taskId": task_id})
+        return record
+
+    # -- operations
+
+    async def perform(self, call: a2a.Call) -> Any:
+        if call.op == a2a.SEND:
+            run_id = await self.deliver(call)
+            blocking = not call.request.configuration.return_immediately
+            record = (
+                await self.funduq.wait_run(run_id)
+                if blocking
+                else await self.funduq.get_run(run_id)
+            )
+            return a2a.task_from_record(record)
+        if call.op == a2a.GET:
+            return a2a.task_from_record(await self.run_record(call.request.id))
+        if call.op == a2a.CANCEL:
+            task_id = call.request.id
+            await self.run_record(task_id)
+            metadata = call.request_metadata() or {}
+            record = await self.funduq.cancel_run(task_id, proof=metadata.get("cancel"))
+            return a2a.task_from_record(record, cancel_requested=True)
+        if call.op == a2a.LIST:
+            return await self.list_tasks(call.request)
+        raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
+
+    async def deliver(self, call: a2a.Call) -> str:
+        """Hand the call's message to the broker: the answer to the thread's
+        paused task it names, or a new run. Returns the task (run) id."""
+        message: pb.Message = call.request.message
+        metadata = call.request_metadata()
+        thread_id = message.context_id or None
+        if message.task_id:
+            record = await self.run_record(message.task_id)
+            if message.context_id and message.context_id != record["threadId"]:
+                raise InvalidParamsError(
+                    message=f"Context {message.context_id} does not match context "
+                    f"{record['threadId']} of task {message.task_id}"
+                )
+            thread_id = record["threadId"]
+            if record.get("status") == statuses.INPUT_REQUIRED:
+                interrupts = (record.get("metadata") or {}).get("interrupts") or []
+                run_input = a2a.run_input_from_message(message, interrupts=interrupts)
+                try:
+                    ticket = await self.funduq.answer_pause(
+                        message.task_id, run_input, metadata=metadata
+                    )
+                except RunNotPaused:
+                    pass  # answered meanwhile: this message is a new utterance
+                else:
+                    return ticket.run_id
+        ticket = await self.funduq.start_run(
+            self.view.key,
+            self.view.name,
+            a2a.run_input_from_message(message),
+            thread_id=thread_id,
+            metadata=metadata,
+        )
+        return ticket.run_id
+
+    async def list_tasks(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
+        records = await self.funduq.list_runs(
+            thread_id=req.context_id or None,
+            provider=self.view.key,
+            agent=self.view.name,
+            limit=10_000,
+        )
+        page = a2a.select_page(req, records)
+        full = []
+        for summary in page.records:
+            record = await self.funduq.get_run(summary["runId"])
+            full.append(record if record is not None else summary)
+        return a2a.list_tasks_response(req, page, full)
+
+    # -- streams
+
+    async def open_stream(self, call: a2a.Call) -> AsyncIterator[dict[str, Any]]:
+        """Check the call and start what it asks for, then return the stream
+        (everything that can fail upfront has failed by the time this returns)."""
+        if call.op == a2a.STREAM:
+            run_id = await self.deliver(call)
+            record = await self.funduq.get_run(run_id)
+        else:
+            record = await self.run_record(call.request.id)
+            if record.get("status") in statuses.TERMINAL:
+                state = pb.TaskState.Name(a2a.task_state(record["status"]))
+                raise UnsupportedOperationError(
+                    message=f"Task {call.request.id} is in terminal state: {state}"
+                )
+        return self.stream(call, record)
+
+    async def stream(
+        self, call: a2a.Call, record: Mapping[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        projection = a2a.TaskProjection.from_record(record)
+        run_id = projection.task_id
+        try:
+            yield a2a.stream_frame(call, pb.StreamResponse(task=projection.task()))
+            follow = self.funduq.follow(run_id, after_seq=projection.last_seq)
+            async with contextlib.aclosing(follow) as events:
+                async for seq, event in events:
+                    for update in projection.apply(seq, event):
+                        yield a2a.stream_frame(call, update)
+            settled = await self.funduq.wait_run(run_id)
+            yield a2a.stream_frame(call, projection.settle(settled))
+        except A2AError as exc:
+            yield a2a.error_response(call, exc)
+        except CALLER_ERRORS as exc:
+            yield a2a.error_response(call, a2a.broker_error(exc, task_id=run_id))
+        except Exception as exc:
+            log.exception("A2A stream of %s failed", run_id)
+            yield a2a.error_response(call, InternalError(message=str(exc) or None))
+
+
+def _task_id(call: a2a.Call) -> str | None:
+    request_obj = call.request
+    if request_obj is None:
+        return None
+    if call.op in (a2a.SEND, a2a.STREAM):
+        return request_obj.message.task_id or None
+    return getattr(request_obj, "id", None) or None
