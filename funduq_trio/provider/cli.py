@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -117,16 +118,24 @@ def run_provider_cli(argv: list[str] | None = None) -> int:
 
     status = 0
 
-    async def main() -> None:
+    async def serve(cancel_scope: trio.CancelScope) -> None:
         nonlocal status
         try:
             await provider.run()
         except (ConnectRejected, FunduqKeyMismatch, RegisterRejected) as exc:
             print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
             status = 1
+        cancel_scope.cancel()
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        return 0
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve, nursery.cancel_scope)
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    print(f"{PROG}: {name}, stopping", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(main)
     return status
