@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import trio
+import trio.testing
 
 from funduq_trio.broker.funduq import Funduq
 from funduq_trio.config import Settings
@@ -106,3 +107,146 @@ async def broker(tmp_path: Path, **overrides: Any) -> AsyncIterator[Funduq]:
 
 async def settled(funduq: Funduq, run_id: str) -> dict[str, Any]:
     return await funduq.wait_run(run_id)
+
+
+# -- deterministic stepping under MockClock -------------------------------------------
+#
+# The record runs SQLite off the trio thread, so "every task is blocked" is not yet
+# "nothing more will happen": a task may be waiting on a worker thread. `quiet()`
+# waits until every task is blocked AND no worker thread is out (each holds a token
+# of trio's default thread limiter). With `mock_clock` (no autojump) time then stands
+# still, so what a test reads after `quiet()` is what the broker does with no more
+# time passing -- and a broker that never gets there fails the test instead of
+# hanging it.
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts task steps, and cancels ``scope`` once there were too many: the
+    broker was busy for that long without time passing (a busy loop)."""
+
+    def __init__(self, scope: trio.CancelScope, budget: int) -> None:
+        self.scope, self.budget, self.count = scope, budget, 0
+        self.token = trio.lowlevel.current_trio_token()
+
+    def before_task_step(self, task: Any) -> None:
+        self.count += 1
+        if self.count == self.budget:
+            self.token.run_sync_soon(self.scope.cancel)
+
+
+class BusyLoop(AssertionError):
+    pass
+
+
+async def quiet(budget: int = 50_000) -> None:
+    """Let the broker do everything it can do without time passing. A broker
+    still busy after ``budget`` task steps is spinning: the test fails."""
+    limiter = trio.to_thread.current_default_thread_limiter()
+    with trio.CancelScope() as scope:
+        steps = _Steps(scope, budget)
+        trio.lowlevel.add_instrument(steps)
+        try:
+            calm = 0
+            while calm < 2:
+                await trio.testing.wait_all_tasks_blocked()
+                calm = calm + 1 if limiter.borrowed_tokens == 0 else 0
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    if scope.cancelled_caught:
+        raise BusyLoop(f"the broker never went quiet: {steps.count} task steps "
+                       "without time passing")
+
+
+async def advance(clock: Any, seconds: float) -> None:
+    """Settle, move trio's (mock) clock forward, settle again."""
+    await quiet()
+    clock.jump(seconds)
+    await quiet()
+
+
+async def status_of(funduq: Funduq, run_id: str) -> str:
+    await quiet()
+    run = await funduq.get_run(run_id)
+    assert run is not None, run_id
+    return run["status"]
+
+
+async def record_of(funduq: Funduq, run_id: str) -> dict[str, Any]:
+    await quiet()
+    run = await funduq.get_run(run_id)
+    assert run is not None, run_id
+    return run
+
+
+def events_of(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e["event"] for e in run["events"]]
+
+
+def offered_runs(link: FakeLink) -> list[str]:
+    """The run ids of the offers a link received, in order."""
+    return [run["runId"] for _, run in link.offers]
+
+
+def offer_ids_for(link: FakeLink, run_id: str) -> list[str]:
+    return [oid for oid, run in link.offers if run["runId"] == run_id]
+
+
+def last_offer_for(link: FakeLink, run_id: str) -> str:
+    ids = offer_ids_for(link, run_id)
+    assert ids, f"{run_id} was never offered"
+    return ids[-1]
+
+
+async def online(funduq: Funduq, agent: str = AGENT) -> bool:
+    return next(a["online"] for a in await funduq.roster() if a["name"] == agent)
+
+
+def interrupt_finish(run_id: str, thread_id: str,
+                     interrupts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id,
+            "outcome": {"type": "interrupt", "interrupts": interrupts}}
+
+
+def resume_input(interrupt_id: str, payload: Any = True, text: str | None = None,
+                 message_id: str = "answer-1") -> dict[str, Any]:
+    messages = [] if text is None else [{"id": message_id, "role": "user", "content": text}]
+    return {"threadId": "caller-thread", "runId": "caller-run", "messages": messages,
+            "resume": [{"interruptId": interrupt_id, "status": "resolved", "payload": payload}]}
+
+
+class Follower:
+    """Consumes ``funduq.follow`` in the background; ``items`` grows as it yields,
+    ``ended`` is set when the generator returns. Each item is checked against the
+    record as it is yielded (persisted before relayed)."""
+
+    def __init__(self, funduq: Funduq, run_id: str, after_seq: int = 0) -> None:
+        self.funduq, self.run_id, self.after_seq = funduq, run_id, after_seq
+        self.items: list[tuple[int, dict[str, Any]]] = []
+        self.not_yet_durable: list[int] = []
+        self.ended = trio.Event()
+
+    async def run(self) -> None:
+        async with contextlib.aclosing(self.funduq.follow(self.run_id, self.after_seq)) as gen:
+            async for seq, event in gen:
+                self.items.append((seq, event))
+                run = await self.funduq.get_run(self.run_id)
+                if seq not in {e["seq"] for e in run["events"]}:
+                    self.not_yet_durable.append(seq)
+        self.ended.set()
+
+
+async def start(funduq: Funduq, p: Provider, *, thread_id: str | None = None,
+                text: str = "hello", agent: str = AGENT) -> Any:
+    """Start a run and let the broker do what it does with it (offer or not)."""
+    ticket = await funduq.start_run(p.key, agent, user_input(text), thread_id=thread_id)
+    await quiet()
+    return ticket
+
+
+async def accepted(funduq: Funduq, p: Provider, *, thread_id: str | None = None,
+                   text: str = "hello") -> Any:
+    """Start a run, accept its offer, and let the broker claim it."""
+    ticket = await start(funduq, p, thread_id=thread_id, text=text)
+    p.session.answer(last_offer_for(p.link, ticket.run_id), "accepted")
+    await quiet()
+    return ticket

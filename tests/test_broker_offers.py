@@ -1,0 +1,419 @@
+"""Offering: events flowing, thread order, places, declines, refusals, the
+delivery timeout and the thread queue limit (DESIGN §2 "Offering").
+
+Every test drives the real Funduq on a SQLite file through its facade and its
+provider port, under trio's MockClock with no autojump: time moves only when a
+test says so, and `quiet()` lets the broker do all it can without time passing.
+"""
+
+import pytest
+import trio
+from broker_support import (
+    AGENT,
+    Follower,
+    Provider,
+    accepted,
+    advance,
+    broker,
+    events_of,
+    last_offer_for,
+    offer_ids_for,
+    offered_runs,
+    quiet,
+    record_of,
+    reply,
+    start,
+    status_of,
+    user_input,
+)
+
+from funduq_trio.broker.errors import ThreadQueueFull
+
+# -- 1. events flow from provider to caller ---------------------------------------------
+
+
+async def test_events_flow_to_followers_in_order_and_run_completes(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await start(funduq, p)
+        assert offered_runs(p.link) == [t.run_id]
+        events = reply(t.run_id, t.thread_id, text="ahoy", deltas=3)
+        async with trio.open_nursery() as nursery:
+            live = Follower(funduq, t.run_id)
+            nursery.start_soon(live.run)
+            await quiet()
+            p.session.answer(last_offer_for(p.link, t.run_id), "accepted")
+            p.stream(t.run_id, *events[:3], finish=False)
+            await quiet()
+            assert live.items == [(1, events[0]), (2, events[1]), (3, events[2])]
+            assert not live.ended.is_set()
+            assert await status_of(funduq, t.run_id) == "running"
+            # A follower re-attaching from seq 2 gets what it missed, then the rest live.
+            late = Follower(funduq, t.run_id, after_seq=2)
+            nursery.start_soon(late.run)
+            await quiet()
+            assert late.items == [(3, events[2])]
+            p.stream(t.run_id, *events[3:])
+            await quiet()
+            assert live.ended.is_set() and late.ended.is_set()
+        assert live.items == list(enumerate(events, start=1))
+        assert late.items == list(enumerate(events, start=1))[2:]
+        assert live.not_yet_durable == [] and late.not_yet_durable == []
+        record = await funduq.wait_run(t.run_id)
+        assert record["status"] == "completed"
+        assert [e["seq"] for e in record["events"]] == list(range(1, len(events) + 1))
+        assert events_of(record) == events
+        # Re-attaching after the run ended reads the record from the given seq.
+        async with trio.open_nursery() as nursery:
+            after = Follower(funduq, t.run_id, after_seq=4)
+            nursery.start_soon(after.run)
+        assert after.items == list(enumerate(events, start=1))[4:]
+
+
+# -- 2. thread order; threads side by side ----------------------------------------------
+
+
+async def test_second_utterance_is_offered_once_the_first_is_accepted_not_finished(
+        tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        b = await start(funduq, p, thread_id=a.thread_id, text="and another thing")
+        assert offered_runs(p.link) == [a.run_id]
+        assert await status_of(funduq, b.run_id) == "queued"
+        await advance(mock_clock, 4)  # inside the delivery timeout: still only the head
+        assert offered_runs(p.link) == [a.run_id]
+        p.session.answer(last_offer_for(p.link, a.run_id), "accepted")
+        p.stream(a.run_id, reply(a.run_id, a.thread_id)[0], finish=False)
+        await quiet()
+        assert offered_runs(p.link) == [a.run_id, b.run_id]
+        assert await status_of(funduq, a.run_id) == "running"  # not finished, yet b went over
+        assert await status_of(funduq, b.run_id) == "offering"
+
+
+async def test_two_threads_on_one_agent_are_offered_side_by_side(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        c = await start(funduq, p)
+        assert a.thread_id != c.thread_id
+        assert sorted(offered_runs(p.link)) == sorted([a.run_id, c.run_id])
+        assert await status_of(funduq, a.run_id) == "offering"
+        assert await status_of(funduq, c.run_id) == "offering"
+
+
+async def test_a_slow_answer_on_one_thread_delays_no_other_thread(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        slow = await start(funduq, p)  # never answered in this test
+        c = await start(funduq, p)
+        d = await start(funduq, p, thread_id=c.thread_id, text="second")
+        assert offered_runs(p.link) == [slow.run_id, c.run_id]
+        p.session.answer(last_offer_for(p.link, c.run_id), "accepted")
+        await quiet()
+        assert offered_runs(p.link)[-1] == d.run_id  # c's thread moves on
+        p.stream(c.run_id, *reply(c.run_id, c.thread_id))
+        p.session.answer(last_offer_for(p.link, d.run_id), "accepted")
+        p.stream(d.run_id, *reply(d.run_id, d.thread_id))
+        await quiet()
+        assert await status_of(funduq, c.run_id) == "completed"
+        assert await status_of(funduq, d.run_id) == "completed"
+        assert await status_of(funduq, slow.run_id) == "offering"  # all of it in zero time
+
+
+# -- 3. the place is spent when the offer leaves ------------------------------------------
+
+
+async def test_room_for_one_gets_exactly_one_offer_while_it_thinks(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        a = await start(funduq, p)
+        b = await start(funduq, p)
+        c = await start(funduq, p)
+        assert offered_runs(p.link) == [a.run_id]
+        await advance(mock_clock, 4.5)
+        assert offered_runs(p.link) == [a.run_id]
+        assert await status_of(funduq, b.run_id) == "queued"
+        assert await status_of(funduq, c.run_id) == "queued"
+
+
+async def test_room_for_one_attaching_to_waiting_threads_gets_one_offer(tmp_path, mock_clock):
+    """Two threads wait on the grace road; a provider with room for one comes
+    back. Both lanes wake at once; only one of them may have an offer out."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        x = await accepted(funduq, p)  # holds the one place
+        a = await start(funduq, p)
+        b = await start(funduq, p)
+        assert offered_runs(p.link) == [x.run_id]
+        p.session.detach()
+        await advance(mock_clock, 10)
+        assert await status_of(funduq, a.run_id) == "queued"
+        await p.attach()
+        await quiet()
+        assert len(p.link.offers) == 1, offered_runs(p.link)
+        waiting = {a.run_id, b.run_id} - set(offered_runs(p.link))
+        assert [await status_of(funduq, r) for r in waiting] == ["queued"]
+
+
+async def test_place_returns_when_the_offer_is_refused(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        a = await start(funduq, p)
+        b = await start(funduq, p)
+        assert offered_runs(p.link) == [a.run_id]
+        p.session.answer(last_offer_for(p.link, a.run_id), "refused", "not today")
+        await quiet()
+        assert offered_runs(p.link) == [a.run_id, b.run_id]
+
+
+async def test_place_returns_when_the_offer_is_declined(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        a = await start(funduq, p)
+        p.session.answer(last_offer_for(p.link, a.run_id), "declined")
+        await quiet()
+        b = await start(funduq, p)  # arrives after the decline gave the place back
+        assert offered_runs(p.link) == [a.run_id, b.run_id]
+
+
+async def test_place_returns_when_the_held_run_ends(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        a = await accepted(funduq, p)
+        b = await start(funduq, p)
+        assert offered_runs(p.link) == [a.run_id]  # accepted and held: still no room
+        p.stream(a.run_id, *reply(a.run_id, a.thread_id), finish=False)
+        await quiet()
+        assert offered_runs(p.link) == [a.run_id]  # RUN_FINISHED reported, stream not ended
+        assert p.session.finish(a.run_id)
+        await quiet()
+        assert offered_runs(p.link) == [a.run_id, b.run_id]
+
+
+async def test_a_freed_place_reaches_a_run_that_can_use_it(tmp_path, mock_clock):
+    """The place a finished run frees must reach a run that can take it, not a
+    run of an agent the provider no longer serves (which cannot use it)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach(AGENT, "other")
+        x = await accepted(funduq, p)  # fills the one place
+        y = await start(funduq, p, agent="other")  # waits for room...
+        await p.session.register([{"name": AGENT, "description": "", "card": {},
+                                   "metadata": {}}])  # ...then for a provider: "other" dropped
+        await quiet()
+        z = await start(funduq, p)  # waits for room on a served agent
+        assert offered_runs(p.link) == [x.run_id]
+        p.stream(x.run_id, *reply(x.run_id, x.thread_id))  # the place frees
+        await quiet()
+        assert offered_runs(p.link) == [x.run_id, z.run_id]
+        assert await status_of(funduq, y.run_id) == "queued"  # on its grace road
+
+
+async def test_a_freed_place_taken_by_another_head_leaves_the_waiters_waiting(
+        tmp_path, mock_clock):
+    """A place frees (and is handed to the longest waiter) at the moment
+    another thread's next head, moving up because its head was accepted, takes
+    it first. The waiters that find no room must wait -- not hand the wake-up
+    back and forth between themselves. Which of the two woken lanes runs first
+    is trio's (random) choice, so the scene is played several times."""
+    for attempt in range(8):
+        async with broker(tmp_path / str(attempt)) as funduq:
+            p = await Provider(funduq, max_concurrent=2).attach()
+            held = await accepted(funduq, p)
+            head = await start(funduq, p)  # offering: the second place
+            nxt = await start(funduq, p, thread_id=head.thread_id, text="next")
+            w1 = await start(funduq, p)
+            w2 = await start(funduq, p)
+            assert offered_runs(p.link) == [held.run_id, head.run_id]
+            # In one tick: the held run's stream ends, and the offering head is accepted.
+            assert p.session.finish(held.run_id)
+            p.session.answer(last_offer_for(p.link, head.run_id), "accepted")
+            await quiet()
+            assert len(p.link.offers) == 3  # exactly one of nxt, w1, w2 got the place
+            assert offered_runs(p.link)[2] in {nxt.run_id, w1.run_id, w2.run_id}
+            statuses = [await status_of(funduq, t.run_id) for t in (nxt, w1, w2)]
+            assert sorted(statuses) == ["offering", "queued", "queued"]
+
+
+async def test_a_freed_place_reaches_the_next_waiter_when_the_first_is_cancelled(
+        tmp_path, mock_clock):
+    """A place frees while the longest waiter is being cancelled: the place
+    must still reach the next waiter. Whether the cancel or the freed place
+    reaches the first waiter's lane first is trio's (random) choice, so the
+    scene is played several times."""
+    for attempt in range(8):
+        async with broker(tmp_path / str(attempt)) as funduq:
+            p = await Provider(funduq, max_concurrent=1).attach()
+            held = await accepted(funduq, p)
+            first = await start(funduq, p)
+            second = await start(funduq, p)
+            assert offered_runs(p.link) == [held.run_id]
+            # In one tick: the held run's stream ends, and the first waiter is cancelled.
+            p.stream(held.run_id, *reply(held.run_id, held.thread_id)[-1:], finish=False)
+            await quiet()
+            assert p.session.finish(held.run_id)
+            answer = await funduq.cancel_run(first.run_id)
+            assert answer["status"] == "cancelled"
+            await quiet()
+            assert offered_runs(p.link) == [held.run_id, second.run_id], attempt
+            assert await status_of(funduq, held.run_id) == "completed"
+
+
+async def test_place_returns_when_the_offer_goes_unanswered(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        a = await start(funduq, p)
+        await advance(mock_clock, 5.5)
+        ids = offer_ids_for(p.link, a.run_id)
+        assert len(ids) == 2 and ids[0] != ids[1]  # the place came back: offered again
+
+
+# -- 4. declined: back to queued at the head, re-offered only when something changes -----
+
+
+async def test_declined_run_is_queued_at_the_head_and_not_reoffered_in_a_loop(
+        tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        b = await start(funduq, p, thread_id=a.thread_id, text="behind")
+        p.session.answer(last_offer_for(p.link, a.run_id), "declined")
+        assert await status_of(funduq, a.run_id) == "queued"
+        assert offered_runs(p.link) == [a.run_id]  # b stays behind its head
+        for _ in range(6):
+            await advance(mock_clock, 600)
+        assert offered_runs(p.link) == [a.run_id]
+        assert await status_of(funduq, a.run_id) == "queued"
+        assert await status_of(funduq, b.run_id) == "queued"
+
+
+async def test_declined_run_is_reoffered_when_a_place_frees(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=2).attach()
+        x = await accepted(funduq, p)
+        a = await start(funduq, p)
+        p.session.answer(last_offer_for(p.link, a.run_id), "declined")
+        await quiet()
+        assert offered_runs(p.link) == [x.run_id, a.run_id]
+        p.stream(x.run_id, *reply(x.run_id, x.thread_id))
+        await quiet()
+        assert offered_runs(p.link) == [x.run_id, a.run_id, a.run_id]
+        assert await status_of(funduq, a.run_id) == "offering"
+
+
+async def test_declined_run_is_reoffered_when_the_provider_republishes(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        b = await start(funduq, p, thread_id=a.thread_id, text="behind")
+        p.session.answer(last_offer_for(p.link, a.run_id), "declined")
+        await quiet()
+        await p.session.register([{"name": AGENT, "description": "", "card": {}, "metadata": {}}])
+        await quiet()
+        assert offered_runs(p.link) == [a.run_id, a.run_id]  # the head again, not b
+        assert await status_of(funduq, b.run_id) == "queued"
+
+
+async def test_declined_run_is_reoffered_when_the_provider_attaches_again(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        p.session.answer(last_offer_for(p.link, a.run_id), "declined")
+        await quiet()
+        await p.attach()  # same key, a fresh link
+        await quiet()
+        assert offered_runs(p.link) == [a.run_id]
+        assert await status_of(funduq, a.run_id) == "offering"
+
+
+# -- 5. refused ----------------------------------------------------------------------------
+
+
+async def test_refused_run_fails_with_the_reason_verbatim_and_is_offered_once(
+        tmp_path, mock_clock):
+    reason = "I only speak Klingon — «nuqneH»; try the other desk"
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        b = await start(funduq, p, thread_id=a.thread_id, text="behind")
+        p.session.answer(last_offer_for(p.link, a.run_id), "refused", reason)
+        record = await record_of(funduq, a.run_id)
+        assert record["status"] == "failed"
+        assert record["metadata"]["failureReason"] == reason
+        assert events_of(record) == [{"type": "RUN_ERROR", "message": reason, "code": reason}]
+        assert offered_runs(p.link) == [a.run_id, b.run_id]  # the thread moved on
+        # Nothing that would wake a declined run re-offers a refused one.
+        await p.session.register([{"name": AGENT, "description": "", "card": {}, "metadata": {}}])
+        await advance(mock_clock, 3600)
+        assert len(offer_ids_for(p.link, a.run_id)) == 1
+        assert await status_of(funduq, a.run_id) == "failed"
+
+
+# -- 6. the delivery timeout ---------------------------------------------------------------
+
+
+async def test_unanswered_offer_returns_to_queued_and_counts_unanswered(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        first = last_offer_for(p.link, a.run_id)
+        await advance(mock_clock, 4.9)
+        assert offer_ids_for(p.link, a.run_id) == [first]
+        assert await status_of(funduq, a.run_id) == "offering"
+        await advance(mock_clock, 0.2)  # past the default 5 s
+        second = last_offer_for(p.link, a.run_id)
+        assert second != first  # back in the queue, and offered afresh
+        p.session.answer(first, "accepted")  # too late: funduq stopped waiting for it
+        assert await status_of(funduq, a.run_id) == "offering"
+        assert p.session.report(a.run_id, reply(a.run_id, a.thread_id)[0]) is False
+        # Each unanswered offer counts; the third reaches the allowance (3).
+        assert p.link.closed is None
+        await advance(mock_clock, 5.1)
+        assert p.link.closed is None
+        await advance(mock_clock, 5.1)
+        assert p.link.closed is not None and "unanswered" in p.link.closed
+        assert await status_of(funduq, a.run_id) == "queued"
+        assert len(offer_ids_for(p.link, a.run_id)) == 3
+
+
+async def test_delivery_timeout_is_configurable(tmp_path, mock_clock):
+    async with broker(tmp_path, deliver_timeout_seconds=20) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        await advance(mock_clock, 19)
+        assert len(offer_ids_for(p.link, a.run_id)) == 1
+        await advance(mock_clock, 2)
+        assert len(offer_ids_for(p.link, a.run_id)) == 2
+
+
+# -- 14. the thread queue limit --------------------------------------------------------------
+
+
+async def test_thread_queue_limit_refuses_the_next_utterance_loudly(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        head = await start(funduq, p)  # offering, unanswered: still pending
+        tid = head.thread_id
+        for i in range(7):
+            await funduq.start_run(p.key, AGENT, user_input(f"u{i}"), thread_id=tid)
+        with pytest.raises(ThreadQueueFull):
+            await funduq.start_run(p.key, AGENT, user_input("one too many"), thread_id=tid)
+        thread = await funduq.get_thread(tid)
+        assert len(thread["runs"]) == 8  # nothing dropped, nothing added
+        # Another thread is not affected.
+        other = await start(funduq, p)
+        assert await status_of(funduq, other.run_id) == "offering"
+        # Once the head is accepted it no longer counts: there is room again.
+        p.session.answer(last_offer_for(p.link, head.run_id), "accepted")
+        await quiet()
+        late = await funduq.start_run(p.key, AGENT, user_input("now"), thread_id=tid)
+        assert await status_of(funduq, late.run_id) == "queued"
+
+
+async def test_thread_queue_limit_is_configurable(tmp_path, mock_clock):
+    async with broker(tmp_path, thread_queue_limit=2) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        await funduq.start_run(p.key, AGENT, user_input("2"), thread_id=a.thread_id)
+        with pytest.raises(ThreadQueueFull):
+            await funduq.start_run(p.key, AGENT, user_input("3"), thread_id=a.thread_id)
