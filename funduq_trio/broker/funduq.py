@@ -359,7 +359,7 @@ class Funduq:
             raise RunNotCancellable(f"run {run_id} is paused or has ended; nothing to stop")
         cancel = Cancel(by)
         lane.tell(cancel)
-        if lane.status != st.OFFERING:
+        if not lane.awaiting_answer:
             # An offering run reads the cancel only after the provider's answer;
             # don't hold the caller for that.
             await cancel.seen.wait()

@@ -154,6 +154,8 @@ class Lane:
         self._texts: dict[str, dict[str, Any]] = {}
         self._session: ProviderSession | None = None
         self._backlog: deque[Message] = deque()
+        #: An offer is out (or about to leave): a cancel now is read after the answer.
+        self.awaiting_answer = False
         self._baton = False
 
     # -- the inbox ---------------------------------------------------------------
@@ -197,10 +199,15 @@ class Lane:
             if await self._until_accepted():
                 await self._while_held()
         finally:
+            # What is still unread gets its due: a cancel an answer, a baton
+            # its next holder. Drain before closing -- a closed inbox is empty.
+            leftovers = self._drain()
             self._inbox.close()
-            for message in self._drain():
+            for message in leftovers:
                 if isinstance(message, Cancel):
                     message.seen.set()
+                elif isinstance(message, Wake):
+                    self._baton = self._baton or message.baton
             self.f.providers.stop_waiting(self.key, self)
             self._pass_baton()
             if self.thread is not None:
@@ -225,9 +232,11 @@ class Lane:
         head = False
         declined = False
         while True:
-            for message in self._drain():
+            drained = self._drain()
+            for i, message in enumerate(drained):
                 outcome = await self._pending_message(message)
                 if outcome == "settled":
+                    self._backlog.extend(drained[i + 1:])
                     return False
                 head = head or outcome == "turn"
                 declined = declined and outcome != "wake"
@@ -284,18 +293,24 @@ class Lane:
         wake-up to the next waiting head, so no freed place goes unnoticed."""
         if self._baton:
             self._baton = False
-            self.f.providers.wake_for_room(self.key)
+            session = self.f.providers.sessions.get(self.key)
+            if session is not None and session.live and session.has_room():
+                self.f.providers.wake_for_room(self.key)
 
     async def _offer(self, session: ProviderSession) -> str:
         offer = session.reserve(self)
         self._baton = False
-        if not await self._move(st.OFFERING):
-            session.give_back()
-            return "settled"
-        session.send(offer, self.f._offer_payload(self))
-        with trio.move_on_after(self.f.settings.deliver_timeout_seconds):
-            await offer.answered.wait()
-        session.withdraw(offer)
+        self.awaiting_answer = True
+        try:
+            if not await self._move(st.OFFERING):
+                session.give_back()
+                return "settled"
+            session.send(offer, self.f._offer_payload(self))
+            with trio.move_on_after(self.f.settings.deliver_timeout_seconds):
+                await offer.answered.wait()
+            session.withdraw(offer)
+        finally:
+            self.awaiting_answer = False
         verdict, reason = offer.verdict, offer.reason
         if verdict == ACCEPTED:
             # Not awaited: the record's writer is first-in first-out, so every
