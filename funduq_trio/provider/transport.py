@@ -5,6 +5,7 @@ connection instead."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -53,7 +54,11 @@ class _WebSocketConnection:
             raise LinkLost(_closed_reason(exc)) from None
 
     async def aclose(self, reason: str = "") -> None:
-        with trio.move_on_after(2) as scope:
+        # Being cancelled (the runtime is stopping), the connection's reader
+        # task is cancelled too and funduq's close reply would never be read:
+        # send the close frame but do not wait long for the reply.
+        stopping = trio.current_effective_deadline() == -math.inf
+        with trio.move_on_after(0.05 if stopping else 2) as scope:
             scope.shield = True
             try:
                 await self._ws.aclose(1000, reason[:120] or None)
