@@ -198,6 +198,10 @@ class Lane:
                 return
             if await self._until_accepted():
                 await self._while_held()
+        except Exception:
+            # A bug in one run must not end every other conversation: the run
+            # stays as recorded (a restart settles it) and the fault is logged.
+            log.exception("run %s: lane failed; the run is left as recorded", self.run_id)
         finally:
             # What is still unread gets its due: a cancel an answer, a baton
             # its next holder. Drain before closing -- a closed inbox is empty.

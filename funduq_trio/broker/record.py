@@ -90,7 +90,9 @@ COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    # ASCII-escaped: valid JSON may carry lone surrogates ("\ud800"), which
+    # SQLite's UTF-8 text cannot hold unescaped.
+    return json.dumps(value, separators=(",", ":"))
 
 
 def iso(ts: float | None) -> str | None:
