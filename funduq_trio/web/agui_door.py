@@ -44,6 +44,29 @@ from .sse import sse_response
 METADATA_KEYS = ("actorChain", "resolution")
 
 
+# Deeper bodies are refused before anything walks them recursively (validation,
+# the record's serializer): no real RunAgentInput comes near it.
+MAX_NESTING = 100
+
+
+def nesting(value: Any) -> int:
+    """How deep JSON containers nest in `value` (a scalar is 0), without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 class InvalidJSON(BadRequest):
     error_code = "invalid_json"
 
@@ -51,8 +74,8 @@ class InvalidJSON(BadRequest):
 def invalid_input(exc: ValidationError) -> InvalidRunInput:
     # What failed and where; not the offending input itself (it can be the whole body).
     details = [
-        {k: v for k, v in err.items() if k != "input"}
-        for err in json.loads(exc.json(include_url=False))
+        {"type": err["type"], "loc": list(err["loc"]), "msg": err["msg"]}
+        for err in exc.errors(include_url=False, include_input=False, include_context=False)
     ]
     summary = "; ".join(
         f"{'.'.join(str(p) for p in err.get('loc', ())) or '(body)'}: {err.get('msg')}"
@@ -83,6 +106,10 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
             body = json.loads(raw_body)
         except (UnicodeDecodeError, ValueError) as exc:
             raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # nested past Python's own limit
+            raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels") from None
+        if nesting(body) > MAX_NESTING:
+            raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels")
         try:
             run_input = RunAgentInput.model_validate(body)
         except ValidationError as exc:

@@ -40,8 +40,11 @@ SSE_HEADERS = {
 
 def sse_frame(data: Any) -> bytes:
     """One SSE frame carrying `data` as compact JSON."""
-    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return b"data: " + text.encode("utf-8") + b"\n\n"
+    try:
+        body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: only \u-escaped JSON can carry it
+        body = json.dumps(data, separators=(",", ":")).encode("ascii")
+    return b"data: " + body + b"\n\n"
 
 
 async def sse_frames(events: AsyncIterable[Any]) -> AsyncIterator[bytes]:
