@@ -24,6 +24,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from ..broker import errors
 from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
+from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
@@ -76,7 +77,8 @@ def create_app(funduq: Funduq) -> QuartTrio:
         PROPAGATE_EXCEPTIONS=False,
     )
     app.json.sort_keys = False  # keep the shapes' own key order
-    app.json.ensure_ascii = False
+    # ensure_ascii stays on: a body may carry lone surrogates ("\ud800" is valid
+    # JSON), which only escaped output can echo back without failing to encode.
     app.extensions["funduq"] = funduq
 
     @app.errorhandler(HTTPException)
@@ -112,6 +114,7 @@ def create_app(funduq: Funduq) -> QuartTrio:
         return json_error(403, "invalid_actor_chain", str(exc))
 
     mount_reads(app, funduq)
+    mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
     return app

@@ -1,0 +1,129 @@
+"""The command line: `serve` settings and signals, and `call` against a real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from support import http_client, raw_provider, running_server
+
+from funduq_trio.cli import build_parser, settings_from_args
+
+
+def settings_for(argv: list[str], env: dict[str, str]):
+    return settings_from_args(build_parser().parse_args(["serve", *argv]), env)
+
+
+def test_flags_override_the_environment():
+    env = {"FUNDUQ_PORT": "9001", "FUNDUQ_THREAD_QUEUE_LIMIT": "3", "FUNDUQ_DATA_DIR": "/tmp/x"}
+    settings = settings_for(["--port", "9002", "--provider-keys", f"{'a' * 64},{'B' * 64}"], env)
+    assert settings.port == 9002  # flag wins
+    assert settings.thread_queue_limit == 3  # env where no flag
+    assert settings.data_dir == Path("/tmp/x")
+    assert settings.provider_keys == frozenset({"a" * 64, "b" * 64})
+    assert settings_for([], {}).port == 8000  # the design's default
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        (["--port", "eighty"], {}, "--port"),
+        ([], {"FUNDUQ_PORT": "99999"}, "FUNDUQ_PORT"),
+        (["--thread-queue-limit", "0"], {}, "FUNDUQ_THREAD_QUEUE_LIMIT"),
+        (["--provider-keys", "abc"], {}, "FUNDUQ_PROVIDER_KEYS"),
+        (["--database-url", "postgres://x"], {}, "FUNDUQ_DATABASE_URL"),
+        ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_setting(argv, env, names):
+    with pytest.raises(ValueError, match=names):
+        settings_for(argv, env)
+
+
+def cli_env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+async def test_serve_exits_cleanly_on_sigint(tmp_path):
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
+         str(tmp_path)],
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    try:
+        output = b""
+        while b"serving on " not in output or not output.endswith(b"\n"):
+            chunk = await process.stderr.receive_some()
+            assert chunk, output.decode()
+            output += chunk
+        url = output.decode().split("serving on ", 1)[1].split()[0]
+        async with httpx.AsyncClient(timeout=30) as http:
+            assert (await http.get(f"{url}/healthz")).status_code == 200
+        process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):  # a safety net, not a behaviour clock
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert (tmp_path / "funduq.sqlite3").exists()
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+async def test_call_sends_one_message_and_prints_the_reply(tmp_path, by_name):
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        async with trio.open_nursery() as nursery:
+            result = {}
+
+            if by_name:  # the server's URL and the agent's name
+                where = ["--url", info.url, "--agent", "echo"]
+            else:  # the agent's A2A URL
+                where = ["--url", info.a2a_url(provider.fingerprint, "echo")]
+
+            async def call():
+                result["done"] = await trio.run_process(
+                    [sys.executable, "-m", "funduq_trio", "call", *where, "hello there"],
+                    capture_stdout=True, capture_stderr=True, check=False, env=cli_env(),
+                )
+
+            nursery.start_soon(call)
+            run = await provider.next_offer()
+            said = run["runInput"]["messages"][-1]["content"]
+            await provider.answer(run, "accepted")
+            ids = {"threadId": run["threadId"], "runId": run["runId"]}
+            await provider.play(run, [
+                {"type": "RUN_STARTED", **ids},
+                {"type": "TEXT_MESSAGE_START", "messageId": "m-1", "role": "assistant"},
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "you said: "},
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": said},
+                {"type": "TEXT_MESSAGE_END", "messageId": "m-1"},
+                {"type": "RUN_FINISHED", **ids},
+            ])
+        done = result["done"]
+        assert done.returncode == 0, done.stderr.decode()
+        assert done.stdout.decode() == "you said: hello there\n"
+        assert (await http.get(f"/runs/{run['runId']}")).json()["status"] == "completed"
+
+
+async def test_call_by_name_says_when_no_agent_is_online(tmp_path):
+    async with running_server(tmp_path) as info:
+        done = await trio.run_process(
+            [sys.executable, "-m", "funduq_trio", "call", "--url", info.url, "--agent", "echo",
+             "hi"],
+            capture_stdout=True, capture_stderr=True, check=False, env=cli_env(),
+        )
+    assert done.returncode == 1
+    assert "no online agent named 'echo'" in done.stderr.decode()
