@@ -405,8 +405,16 @@ def test_both_method_name_sets_are_served(
     assert call.streaming is (op in (a2a.STREAM, a2a.SUBSCRIBE))
 
 
-def test_invalid_json_is_a_parse_error_with_null_id() -> None:
-    response = rejected(b'{"jsonrpc": "2.0", "id": 1, "method": ', "1.0")
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"jsonrpc": "2.0", "id": 1, "method": ',
+        b"\xff\xfe not utf-8 {",
+        b"[" * 5000 + b"]" * 5000,  # JSON, but deeper than any parser here goes
+    ],
+)
+def test_invalid_json_is_a_parse_error_with_null_id(body: bytes) -> None:
+    response = rejected(body, "1.0")
     assert response["error"]["code"] == -32700
     assert response["id"] is None
 
@@ -445,6 +453,21 @@ def test_params_that_do_not_parse_are_invalid_params() -> None:
     assert rejected(rpc("SendMessage", {"message": message(parts=[])}), "1.0")["error"][
         "code"
     ] == -32602
+
+
+@pytest.mark.parametrize(("method", "version"), [("SendMessage", "1.0"), ("message/send", None)])
+def test_metadata_nested_past_protobufs_limit_is_invalid_params(
+    method: str, version: str | None
+) -> None:
+    deep: Any = 1
+    for _ in range(150):
+        deep = {"a": deep}
+    msg = message() if version else {
+        "kind": "message", "messageId": "m", "role": "user",
+        "parts": [{"kind": "text", "text": "x"}],
+    }
+    response = rejected(rpc(method, {"message": msg, "metadata": deep}), version)
+    assert response["error"]["code"] == -32602
 
 
 def test_v0_3_params_its_models_reject_are_invalid_requests_as_the_sdk_answers() -> None:

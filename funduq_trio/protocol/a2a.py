@@ -781,6 +781,12 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CallRejected(build_error_response(None, rpc.JSONParseError(message=str(exc))))
+    except RecursionError:
+        raise CallRejected(
+            build_error_response(
+                None, rpc.JSONParseError(message="JSON nested too deeply to parse")
+            )
+        ) from None
 
     request_id: Any = None
     if isinstance(data, dict):
@@ -859,14 +865,13 @@ def _parse_v03(
         raise CallRejected(
             _v03_error_envelope(request_id, rpc.InvalidRequestError(data=str(exc)))
         )
-    call = Call(
-        request_id,
-        method,
-        op,
-        V03,
-        to_core(compat) if to_core is not None else None,
-        params if isinstance(params, dict) else {},
-    )
+    try:
+        core = to_core(compat) if to_core is not None else None
+    except Exception as exc:  # noqa: BLE001 - e.g. metadata nested past protobuf's limit
+        raise CallRejected(
+            _v03_error_envelope(request_id, InvalidParamsError(data={"parseError": str(exc)}))
+        )
+    call = Call(request_id, method, op, V03, core, params if isinstance(params, dict) else {})
     try:
         check_version(version_header, V03)
         _validate(call)

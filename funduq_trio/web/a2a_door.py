@@ -109,6 +109,9 @@ class A2ADoor:
             call = a2a.parse_call(body, request.headers.get("A2A-Version"))
         except a2a.CallRejected as rejected:
             return _json(rejected.response)
+        except Exception as exc:
+            log.exception("A2A request did not parse")
+            return _json(a2a.error_response(None, InternalError(message=str(exc) or None)))
         try:
             self.view = self.funduq.find_agent(self.provider, self.agent)
             if self.view is None:
