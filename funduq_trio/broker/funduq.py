@@ -178,12 +178,16 @@ class Funduq:
 
     def _offer_payload(self, lane: Lane) -> dict[str, Any]:
         run_input = lane.run_input
+        forwarded = run_input.get("forwardedProps")
+        if isinstance(forwarded, dict):
+            # Proofs were for funduq; the provider gets the props without them.
+            forwarded = {k: v for k, v in forwarded.items() if k not in PROOF_KEYS}
+            run_input = {**run_input, "forwardedProps": forwarded}
         chain = lane.caller_metadata.get("actorChain")
         if isinstance(chain, list) and chain:
             # The chain as funduq dispatched it: the caller's hops verbatim plus
             # one hop of funduq's naming where it went.
             hop = dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)
-            forwarded = run_input.get("forwardedProps")
             forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
             forwarded["actorChain"] = [*chain, hop]
             run_input = {**run_input, "forwardedProps": forwarded}
