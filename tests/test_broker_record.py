@@ -10,3 +10,31 @@ async def test_lone_surrogate_event_is_recorded(tmp_path, autojump_clock):
         assert rec["status"] == "completed"
         rec = await funduq.get_run(t.run_id)
         assert rec["events"][0]["event"]["value"] == "\udc00"
+
+
+async def test_forgotten_idle_threads_continue_from_the_record(tmp_path, autojump_clock,
+                                                               monkeypatch):
+    """The thread cache is bounded; a thread it forgot continues from the
+    record, its history in order and nothing refused."""
+    from funduq_trio.broker import funduq as facade
+    monkeypatch.setattr(facade, "THREAD_CACHE", 4)
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        threads = []
+        for i in range(12):
+            t = await funduq.start_run(p.key, AGENT, user_input(f"first {i}", f"u{i}"))
+            oid, _ = await p.offer(i)
+            p.session.answer(oid, "accepted")
+            p.stream(t.run_id, *reply(t.run_id, t.thread_id))
+            assert (await funduq.wait_run(t.run_id))["status"] == "completed"
+            threads.append(t.thread_id)
+        assert len(funduq._thread_info) <= 4
+        t = await funduq.start_run(p.key, AGENT, user_input("again", "again"),
+                                   thread_id=threads[0])
+        oid, _ = await p.offer(12)
+        p.session.answer(oid, "accepted")
+        p.stream(t.run_id, *reply(t.run_id, t.thread_id))
+        assert (await funduq.wait_run(t.run_id))["status"] == "completed"
+        snapshot = await funduq.get_thread(threads[0])
+        assert [m["content"] for m in snapshot["messages"]] == ["first 0", "hi", "again", "hi"]
+        assert len(snapshot["runs"]) == 2

@@ -40,6 +40,9 @@ from .record import Record, dumps, iso, open_record
 
 log = logging.getLogger("funduq")
 
+#: Threads whose facts (segment head, message ids) stay cached while idle.
+THREAD_CACHE = 16384
+
 #: Request-level metadata keys that prove something to funduq; they are not
 #: forwarded to providers.
 PROOF_KEYS = ("cancel", "resolution")
@@ -87,6 +90,7 @@ class Funduq:
         self.threads: dict[str, ThreadLanes] = {}
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
+        self._answering: dict[str, int] = {}
         self._arrival = 0
         self._nursery: trio.Nursery | None = None
         self._stack = contextlib.AsyncExitStack()
@@ -175,6 +179,19 @@ class Funduq:
         thread = lane.thread
         if thread is not None and thread.ended(lane) and self.threads.get(thread.id) is thread:
             del self.threads[thread.id]
+            if len(self._thread_info) > max(THREAD_CACHE, 2 * len(self.threads)):
+                self._forget_idle_threads()
+
+    def _forget_idle_threads(self) -> None:
+        """Keep the thread cache bounded: forget the least recently used
+        threads nobody is using right now (the record still has them)."""
+        keep = THREAD_CACHE * 3 // 4
+        for tid in list(self._thread_info):
+            if len(self._thread_info) <= keep:
+                return
+            if tid not in self.threads and tid not in self._reserved \
+                    and tid not in self._answering:
+                del self._thread_info[tid]
 
     def _offer_payload(self, lane: Lane) -> dict[str, Any]:
         run_input = lane.run_input
@@ -404,11 +421,13 @@ class Funduq:
         marks.pop("cancelRequestedBy", None)  # the new turn is nobody's to stop yet
         row["caller_metadata"] = {**row["caller_metadata"],
                                   **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}}
-        info = await self._thread(row["thread_id"])
+        tid = row["thread_id"]
+        info = await self._thread(tid)
         messages = self._new_messages(info, row["input"], run_id) if info else []
         self._arrival += 1
         arrival = self._arrival
         caller = dumps(row["caller_metadata"])
+        self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
 
         def reopen(conn: Any) -> bool:
             moved = conn.execute(
@@ -420,10 +439,15 @@ class Funduq:
                 conn.executemany(_INSERT_MESSAGE, messages)
             return moved
 
-        if not await self.record.write(reopen) or run_id in self.lanes:
-            raise RunNotPaused(f"run {run_id} is not waiting for an answer")
-        row["status"] = st.QUEUED
-        self._start_lane(row, arriving=False)
+        try:
+            if not await self.record.write(reopen) or run_id in self.lanes:
+                raise RunNotPaused(f"run {run_id} is not waiting for an answer")
+            row["status"] = st.QUEUED
+            self._start_lane(row, arriving=False)
+        finally:
+            self._answering[tid] -= 1
+            if not self._answering[tid]:
+                del self._answering[tid]
         return RunTicket(run_id, row["thread_id"])
 
     # -- reading the record ------------------------------------------------------------
@@ -488,8 +512,9 @@ class Funduq:
         return True
 
     async def _thread(self, thread_id: str) -> ThreadInfo | None:
-        info = self._thread_info.get(thread_id)
+        info = self._thread_info.pop(thread_id, None)
         if info is not None:
+            self._thread_info[thread_id] = info  # most recently used last
             return info
 
         def read(conn: Any) -> Any:
