@@ -265,7 +265,7 @@ async def crash_scenario(
 
     echo_provider.add_agent(echo, name="echo")
     snapshots: list[dict[str, dict[str, Any]]] = []
-    orphaned: set[str] = set()
+    orphaned: dict[str, int] = {}  # run id -> the start (restart number) that orphaned it
     fixtures: dict[str, str] = {}  # run id -> fixture kind, every cycle
     offers_at_start: list[int] = []
 
@@ -292,7 +292,7 @@ async def crash_scenario(
                     await outer.start(echo_provider.run)
                 await eventually(both_online, "both providers attached")
                 if snapshots:
-                    await check_after_restart(http, snapshots[-1], fig, orphaned)
+                    await check_after_restart(http, snapshots[-1], fig, orphaned, cycle)
                 if cycle == cycles:
                     # -- the last start: drive the whole record to the end, then stop
                     ids = set(callers.told) | set().union(*(s.keys() for s in snapshots))
@@ -363,11 +363,12 @@ async def crash_scenario(
             )
     # Nothing orphaned is offered (or run) again, by either provider.
     for cycle, first in enumerate(offers_at_start[1:], start=1):
-        again_offered = sorted({o.run_id for o in peer.offer_log[first:]} & orphaned)
+        gone = {rid for rid, at in orphaned.items() if at <= cycle}
+        again_offered = sorted({o.run_id for o in peer.offer_log[first:]} & gone)
         fig.expect(
             not again_offered, f"orphaned runs offered again after restart {cycle}: {again_offered}"
         )
-    rerun = sorted({rid for n, rid in echo_runs if n > 0} & orphaned)
+    rerun = sorted(rid for n, rid in echo_runs if rid in orphaned and n >= orphaned[rid])
     fig.expect(not rerun, f"orphaned runs run again by the echo provider: {rerun}")
     integrity = sqlite_integrity(db)
     fig.expect(
@@ -458,7 +459,11 @@ def _status_counts(runs: dict[str, Any]) -> dict[str, int]:
 
 
 async def check_after_restart(
-    http: httpx.AsyncClient, snap: dict[str, dict[str, Any]], fig: Figures, orphaned: set[str]
+    http: httpx.AsyncClient,
+    snap: dict[str, dict[str, Any]],
+    fig: Figures,
+    orphaned: dict[str, int],
+    restart: int,
 ) -> None:
     """Right after a restart: orphans failed with their events kept plus one
     RUN_ERROR; settled and paused runs exactly as they were."""
@@ -470,7 +475,7 @@ async def check_after_restart(
             continue
         was = before["status"]
         if was in ORPHAN_SOURCES:
-            orphaned.add(rid)
+            orphaned[rid] = restart
             meta = after["metadata"]
             fig.expect(
                 after["status"] == "failed" and meta.get("failureReason") == "orphaned_by_restart",

@@ -273,7 +273,7 @@ def provider_frames(ids: list[str], threads: list[str]) -> st.SearchStrategy[str
     then mutated (`mutated`) and encoded (`encodings`)."""
     vocab = ids + threads + ["run_nope", "offer_nope", "req-1", "x" * 300]
     values = json_values(vocab)
-    some_id = st.sampled_from(vocab) | st.text(min_size=1, max_size=12)
+    some_id = weighted((3, st.sampled_from(vocab)), (1, st.text(min_size=1, max_size=12)))
     hex_ = "0123456789abcdef"
     event = st.dictionaries(
         st.sampled_from(
@@ -641,6 +641,39 @@ def expected_on_link(message: str | bytes) -> str:
     return "nothing"  # report / finish for runs this provider does not hold
 
 
+def foreign_frames(run_ids: list[str]) -> list[str]:
+    """Reports and finishes for every recorded run, from a provider that holds
+    none of them: funduq must ignore them all."""
+    out = []
+    for rid in run_ids:
+        out.append(
+            json.dumps(
+                {
+                    "kind": "report",
+                    "runId": rid,
+                    "seq": None,
+                    "event": {
+                        "type": "TEXT_MESSAGE_CONTENT",
+                        "messageId": "held",
+                        "delta": "INJECTED",
+                    },
+                }
+            )
+        )
+        out.append(
+            json.dumps(
+                {
+                    "kind": "report",
+                    "runId": rid,
+                    "seq": 1,
+                    "event": {"type": "RUN_FINISHED", "threadId": "t", "runId": rid},
+                }
+            )
+        )
+        out.append(json.dumps({"kind": "finish", "runId": rid}))
+    return out
+
+
 class LinkFuzzer:
     def __init__(self, url: str, http: httpx.AsyncClient, tally: Tally) -> None:
         self.url = url
@@ -714,7 +747,9 @@ class LinkFuzzer:
             )
         except ConnectionClosed:
             pass
-        got, closed = await self.read_until(ws, probe)
+        got, closed = await self.read_until(
+            ws, probe, expected[6:] if expected.startswith("reply:") else None
+        )
         shown = f"{message[:300]!r}"
         if closed is not None:
             assert expected in ("close", "close-or-nothing"), (
@@ -745,10 +780,15 @@ class LinkFuzzer:
             assert not unexpected, f"unexpected frames after {shown}: {unexpected}"
             self.tally("nothing")
 
-    async def read_until(self, ws: Any, probe: str | None) -> tuple[list[dict], Any]:
-        """Frames until the probe's reply (the link processed everything before
-        it), or until the link closes (returns its close reason)."""
+    async def read_until(
+        self, ws: Any, probe: str | None, reply_to: str | None = None
+    ) -> tuple[list[dict], Any]:
+        """Frames until the probe's reply (the link has read everything sent
+        before it) and, for a query, until its reply too (queries are answered
+        concurrently, so the probe is no barrier for them) -- or until the link
+        closes (returns its close reason)."""
         got: list[dict] = []
+        waiting = {probe, reply_to} - {None}
         while True:
             try:
                 text = await ws.get_message()
@@ -758,6 +798,9 @@ class LinkFuzzer:
             got.append(frame)
             if probe is not None and frame.get("id") == probe:
                 assert frame.get("kind") == "err", frame  # the probe names no thread of ours
+            if frame.get("kind") in ("ok", "err"):
+                waiting.discard(frame.get("id"))
+            if probe is not None and not waiting:
                 return got, None
 
 
@@ -784,7 +827,8 @@ async def test_fuzzed_provider_frames(tmp_path: Path) -> None:
             run_hypothesis,
             st.tuples(st.sampled_from([False, False, False, True]), provider_frames(ids, threads)),
             fuzzer.check,
-            [(first, edge) for edge in EDGES for first in (False, True)],
+            [(first, edge) for edge in EDGES for first in (False, True)]
+            + [(False, frame) for frame in foreign_frames(list(recorded.ids))],
         )
         await check_untouched(http, recorded, fig)
         nursery.cancel_scope.cancel()

@@ -100,6 +100,11 @@ class FaultyProvider:
         self.peer = Peer(url, ["work"], name=name, on_offer=self.on_offer, reconnect_delay=0.02)
         self.refusals: dict[str, str] = {}
         self.active: dict[int, set[str]] = {}  # link number -> runs it is playing
+        #: run id -> the offer whose play is current. A run offered again while
+        #: being played means funduq never took the earlier answer (it came after
+        #: the delivery timeout): that play is for nobody, and stops before
+        #: sending anything more -- a provider runs one play per run id.
+        self.current: dict[str, Offer] = {}
         self._seen: dict[str, int] = {}
 
     def rng(self, offer: Offer) -> random.Random:
@@ -122,6 +127,10 @@ class FaultyProvider:
         return "accept"
 
     async def on_offer(self, offer: Offer) -> None:
+        prev = self.current.get(offer.run_id)
+        if prev is not None and offer.run_id in self.active.get(prev.link.number, ()):
+            self.fig.fault("late_accept_superseded")
+        self.current[offer.run_id] = offer
         rng = self.rng(offer)
         kind = "accept" if self.behave else self.choose(rng)
         if kind == "decline" and not self.active.get(offer.link.number):
@@ -172,6 +181,8 @@ class FaultyProvider:
             ]
             drop_at = rng.randint(1, len(events) - 1) if drop else None
             for i, event in enumerate(events):
+                if self.current.get(offer.run_id) is not offer:
+                    return  # superseded: no checkpoint between this and the send below
                 if i == drop_at:
                     self.fig.fault("link_dropped_mid_run")
                     await link.drop()
@@ -183,7 +194,8 @@ class FaultyProvider:
                 if not await offer.report(event):
                     return
                 await trio.sleep(rng.uniform(0, 0.004))
-            await offer.finish()
+            if self.current.get(offer.run_id) is offer:
+                await offer.finish()
         finally:
             active.discard(offer.run_id)
 
@@ -457,6 +469,7 @@ def check_runs(
             continue
         fig.expect(run["status"] in TERMINAL, f"{rid}: still {run['status']} at the end")
         fig.violations.extend(record_problems(run))
+        fig.violations.extend(play_shape_problems(run))
         fig.expect(again.get(rid) == run, f"{rid}: record changed after it settled")
     for (t, j), stream in caller.streams.items():
         rid = stream.run_id
@@ -479,6 +492,23 @@ def check_runs(
                 or (status == "cancelled" and last not in ("RUN_FINISHED", "RUN_ERROR")),
                 f"{rid}: stream ended on {last} for a run recorded {status}",
             )
+
+
+def play_shape_problems(run: dict[str, Any]) -> list[str]:
+    """Every provider here plays a run as RUN_STARTED, text, RUN_FINISHED (or a
+    prefix of that, when stopped); funduq may append its own RUN_ERROR. Events
+    of two plays mixed in one record would mean reports of a superseded
+    acceptance reached the run."""
+    types = [e["event"].get("type") for e in run["events"]]
+    ours = {*FUNDUQ_REASONS, run["metadata"].get("failureReason")}
+    if types and types[-1] == "RUN_ERROR" and run["events"][-1]["event"].get("code") in ours:
+        types = types[:-1]  # funduq's own, for a failure nobody reported
+    if not types:
+        return []
+    body = types[1:-1] if types[-1] == "RUN_FINISHED" else types[1:]
+    if types[0] != "RUN_STARTED" or any(t in ("RUN_STARTED", "RUN_FINISHED") for t in body):
+        return [f"{run['runId']}: events are not one play: {types}"]
+    return []
 
 
 def check_offer_order(raw: list[FaultyProvider], sdk: SdkEcho, fig: Figures) -> None:

@@ -31,6 +31,7 @@ are ignored -- never "recorded cancelled and handed over".
 from __future__ import annotations
 
 import random
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ from reliability_support import (
     HTTP_TIMEOUT,
     RUN_ERROR,
     TASK_NOT_CANCELABLE,
+    TERMINAL,
     AguiStream,
     Figures,
     Offer,
     Peer,
+    eventually,
     finished_event,
     get_run,
     get_runs,
@@ -505,3 +508,95 @@ async def test_cancel_of_an_offer_never_answered_ends_it_and_a_late_accept_is_ig
     fig.runs_driven = len(final)
     fig.check()
     assert len(final) == runs
+
+
+async def test_a_cancel_read_after_the_provider_finished_is_not_answered_as_accepted(
+    tmp_path: Path,
+) -> None:
+    """The race between a caller's cancel and the provider's `finish`, pinned
+    down. The test holds SQLite's write lock (well inside the server's busy
+    timeout), so the run's lane is parked writing the provider's last reports
+    while the `finish` waits in its inbox -- a probe on the link proves funduq
+    has read it -- and the record still says `running`. The caller's cancel
+    arrives behind the finish, the lock is released, and the run ends
+    `completed` without its lane ever reading the cancel.
+
+    The caller must not then be told its cancel was accepted: the answer is
+    TaskNotCancelableError (the run ended), or -- should funduq read the
+    cancel first -- the pending-cancel marker with a cancel frame relayed.
+    (Seen in the provider-fault load as an accepted CancelTask answered with a
+    COMPLETED or FAILED task.)"""
+    fig = Figures("cancel_after_finish")
+    db = tmp_path / "funduq.sqlite3"
+    async with (
+        running_server(tmp_path) as info,
+        httpx.AsyncClient(base_url=info.url, timeout=HTTP_TIMEOUT) as http,
+        trio.open_nursery() as nursery,
+    ):
+        peer = Peer(info.provider_url, ["late"], name="late")
+        await nursery.start(peer.serve)
+        a2a = A2A(http, f"/a2a/{peer.fingerprint}/late")
+        for attempt in range(3):
+            task = (await a2a.send(f"late {attempt}", message_id=f"l-{attempt}"))["result"]["task"]
+            rid = task["id"]
+            offer = await peer.wait_offer(lambda o, rid=rid: o.run_id == rid)
+            await offer.answer("accepted")
+            await offer.report(started_event(offer))
+
+            async def started(rid: str = rid) -> bool:
+                run = await get_run(http, rid)
+                return run is not None and run["status"] == "running" and len(run["events"]) == 1
+
+            await eventually(started, f"{rid} running with its first event")
+            blocker = sqlite3.connect(db, isolation_level=None, timeout=5)
+            answers: list[dict[str, Any]] = []
+            try:
+                blocker.execute("BEGIN IMMEDIATE")  # funduq's writer now waits
+                await offer.play([*text_events(f"m-{rid}", "done"), finished_event(offer)])
+                probe = await offer.link.request(
+                    {"kind": "query.threadMessages", "threadId": "thread_none", "limit": 0}
+                )
+                assert probe is not None and probe["kind"] == "err", probe
+                before = await get_run(http, rid)
+                assert before is not None and before["status"] == "running", before
+
+                async def cancel(rid: str = rid, answers: list = answers) -> None:
+                    answers.append(await a2a.cancel(rid))
+
+                nursery.start_soon(cancel)
+                # Give the cancel time to reach the run (it then waits on the
+                # parked lane); the lock is held far inside the busy timeout.
+                await trio.sleep(0.5)
+                fig.expect(
+                    not answers,
+                    f"{rid}: the cancel was answered while the run's lane was parked: {answers}",
+                )
+            finally:
+                blocker.execute("ROLLBACK")
+                blocker.close()
+            run = await wait_status(http, rid, TERMINAL)
+
+            async def answered(answers: list = answers) -> bool:
+                return bool(answers)
+
+            await eventually(answered, f"{rid}: the cancel's answer")
+            answer = answers[0]
+            fig.fault("cancel_behind_finish")
+            fig.expect(run["status"] == "completed", f"{rid}: ended {run['status']}")
+            if "error" in answer:
+                fig.expect(
+                    answer["error"]["code"] == TASK_NOT_CANCELABLE,
+                    f"{rid}: unexpected error {answer['error']}",
+                )
+            else:
+                state = answer["result"]["status"]["state"]
+                marked = (answer["result"].get("metadata") or {}).get(CANCEL_REQUESTED) is True
+                fig.expect(
+                    marked and peer.cancelled(rid),
+                    f"{rid}: the cancel was answered as accepted ({state}, marker "
+                    f"{marked}) but never reached the provider (cancel frame: "
+                    f"{peer.cancelled(rid)}); the run ended {run['status']}",
+                )
+        nursery.cancel_scope.cancel()
+    fig.runs_driven = 3
+    fig.check()
