@@ -377,13 +377,15 @@ class Funduq:
             by = authority.check_cancel(proof, run_id, (segment_head, key), time.time())
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
-            raise RunNotCancellable(f"run {run_id} is paused or has ended; nothing to stop")
+            raise _not_cancellable(run_id)
         cancel = Cancel(by)
         lane.tell(cancel)
         if not lane.awaiting_answer:
             # An offering run reads the cancel only after the provider's answer;
             # don't hold the caller for that.
             await cancel.seen.wait()
+            if cancel.refused:
+                raise _not_cancellable(run_id)
         run = await self.get_run(run_id)
         assert run is not None
         return run
@@ -608,6 +610,10 @@ def _insert_run(conn: Any, row: dict[str, Any], new_thread: tuple[Any, ...] | No
          dumps(row["metadata"]), row["created_at"]))
     if messages:
         conn.executemany(_INSERT_MESSAGE, messages)
+
+
+def _not_cancellable(run_id: str) -> RunNotCancellable:
+    return RunNotCancellable(f"run {run_id} is paused or has ended; nothing to stop")
 
 
 def _scalar(cursor: Any) -> Any:

@@ -29,10 +29,16 @@ class Wake:
 
 @dataclass(slots=True)
 class Cancel:
-    """A caller asked to stop the run. ``seen`` is set once the lane read it."""
+    """A caller asked to stop the run. ``seen`` is set once the lane read it;
+    ``refused`` too when the run had ended before the lane got to it."""
 
     by: str | None = None
     seen: trio.Event = field(default_factory=trio.Event)
+    refused: bool = False
+
+    def refuse(self) -> None:
+        self.refused = True
+        self.seen.set()
 
 
 @dataclass(slots=True)

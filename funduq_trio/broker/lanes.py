@@ -165,7 +165,7 @@ class Lane:
             self._send.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if isinstance(message, Cancel):
-                message.seen.set()
+                message.refuse()  # the run ended before it could be read
 
     async def _receive(self, deadline: float = math.inf) -> Message | None:
         if self._backlog:
@@ -209,7 +209,7 @@ class Lane:
             self._inbox.close()
             for message in leftovers:
                 if isinstance(message, Cancel):
-                    message.seen.set()
+                    message.refuse()  # the run ended (or paused) first
                 elif isinstance(message, Wake):
                     self._baton = self._baton or message.baton
             self.f.providers.stop_waiting(self.key, self)

@@ -177,6 +177,8 @@ class ProviderSocket:
     async def _reader(self, nursery: trio.Nursery) -> None:
         while self.machine.state is not L.State.CLOSED:
             message = await self._ws.receive()
+            if message is None:  # quart-trio hands an empty binary frame over as None
+                message = b""
             for action in self._perform(self.machine.receive(message)):
                 if isinstance(action, L.Register):
                     await self._register(action)
