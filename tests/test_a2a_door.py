@@ -817,6 +817,9 @@ async def test_agents_of_the_provider_sdk_through_the_sdk_client(tmp_path) -> No
                     answer = await client.cancel_task(
                         pb.CancelTaskRequest(id=streamed[0].task.id)
                     )
-                    assert metadata_of(answer)[CANCEL_REQUESTED] is True
+                    # The agent stops at once, so the answer is either the
+                    # accepted request (working + marker) or already the outcome.
+                    assert (metadata_of(answer).get(CANCEL_REQUESTED) is True
+                            or answer.status.state == S.TASK_STATE_CANCELED)
                 assert streamed[-1].status_update.status.state == S.TASK_STATE_CANCELED
             nursery.cancel_scope.cancel()
