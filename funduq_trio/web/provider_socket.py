@@ -33,6 +33,8 @@ log = logging.getLogger("funduq_trio.provider_socket")
 #: reading while funduq keeps queueing past this is closed (1008), so a stuck
 #: peer cannot grow the server's memory without bound.
 OUTBOX_FRAMES = 10_000
+#: How long a closing link keeps reading for the provider to go.
+CLOSE_GRACE_SECONDS = 2.0
 _CLOSE_REASON_BYTES = 123  # RFC 6455: a close reason fits in 123 bytes
 
 
@@ -151,8 +153,13 @@ class ProviderSocket:
                 await self._reader(nursery)
                 nursery.cancel_scope.cancel()
             if self._close is not None:
-                with trio.move_on_after(5):
-                    await self._ws.close(self._close.code, _close_reason(self._close.reason))
+                with trio.move_on_after(CLOSE_GRACE_SECONDS):
+                    async with trio.open_nursery() as closing:
+                        closing.start_soon(self._discard_frames)
+                        await self._ws.close(self._close.code, _close_reason(self._close.reason))
+                        # Until the provider is gone: a full inbound queue would
+                        # hold the server's disconnect back forever.
+                        await trio.sleep(CLOSE_GRACE_SECONDS)
         except Exception:
             log.exception("provider link failed")
             raise
@@ -184,8 +191,14 @@ class ProviderSocket:
                     await self._register(action)
                 elif isinstance(action, L.QueryThreadMessages):
                     nursery.start_soon(self._query, action)
-        # Closing: the writer sends what is queued, then the close.
-        await trio.sleep_forever()
+        # Closing: the writer sends what is queued, then the close. Meanwhile
+        # keep reading (and dropping) what the provider still sends, so its
+        # frames never back up into the server's queues and wedge the close.
+        await self._discard_frames()
+
+    async def _discard_frames(self) -> None:
+        while True:
+            await self._ws.receive()
 
     async def _register(self, action: L.Register) -> None:
         error: str | None = None
