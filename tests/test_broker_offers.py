@@ -417,3 +417,24 @@ async def test_thread_queue_limit_is_configurable(tmp_path, mock_clock):
         await funduq.start_run(p.key, AGENT, user_input("2"), thread_id=a.thread_id)
         with pytest.raises(ThreadQueueFull):
             await funduq.start_run(p.key, AGENT, user_input("3"), thread_id=a.thread_id)
+
+
+async def test_a_link_still_delivering_is_not_charged_for_a_late_answer(tmp_path, mock_clock):
+    """An answer travels behind the provider's reports on one link: while the
+    link keeps delivering, the delivery timeout runs from the last frame heard,
+    and only a whole timeout of the link's silence counts as unanswered."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        busy = await accepted(funduq, p)
+        b = await start(funduq, p)
+        first = last_offer_for(p.link, b.run_id)
+        for _ in range(4):  # 16 s of a link busy with another run's events
+            await advance(mock_clock, 4)
+            assert p.session.report(busy.run_id, {"type": "STEP_STARTED", "stepName": "s"})
+        await quiet()
+        assert offer_ids_for(p.link, b.run_id) == [first]
+        assert await status_of(funduq, b.run_id) == "offering"
+        await advance(mock_clock, 4.9)  # silent, but not yet for a whole timeout
+        assert offer_ids_for(p.link, b.run_id) == [first]
+        await advance(mock_clock, 0.2)  # now it has been: back in the queue, offered afresh
+        assert len(offer_ids_for(p.link, b.run_id)) == 2

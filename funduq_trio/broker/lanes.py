@@ -301,6 +301,22 @@ class Lane:
             if session is not None and session.live and session.has_room():
                 self.f.providers.wake_for_room(self.key)
 
+    async def _await_answer(self, offer: Any, session: ProviderSession) -> None:
+        """Wait for the answer within the delivery timeout -- of the *link's*
+        silence. An answer travels behind the provider's reports on the same
+        link, so while the link keeps delivering, a late answer may be
+        funduq's own backlog, not the provider's fault: the clock restarts
+        from the last frame heard, and only a whole timeout of silence counts."""
+        timeout = self.f.settings.deliver_timeout_seconds
+        sent = trio.current_time()
+        while True:
+            deadline = max(sent, session.last_heard) + timeout
+            with trio.move_on_at(deadline):
+                await offer.answered.wait()
+                return
+            if not session.live or max(sent, session.last_heard) + timeout <= deadline:
+                return
+
     async def _offer(self, session: ProviderSession) -> str:
         offer = session.reserve(self)
         self._baton = False
@@ -310,8 +326,7 @@ class Lane:
                 session.give_back()
                 return "settled"
             session.send(offer, self.f._offer_payload(self))
-            with trio.move_on_after(self.f.settings.deliver_timeout_seconds):
-                await offer.answered.wait()
+            await self._await_answer(offer, session)
             session.withdraw(offer)
         finally:
             self.awaiting_answer = False

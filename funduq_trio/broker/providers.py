@@ -85,6 +85,8 @@ class ProviderSession:
         self.agents: dict[str, dict[str, Any]] = {}
         self.offers: dict[str, Offer] = {}
         self.held: dict[str, "Lane"] = {}
+        #: When the link last delivered anything (trio clock): see Lane._offer.
+        self.last_heard = trio.current_time()
 
     # -- places ------------------------------------------------------------
 
@@ -138,6 +140,7 @@ class ProviderSession:
         self.registry.served_changed(self.key, dropped)
 
     def answer(self, offer_id: str, verdict: str, reason: str | None = None) -> None:
+        self.last_heard = trio.current_time()
         offer = self.offers.pop(offer_id, None)
         if offer is None:
             log.info("provider %s answered offer %s after funduq stopped waiting",
@@ -150,6 +153,7 @@ class ProviderSession:
         offer.resolve(verdict, reason)
 
     def report(self, run_id: str, event: Any) -> bool:
+        self.last_heard = trio.current_time()
         lane = self.held.get(run_id)
         if lane is None:
             return False
@@ -157,6 +161,7 @@ class ProviderSession:
         return True
 
     def finish(self, run_id: str) -> bool:
+        self.last_heard = trio.current_time()
         lane = self.held.get(run_id)
         if lane is None:
             return False
