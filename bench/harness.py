@@ -701,8 +701,10 @@ def describe_build() -> str:
     if revision.exists():
         return f"{root} (snapshot of {revision.read_text().strip()})"
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=False,
+        ).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "funduq_trio"],
                                capture_output=True, text=True, timeout=10,
                                check=False).stdout.strip()

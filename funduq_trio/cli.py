@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Either --url is the agent's A2A URL (http://HOST:PORT/a2a/PROVIDER/AGENT), or "
         "--url is the server (http://HOST:PORT) and --agent names an online agent.",
     )
-    call.add_argument("--url", required=True, help="the agent's A2A URL, or the server's with --agent")
+    call.add_argument(
+        "--url", required=True, help="the agent's A2A URL, or the server's with --agent"
+    )
     call.add_argument("--agent", default=None, help="look the agent up by name in GET /agents")
     call.add_argument("--context-id", default=None, help="continue this thread (A2A contextId)")
     call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 MiB = 1024 * 1024
 
@@ -52,7 +53,9 @@ class Settings:
         ):
             if getattr(self, name) < 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
-        for name in ("quality_allowance", "thread_queue_limit", "max_frame_bytes", "max_body_bytes"):
+        at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
+                        "max_body_bytes")
+        for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")
         for key in self.provider_keys or ():
@@ -67,11 +70,11 @@ class Settings:
                 found.append(str(exc))
         return found
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Read FUNDUQ_* variables; explicit overrides (flags) win."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}

@@ -9,9 +9,10 @@ the network are proven again in the tests that drive the real server.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import trio
 import trio.testing
@@ -65,7 +66,7 @@ class Provider:
     def key(self) -> str:
         return self.identity.public_key_hex
 
-    async def attach(self, *agents: str) -> "Provider":
+    async def attach(self, *agents: str) -> Provider:
         self.link = FakeLink()
         self.session = self.funduq.attach_provider(self.key, self.max_concurrent, self.link)
         await self.session.register(

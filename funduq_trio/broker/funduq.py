@@ -13,8 +13,9 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import trio
 
@@ -98,7 +99,7 @@ class Funduq:
 
     # -- life ----------------------------------------------------------------------
 
-    async def __aenter__(self) -> "Funduq":
+    async def __aenter__(self) -> Funduq:
         await self._stack.__aenter__()
         try:
             self.record = await self._stack.enter_async_context(
@@ -149,7 +150,8 @@ class Funduq:
         for run_id, metadata, last_seq, reported in orphans:
             metadata = json.loads(metadata)
             metadata["failureReason"] = reasons.ORPHANED_BY_RESTART
-            events = [] if reported else [(last_seq + 1, agui.run_error(reasons.ORPHANED_BY_RESTART))]
+            error = agui.run_error(reasons.ORPHANED_BY_RESTART)
+            events = [] if reported else [(last_seq + 1, error)]
             await self.record.move(run_id, st.FAILED, metadata=metadata, events=events,
                                    stamp=("completed_at", time.time()))
         for row in queued:
@@ -509,7 +511,7 @@ class Funduq:
             return False
         try:
             await self.record.read(lambda c: c.execute("SELECT 1").fetchone())
-        except Exception:
+        except Exception:  # noqa: BLE001 -- any failure means not ready
             return False
         return True
 
@@ -574,8 +576,8 @@ class Funduq:
 # -- SQL helpers -----------------------------------------------------------------------
 
 _RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
-                "metadata, arrival, created_at, started_at, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events e "
-                "WHERE e.run_id = r.id)")
+                "metadata, arrival, created_at, started_at, "
+                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)")
 _INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
                    "VALUES (?,?,?,?,?)")
 

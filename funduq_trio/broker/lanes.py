@@ -36,9 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..protocol import agui
+from ..protocol import agui, reasons
 from ..protocol import statuses as st
-from ..protocol import reasons
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
 from .providers import ACCEPTED, DECLINED, REFUSED, ProviderSession
 from .record import iso
@@ -96,14 +95,14 @@ class ThreadLanes:
             self._starting.clear()
             await self._drained.wait()
 
-    def start(self, lane: "Lane") -> None:
+    def start(self, lane: Lane) -> None:
         self.lanes += 1
         if self._nursery is None:
             self._starting.append(lane)
         else:
             self._nursery.start_soon(lane.run)
 
-    def ended(self, lane: "Lane") -> bool:
+    def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
         self.lanes -= 1
         if self.lanes == 0:
@@ -111,12 +110,12 @@ class ThreadLanes:
             return True
         return False
 
-    def enqueue(self, lane: "Lane") -> None:
+    def enqueue(self, lane: Lane) -> None:
         self.pending.append(lane)
         if len(self.pending) == 1:
             lane.tell(Turn())
 
-    def leave(self, lane: "Lane") -> None:
+    def leave(self, lane: Lane) -> None:
         """The lane left the pending queue (accepted or settled): next, please."""
         if not self.pending or lane not in self.pending:
             return
@@ -129,7 +128,7 @@ class ThreadLanes:
 class Lane:
     """The one task that owns a run from queued until it settles or pauses."""
 
-    def __init__(self, funduq: "Funduq", row: dict[str, Any], *, arriving: bool) -> None:
+    def __init__(self, funduq: Funduq, row: dict[str, Any], *, arriving: bool) -> None:
         self.f = funduq
         self.run_id: str = row["id"]
         self.thread_id: str = row["thread_id"]

@@ -43,8 +43,8 @@ class Offer:
     """One offer in flight: the answer slot its lane awaits."""
 
     id: str
-    lane: "Lane"
-    session: "ProviderSession"
+    lane: Lane
+    session: ProviderSession
     verdict: str | None = None
     reason: str | None = None
     answered: trio.Event = field(default_factory=trio.Event)
@@ -73,7 +73,7 @@ class AgentView:
 class ProviderSession:
     """One attached provider link, as the broker sees it."""
 
-    def __init__(self, registry: "Providers", key: str, max_concurrent: int | None,
+    def __init__(self, registry: Providers, key: str, max_concurrent: int | None,
                  link: ProviderLink) -> None:
         self.registry = registry
         self.key = key
@@ -84,7 +84,7 @@ class ProviderSession:
         self.in_use = 0
         self.agents: dict[str, dict[str, Any]] = {}
         self.offers: dict[str, Offer] = {}
-        self.held: dict[str, "Lane"] = {}
+        self.held: dict[str, Lane] = {}
         #: When the link last delivered anything (trio clock): see Lane._offer.
         self.last_heard = trio.current_time()
 
@@ -93,7 +93,7 @@ class ProviderSession:
     def has_room(self) -> bool:
         return self.max_concurrent is None or self.in_use < self.max_concurrent
 
-    def reserve(self, lane: "Lane") -> Offer:
+    def reserve(self, lane: Lane) -> Offer:
         """Spend a place for an offer about to leave. Spent at once, before
         any await, so two lanes that both saw room cannot both take it."""
         self.in_use += 1
@@ -192,8 +192,8 @@ class Providers:
         self.unserved: dict[tuple[str, str], float] = {}
         # Heads waiting on a provider: for a place (or after a decline), and
         # for their agent to be served at all. Insertion order is wait order.
-        self.room_waiters: dict[str, dict[int, "Lane"]] = {}
-        self.serve_waiters: dict[str, dict[int, "Lane"]] = {}
+        self.room_waiters: dict[str, dict[int, Lane]] = {}
+        self.serve_waiters: dict[str, dict[int, Lane]] = {}
         self.started_at = 0.0
         self.messages_of: Any = None  # set by the facade: async (thread_id, limit) -> list
 
@@ -207,7 +207,7 @@ class Providers:
         import json
         providers, agents = self.record.read_now(read)
         for key, fp, *counts in providers:
-            self.counters[key] = dict(zip(COUNTERS, counts))
+            self.counters[key] = dict(zip(COUNTERS, counts, strict=True))
             self.by_fingerprint[fp] = key
         for key, name, description, card, metadata in agents:
             self.agents[(key, name)] = {"name": name, "description": description,
@@ -300,11 +300,11 @@ class Providers:
 
     # -- waiting lanes -----------------------------------------------------------
 
-    def wait(self, key: str, lane: "Lane", *, for_room: bool) -> None:
+    def wait(self, key: str, lane: Lane, *, for_room: bool) -> None:
         waiting = self.room_waiters if for_room else self.serve_waiters
         waiting.setdefault(key, {})[id(lane)] = lane
 
-    def stop_waiting(self, key: str, lane: "Lane") -> None:
+    def stop_waiting(self, key: str, lane: Lane) -> None:
         for waiting in (self.room_waiters, self.serve_waiters):
             lanes = waiting.get(key)
             if lanes is not None and lanes.pop(id(lane), None) is not None and not lanes:

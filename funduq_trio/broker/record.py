@@ -17,10 +17,11 @@ import logging
 import sqlite3
 import threading
 import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -204,7 +205,9 @@ class Record:
                 op.error = exc
                 log.warning("write failed: %s", exc)
 
-    async def _run_writer(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_writer(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         task_status.started()
         while True:
             await self._wake.wait()

@@ -780,7 +780,8 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CallRejected(build_error_response(None, rpc.JSONParseError(message=str(exc))))
+        error = rpc.JSONParseError(message=str(exc))
+        raise CallRejected(build_error_response(None, error)) from None
     except RecursionError:
         raise CallRejected(
             build_error_response(
@@ -800,7 +801,7 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
     except Exception as exc:  # noqa: BLE001 - the library's own rejection
         raise CallRejected(
             build_error_response(request_id, InvalidRequestError(data={"parseError": str(exc)}))
-        )
+        ) from None
     if not isinstance(envelope, JSONRPC20Request):
         raise CallRejected(
             build_error_response(
@@ -841,13 +842,13 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
     except Exception as exc:  # noqa: BLE001 - any parse failure is the params' fault
         raise CallRejected(
             build_error_response(request_id, InvalidParamsError(data={"parseError": str(exc)}))
-        )
+        ) from None
     call = Call(request_id, method, op, V1, request, params if isinstance(params, dict) else {})
     try:
         check_version(version_header, V1)
         _validate(call)
     except A2AError as exc:
-        raise CallRejected(error_response(call, exc))
+        raise CallRejected(error_response(call, exc)) from None
     return call
 
 
@@ -864,19 +865,19 @@ def _parse_v03(
     except Exception as exc:  # noqa: BLE001 - the v0.3 models' own rejection
         raise CallRejected(
             _v03_error_envelope(request_id, rpc.InvalidRequestError(data=str(exc)))
-        )
+        ) from None
     try:
         core = to_core(compat) if to_core is not None else None
     except Exception as exc:  # noqa: BLE001 - e.g. metadata nested past protobuf's limit
         raise CallRejected(
             _v03_error_envelope(request_id, InvalidParamsError(data={"parseError": str(exc)}))
-        )
+        ) from None
     call = Call(request_id, method, op, V03, core, params if isinstance(params, dict) else {})
     try:
         check_version(version_header, V03)
         _validate(call)
     except A2AError as exc:
-        raise CallRejected(error_response(call, exc))
+        raise CallRejected(error_response(call, exc)) from None
     return call
 
 

@@ -543,7 +543,8 @@ class Provider:
             return f.Ok(
                 id=offer.id,
                 verdict="refused",
-                reason=f"input does not validate as RunAgentInput: {describe_validation_error(exc)}",
+                reason="input does not validate as RunAgentInput: "
+                + describe_validation_error(exc),
             )
         if run.run_id in link.runs:
             return f.Ok(id=offer.id, verdict="declined")
