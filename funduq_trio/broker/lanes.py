@@ -55,6 +55,8 @@ class Feed:
     """A live run's events for its followers, in seq order. Events land here
     only after the record has them (persisted before relayed)."""
 
+    __slots__ = ("first_seq", "events", "closed", "_changed")
+
     def __init__(self, first_seq: int) -> None:
         self.first_seq = first_seq
         self.events: list[tuple[int, dict[str, Any]]] = []
@@ -76,6 +78,8 @@ class Feed:
 
 class ThreadLanes:
     """A thread with active runs: its nursery and its pending queue."""
+
+    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting", "_drained")
 
     def __init__(self, thread_id: str) -> None:
         self.id = thread_id
@@ -127,6 +131,13 @@ class ThreadLanes:
 
 class Lane:
     """The one task that owns a run from queued until it settles or pauses."""
+
+    # Slots: a broker holding ten thousand waiting runs holds ten thousand of these.
+    __slots__ = ("f", "run_id", "thread_id", "key", "agent", "status", "run_input",
+                 "caller_metadata", "metadata", "next_seq", "stamps", "arriving", "feed",
+                 "done", "thread", "_send", "_inbox", "_finished", "_reported_error",
+                 "_cancel_requested", "_texts", "_session", "_backlog", "awaiting_answer",
+                 "_baton")
 
     def __init__(self, funduq: Funduq, row: dict[str, Any], *, arriving: bool) -> None:
         self.f = funduq
