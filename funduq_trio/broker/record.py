@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -107,23 +107,6 @@ class _Write:
     fn: Callable[[sqlite3.Connection], Any]
     result: Any = None
     error: BaseException | None = None
-
-
-@dataclass
-class RunRow:
-    """A run as the record holds it (what a restart reads back)."""
-
-    id: str
-    thread_id: str
-    provider_key: str
-    agent_name: str
-    status: str
-    input: dict[str, Any]
-    caller_metadata: dict[str, Any]
-    metadata: dict[str, Any]
-    arrival: int
-    next_seq: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Record:
@@ -292,17 +275,6 @@ class Record:
         await self.write(
             lambda c: c.executemany("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", rows)
         )
-
-    async def bump_counter(self, provider_key: str, counter: str) -> int:
-        assert counter in COUNTERS
-
-        def apply(conn: sqlite3.Connection) -> int:
-            conn.execute(f"UPDATE providers SET {counter}={counter}+1 WHERE key=?", (provider_key,))
-            return conn.execute(
-                f"SELECT {counter} FROM providers WHERE key=?", (provider_key,)
-            ).fetchone()[0]
-
-        return await self.write(apply)
 
 
 @asynccontextmanager

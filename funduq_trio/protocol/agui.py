@@ -78,10 +78,6 @@ def run_error(reason: str) -> dict[str, Any]:
     return {"type": RUN_ERROR, "message": reason, "code": reason}
 
 
-def run_started(thread_id: str, run_id: str) -> dict[str, Any]:
-    return {"type": RUN_STARTED, "threadId": thread_id, "runId": run_id}
-
-
 def read_run_input(raw: Any) -> dict[str, Any]:
     """Validate a RunAgentInput; return it in wire form (camelCase, no nulls)."""
     try:

@@ -57,19 +57,6 @@ HELD: Final = MOVES[COMPLETED]
 ORPHANED_BY_RESTART: Final = frozenset({OFFERING}) | HELD
 
 
-def may_move(current: str, to: str) -> bool:
-    """True when a run in ``current`` may be written ``to``."""
-    return current in MOVES[to]
-
-
 def sources(to: str) -> frozenset[str]:
     """The from-statuses a guarded write to ``to`` names."""
     return MOVES[to]
-
-
-class IllegalMove(Exception):
-    """A guarded write found the run somewhere the move does not start from."""
-
-    def __init__(self, run_id: str, found: str | None, to: str) -> None:
-        super().__init__(f"run {run_id}: cannot move {found!r} -> {to!r}")
-        self.run_id, self.found, self.to = run_id, found, to
