@@ -438,3 +438,25 @@ async def test_a_link_still_delivering_is_not_charged_for_a_late_answer(tmp_path
         assert offer_ids_for(p.link, b.run_id) == [first]
         await advance(mock_clock, 0.2)  # now it has been: back in the queue, offered afresh
         assert len(offer_ids_for(p.link, b.run_id)) == 2
+
+
+async def test_a_late_acceptance_is_asked_to_stop(tmp_path, mock_clock):
+    """An acceptance of an offer funduq stopped waiting for is answered with a
+    cancel, so the provider works for nobody no longer; a run the provider
+    holds (accepted in time) is never cancelled that way."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        first = last_offer_for(p.link, a.run_id)
+        await advance(mock_clock, 5.1)  # a whole timeout of silence: offered afresh
+        second = last_offer_for(p.link, a.run_id)
+        assert second != first and p.link.cancels == []
+        p.session.answer(first, "accepted")  # too late
+        assert p.link.cancels == [a.run_id]
+        p.session.answer(second, "accepted")  # in time: the run is held
+        await quiet()
+        assert await status_of(funduq, a.run_id) == "running"
+        p.session.answer(first, "accepted")  # a repeat of the stale answer changes nothing
+        assert p.link.cancels == [a.run_id]
+        p.stream(a.run_id, *reply(a.run_id, a.thread_id))
+        assert (await funduq.wait_run(a.run_id))["status"] == "completed"

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("funduq.providers")
 
 ACCEPTED, DECLINED, REFUSED = "accepted", "declined", "refused"
+#: How many expired offers a session remembers, to answer a late acceptance.
+EXPIRED_OFFERS_KEPT = 1024
 VERDICTS = frozenset({ACCEPTED, DECLINED, REFUSED})
 
 
@@ -85,6 +87,8 @@ class ProviderSession:
         self.agents: dict[str, dict[str, Any]] = {}
         self.offers: dict[str, Offer] = {}
         self.held: dict[str, Lane] = {}
+        #: Offers funduq stopped waiting for, by id -> run id (most recent kept).
+        self.expired: dict[str, str] = {}
         #: When the link last delivered anything (trio clock): see Lane._offer.
         self.last_heard = trio.current_time()
 
@@ -108,8 +112,12 @@ class ProviderSession:
         self.link.send_offer(offer.id, run)
 
     def withdraw(self, offer: Offer) -> None:
-        """The lane stopped waiting: a later answer to this offer is ignored."""
-        self.offers.pop(offer.id, None)
+        """The lane stopped waiting: a later answer to this offer is ignored
+        (an acceptance is asked to stop -- see ``answer``)."""
+        if self.offers.pop(offer.id, None) is not None and not offer.answered.is_set():
+            self.expired[offer.id] = offer.lane.run_id
+            if len(self.expired) > EXPIRED_OFFERS_KEPT:
+                del self.expired[next(iter(self.expired))]
 
     def give_back(self, *, wake: bool = True) -> None:
         """A place came back. A decline gives its place back silently: the
@@ -125,6 +133,10 @@ class ProviderSession:
 
     def cancel(self, run_id: str) -> None:
         if self.live and run_id in self.held:
+            self.link.send_cancel(run_id)
+
+    def cancel_unheld(self, run_id: str) -> None:
+        if self.live:
             self.link.send_cancel(run_id)
 
     # -- what the provider says --------------------------------------------
@@ -145,6 +157,11 @@ class ProviderSession:
         if offer is None:
             log.info("provider %s answered offer %s after funduq stopped waiting",
                      self.fingerprint, offer_id)
+            run_id = self.expired.pop(offer_id, None)
+            if verdict == ACCEPTED and run_id is not None and run_id not in self.held:
+                # It took a run funduq no longer offers it: ask it to stop, so
+                # it works for nobody no longer and a later offer finds it free.
+                self.cancel_unheld(run_id)
             return
         if verdict == ACCEPTED:
             # Held from the answer on: its events queue behind the answer in
