@@ -665,7 +665,9 @@ async def test_v0_3_method_names_over_raw_http(tmp_path) -> None:
             assert all(f["jsonrpc"] == "2.0" and f["id"] == 7 for f in frames)
             kinds = [f["result"]["kind"] for f in frames]
             assert kinds[0] == "task" and kinds[-1] == "status-update"
-            assert "artifact-update" in kinds
+            # The echo may finish before the stream's opening snapshot is read:
+            # its text then rides that Task instead of artifact updates.
+            assert "artifact-update" in kinds or frames[0]["result"].get("artifacts")
             assert frames[-1]["result"]["final"] is True
             assert frames[-1]["result"]["status"]["state"] == "completed"
 
