@@ -106,8 +106,8 @@ class Funduq:
                 open_record(self.settings.database_path))
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
-            self.providers = Providers(self.record, self.settings.quality_allowance)
-            self.providers.messages_of = self._provider_thread_messages
+            self.providers = Providers(self.record, self.settings.quality_allowance,
+                                       self._provider_thread_messages)
             self.providers.load()
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._stack.callback(self._nursery.cancel_scope.cancel)
@@ -353,6 +353,13 @@ class Funduq:
             if feed.closed:
                 return
             await feed.changed()
+
+    def live_record(self, run_id: str) -> dict[str, Any] | None:
+        """A live run's record as its lane knows it, taken without awaiting
+        anything -- so a stream opened right after ``start_run`` always starts
+        from the run as it arrived. None when no lane has the whole record."""
+        lane = self.lanes.get(run_id)
+        return lane.snapshot() if lane is not None else None
 
     async def wait_run(self, run_id: str) -> dict[str, Any]:
         """Wait until the run settles or pauses; return its record."""

@@ -227,7 +227,9 @@ class A2ADoor:
         (everything that can fail upfront has failed by the time this returns)."""
         if call.op == a2a.STREAM:
             run_id = await self.deliver(call)
-            record = await self.funduq.get_run(run_id)
+            # Taken before anything else can happen to the run: the stream then
+            # shows it from its arrival, however fast the provider is.
+            record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
         else:
             record = await self.run_record(call.request.id)
             if record.get("status") in statuses.TERMINAL:
