@@ -9,8 +9,10 @@ The registry never decides a run's fate; it only tells lanes what happened
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -199,7 +201,10 @@ class ProviderSession:
 class Providers:
     """The registry of providers, their agents, places and counters."""
 
-    def __init__(self, record: Record, allowance: int) -> None:
+    def __init__(self, record: Record, allowance: int,
+                 messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]]
+                 ) -> None:
+        self.messages_of = messages_of  # the facade's: (provider key, thread id, limit)
         self.record = record
         self.allowance = allowance
         self.sessions: dict[str, ProviderSession] = {}
@@ -212,7 +217,6 @@ class Providers:
         self.room_waiters: dict[str, dict[int, Lane]] = {}
         self.serve_waiters: dict[str, dict[int, Lane]] = {}
         self.started_at = 0.0
-        self.messages_of: Any = None  # set by the facade: async (thread_id, limit) -> list
 
     def load(self) -> None:
         """Read counters and published agents back from the record (start-up)."""
@@ -221,7 +225,6 @@ class Providers:
                                  + " FROM providers").fetchall(),
                     conn.execute("SELECT provider_key, name, description, card, metadata "
                                  "FROM agents").fetchall())
-        import json
         providers, agents = self.record.read_now(read)
         for key, fp, *counts in providers:
             self.counters[key] = dict(zip(COUNTERS, counts, strict=True))
