@@ -923,8 +923,11 @@ def _valid_id(value: Any) -> bool:
     return value is None or (isinstance(value, (str, int)) and not isinstance(value, bool))
 
 
-async def test_fuzzed_jsonrpc_bodies(tmp_path: Path) -> None:
-    fig = Figures("fuzz_jsonrpc")
+async def _fuzz_bodies(tmp_path: Path, name: str, make_fuzzer: Any, bodies: Any,
+                       edges: Any) -> Tally:
+    """One server with runs on record, a stream of fuzzed bodies at one door,
+    then the record checked untouched."""
+    fig = Figures(name)
     tally = Tally()
     async with (
         running_server(
@@ -944,19 +947,20 @@ async def test_fuzzed_jsonrpc_bodies(tmp_path: Path) -> None:
             "stable": recorded.stable.fingerprint,
             "nobody": fz.identity.fingerprint,
         }
-        fuzzer = JsonRpcFuzzer(http, fingerprints, tally)
-        await trio.to_thread.run_sync(
-            run_hypothesis,
-            jsonrpc_bodies(ids, threads),
-            fuzzer.check,
-            [(edge, "1.0", "fz") for edge in EDGES],
-        )
+        fuzzer = make_fuzzer(http, fingerprints, tally)
+        await trio.to_thread.run_sync(run_hypothesis, bodies(ids, threads), fuzzer.check, edges)
         await check_untouched(http, recorded, fig)
         nursery.cancel_scope.cancel()
     fig.runs_driven = len(recorded.ids)
     fig.extra.update(outcomes=tally.counts)
     fig.fault("bodies", sum(tally.counts.values()))
     fig.check()
+    return tally
+
+
+async def test_fuzzed_jsonrpc_bodies(tmp_path: Path) -> None:
+    tally = await _fuzz_bodies(tmp_path, "fuzz_jsonrpc", JsonRpcFuzzer, jsonrpc_bodies,
+                       [(edge, "1.0", "fz") for edge in EDGES])
     assert any(k.startswith("error -326") for k in tally.counts), tally.counts
 
 
@@ -1014,38 +1018,7 @@ class AguiFuzzer:
 
 
 async def test_fuzzed_agui_bodies(tmp_path: Path) -> None:
-    fig = Figures("fuzz_agui")
-    tally = Tally()
-    async with (
-        running_server(
-            tmp_path,
-            max_frame_bytes=MAX_FRAME,
-            max_body_bytes=MAX_BODY,
-            quality_allowance=1_000_000,
-        ) as info,
-        httpx.AsyncClient(base_url=info.url, timeout=HTTP_TIMEOUT) as http,
-        sdk_provider(info, {"fz": make_echo(deltas=2)}) as fz,
-        trio.open_nursery() as nursery,
-    ):
-        recorded = await put_on_record(info, http, nursery)
-        ids, threads = recorded.vocabulary()
-        fingerprints = {
-            "fz": fz.identity.fingerprint,
-            "stable": recorded.stable.fingerprint,
-            "nobody": fz.identity.fingerprint,
-        }
-        fuzzer = AguiFuzzer(http, fingerprints, tally)
-        await trio.to_thread.run_sync(
-            run_hypothesis,
-            agui_bodies(ids, threads),
-            fuzzer.check,
-            [(edge, "fz") for edge in EDGES],
-        )
-        await check_untouched(http, recorded, fig)
-        nursery.cancel_scope.cancel()
-    fig.runs_driven = len(recorded.ids)
-    fig.extra.update(outcomes=tally.counts)
-    fig.fault("bodies", sum(tally.counts.values()))
-    fig.check()
+    tally = await _fuzz_bodies(tmp_path, "fuzz_agui", AguiFuzzer, agui_bodies,
+                       [(edge, "fz") for edge in EDGES])
     assert any(k.startswith("400") for k in tally.counts), tally.counts
     assert any(k.startswith("run") for k in tally.counts), tally.counts
