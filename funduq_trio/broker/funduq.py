@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import contextvars
 import json
 import logging
 import secrets
@@ -94,6 +95,8 @@ class Funduq:
         self._answering: dict[str, int] = {}
         self._arrival = 0
         self._nursery: trio.Nursery | None = None
+        #: The context lanes start in (see _start_lane).
+        self._context = contextvars.Context()
         self._stack = contextlib.AsyncExitStack()
         self.running = False
 
@@ -110,6 +113,7 @@ class Funduq:
                                        self._provider_thread_messages)
             self.providers.load()
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+            self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             await self._restore()
             self.running = True
@@ -164,6 +168,13 @@ class Funduq:
     # -- lanes and threads ---------------------------------------------------------
 
     def _start_lane(self, row: dict[str, Any], *, arriving: bool) -> Lane:
+        # A task inherits the context of whoever starts it, and a caller's
+        # carries its whole HTTP request (quart keeps it in a context
+        # variable): a waiting run would hold the request it came in on.
+        # Lanes and thread tasks start in the broker's own context instead.
+        return self._context.run(self._start_lane_here, row, arriving)
+
+    def _start_lane_here(self, row: dict[str, Any], arriving: bool) -> Lane:
         lane = Lane(self, row, arriving=arriving)
         self.lanes[lane.run_id] = lane
         thread = self.threads.get(lane.thread_id)
