@@ -19,6 +19,7 @@ Loopback only: everything binds or dials 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -299,14 +301,18 @@ class StampingConnection:
 
     async def send(self, text: str) -> None:
         await self.inner.send(text)
-        if '"kind":"ok"' in text:
-            frame = json.loads(text)
-            run_id = self.offer_runs.pop(frame.get("id"), None)
-            if run_id is not None:
-                self.stamps[run_id]["answer"] = time.monotonic()
-        elif '"kind":"finish"' in text:
-            run_id = json.loads(text)["runId"]
-            self.stamps.setdefault(run_id, {})["finish"] = time.monotonic()
+        if '"kind":"ok"' not in text and '"kind":"finish"' not in text:
+            return
+        now = time.monotonic()
+        frame = json.loads(text)
+        # A batch's frames all left with it.
+        for item in frame["frames"] if frame["kind"] == "batch" else [frame]:
+            if item["kind"] == "ok":
+                run_id = self.offer_runs.pop(item.get("id"), None)
+                if run_id is not None:
+                    self.stamps[run_id]["answer"] = now
+            elif item["kind"] == "finish":
+                self.stamps.setdefault(item["runId"], {})["finish"] = now
 
     async def aclose(self, reason: str = "") -> None:
         await self.inner.aclose(reason)
@@ -715,7 +721,13 @@ def describe_build() -> str:
     return f"{root} (git {head}{', funduq_trio/ has uncommitted changes' if dirty else ''})"
 
 
-def fresh_dir(prefix: str) -> tempfile.TemporaryDirectory[str]:
+def fresh_dir(prefix: str) -> AbstractContextManager[str]:
+    """A scratch directory, removed afterwards unless FUNDUQ_BENCH_KEEP is set
+    (then the server's log and record stay behind for a post-mortem)."""
+    if os.environ.get("FUNDUQ_BENCH_KEEP"):
+        kept = tempfile.mkdtemp(prefix=prefix)
+        print(f"  keeping {kept}", file=sys.stderr)
+        return contextlib.nullcontext(kept)
     return tempfile.TemporaryDirectory(prefix=prefix)
 
 

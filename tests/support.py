@@ -108,6 +108,7 @@ class RawProvider:
         self._replies: dict[str, dict[str, Any]] = {}
         self._replied = trio.Event()
         self._ids = 0
+        self.hello: dict[str, Any] = {}
 
     async def send(self, frame: dict[str, Any]) -> None:
         await self.ws.send_message(json.dumps(frame))
@@ -203,6 +204,7 @@ async def raw_provider(
         answer = json.loads(await ws.get_message())
         assert answer["kind"] == "connect.ok", answer
         provider = RawProvider(ws, identity)
+        provider.hello = hello
         async with trio.open_nursery() as nursery:
             nursery.start_soon(provider._receive_loop)
             await provider.register(list(agents))

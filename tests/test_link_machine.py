@@ -126,6 +126,7 @@ def test_decode_round_trips_every_kind():
         f.Finish(run_id="r"),
         f.Cancel(run_id="r"),
         f.QueryThreadMessages(id="q", thread_id="t", limit=None),
+        f.Batch(frames=[{"kind": "finish", "runId": "r"}]),
     ]
     for frame in samples:
         assert f.decode_frame(f.encode_frame(frame)) == frame
@@ -144,7 +145,7 @@ def test_register_rejects_duplicate_and_unsafe_agent_names():
 
 def test_hello_carries_funduq_key_and_this_connections_nonce():
     hello = machine().hello().frame
-    assert hello == f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=NONCE)
+    assert hello == f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=NONCE, extensions=["batch"])
 
 
 def test_good_connect_attaches_and_answers_with_funduqs_signature():
@@ -341,6 +342,87 @@ def test_reports_and_finishes_go_to_the_broker():
         L.Report("run_1", event, 1)
     ]
     assert m.receive(f.encode_frame(f.Finish(run_id="run_1"))) == [L.Finish("run_1")]
+
+
+# --- batches ------------------------------------------------------------------
+
+
+def batch(*frames) -> str:
+    return f.batch_text([x if isinstance(x, str) else f.encode_frame(x) for x in frames])
+
+
+def test_a_batch_means_its_frames_one_after_another():
+    m = attached()
+    m.offer("o1", RUN)
+    event = {"type": "RUN_STARTED", "threadId": "thread_1", "runId": "run_1"}
+    alone = attached()
+    alone.offer("o1", RUN)
+    frames = [
+        f.Ok(id="o1", verdict="accepted"),
+        f.Report(run_id="run_1", event=event, seq=1),
+        f.Report(run_id="run_1", event=event, seq=2),
+        f.Finish(run_id="run_1"),
+        f.Register(id="reg", agents=[f.AgentSpec(name="echo")]),
+    ]
+    one_by_one = [a for frame in frames for a in alone.receive(f.encode_frame(frame))]
+    assert m.receive(batch(*frames)) == one_by_one
+    assert one_by_one[0] == L.Answer("o1", "accepted", None)
+    assert one_by_one[1:4] == [
+        L.Report("run_1", event, 1), L.Report("run_1", event, 2), L.Finish("run_1")
+    ]
+    assert isinstance(one_by_one[4], L.Register)
+    assert m.state is L.State.ATTACHED and m.outstanding_offers == frozenset()
+
+
+def test_a_bad_item_with_an_id_is_answered_err_and_the_rest_of_the_batch_is_read():
+    m = attached()
+    actions = m.receive(
+        batch('{"kind": "register", "id": "r9", "agents": "lots"}', f.Finish(run_id="run_1"))
+    )
+    (err,) = sent(actions)
+    assert err.id == "r9" and err.reason.startswith("batch item 0: ")
+    assert actions[-1] == L.Finish("run_1") and m.state is L.State.ATTACHED
+
+
+@pytest.mark.parametrize(
+    "items, reason_part",
+    [
+        (['{"kind": "report", "runId": "r"}'], "batch item 0: 'report' frame does not validate"),
+        (["[1]"], "batch item 0: frame is not a JSON object"),
+        ([batch(f.Finish(run_id="r"))], "'batch' is not a frame this side accepts"),
+        ([connect_text()], "'connect' is not a frame this side accepts"),
+        ([f.Ok(id="never", verdict="accepted")], "never made"),
+    ],
+)
+def test_a_violation_inside_a_batch_closes_and_nothing_after_it_is_read(items, reason_part):
+    m = attached()
+    actions = m.receive(batch(*items, f.Finish(run_id="run_1")))
+    (close,) = closes(actions)
+    assert reason_part in close.reason
+    assert L.Finish("run_1") not in actions and actions.count(L.Detach()) == 1
+    assert m.state is L.State.CLOSED
+
+
+@pytest.mark.parametrize(
+    "text", ['{"kind": "batch", "frames": []}', '{"kind": "batch", "frames": {"a": 1}}']
+)
+def test_an_empty_or_shapeless_batch_closes(text):
+    m = attached()
+    assert "'batch' frame does not validate" in closes(m.receive(text))[0].reason
+
+
+def test_a_batch_cannot_stand_in_for_connect():
+    m = machine()
+    actions = m.receive(batch(connect_text()))
+    assert "expected a 'connect' frame first" in sent(actions)[0].reason
+    assert m.state is L.State.CLOSED
+
+
+def test_an_oversized_batch_closes_with_1009():
+    m = attached(max_frame_bytes=1000)
+    finish = f.encode_frame(f.Finish(run_id="run_1"))
+    (close,) = closes(m.receive(batch(*[finish] * 40)))
+    assert close.code == L.CLOSE_TOO_BIG
 
 
 def test_cancel_frame_and_offer_id_reuse():

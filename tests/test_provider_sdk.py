@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
+import trio.testing
 from ag_ui.core import RunAgentInput, TextMessageContentEvent
 from support import http_client, post_sse, running_server, user_input
 
@@ -37,6 +38,7 @@ from funduq_trio.provider import (
     serialize_per_thread,
 )
 from funduq_trio.provider.echo import split_text
+from funduq_trio.provider.runtime import BATCH_BYTES
 
 FUNDUQ = Identity.from_private_hex("d1" * 32)
 # Virtual seconds: under the autojump clock a test waiting on something that
@@ -52,8 +54,11 @@ class FakeConnection:
     def __init__(self, outgoing: trio.MemorySendChannel, incoming: trio.MemoryReceiveChannel):
         self.outgoing = outgoing
         self.incoming = incoming
+        self.gate: trio.Event | None = None  # while unset, the socket is busy
 
     async def send(self, text: str) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
         try:
             await self.outgoing.send(text)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -91,9 +96,13 @@ class FunduqEnd:
         await self.outgoing.aclose()
         await self.incoming.aclose()
 
-    async def handshake(self, identity: Identity = FUNDUQ) -> None:
+    async def handshake(
+        self, identity: Identity = FUNDUQ, extensions: list[str] | None = None
+    ) -> None:
         nonce = new_nonce()
-        await self.send(f.Hello(funduq_key=identity.public_key_hex, nonce=nonce))
+        await self.send(
+            f.Hello(funduq_key=identity.public_key_hex, nonce=nonce, extensions=extensions)
+        )
         connect = await self.recv()
         assert isinstance(connect, f.Connect)
         assert verify(
@@ -106,8 +115,8 @@ class FunduqEnd:
         answer = identity.sign(funduq_connect_payload(nonce, connect.nonce))
         await self.send(f.ConnectOk(answer=answer))
 
-    async def attach(self) -> f.Register:
-        await self.handshake()
+    async def attach(self, extensions: list[str] | None = None) -> f.Register:
+        await self.handshake(extensions=extensions)
         register = await self.recv()
         assert isinstance(register, f.Register)
         await self.send(f.Ok(id=register.id))
@@ -159,6 +168,7 @@ class FakeFunduq:
     def __init__(self) -> None:
         self._send, self.links = trio.open_memory_channel[FunduqEnd](math.inf)
         self.dials: list[float] = []
+        self.connections: list[FakeConnection] = []
         self.refuse = 0  # refuse this many dials (funduq unreachable)
 
     async def connect(self, nursery: trio.Nursery, url: str) -> FakeConnection:
@@ -169,7 +179,8 @@ class FakeFunduq:
         to_funduq, from_provider = trio.open_memory_channel[str](math.inf)
         to_provider, from_funduq = trio.open_memory_channel[str](math.inf)
         self._send.send_nowait(FunduqEnd(to_provider, from_provider))
-        return FakeConnection(to_funduq, from_funduq)
+        self.connections.append(FakeConnection(to_funduq, from_funduq))
+        return self.connections[-1]
 
     async def next_link(self) -> FunduqEnd:
         with trio.fail_after(STUCK):
@@ -250,6 +261,80 @@ async def test_a_run_reports_seq_numbered_events_then_finishes(autojump_clock):
         assert text == "hello, world!"
         assert reports[0].event == {"type": "RUN_STARTED", "threadId": "t1", "runId": "r1"}
         assert provider.held_runs == frozenset()
+        nursery.cancel_scope.cancel()
+
+
+async def messages_while_the_socket_was_busy(extensions: list[str] | None) -> list[str]:
+    """Offer an 8-delta echo run while the provider's socket is busy, let the
+    agent queue everything, free the socket: the raw messages that arrive."""
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(make_echo(deltas=8), name="echo")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach(extensions)
+        fake.connections[-1].gate = gate = trio.Event()
+        await link.offer("o1", "r1", text="hello, world!")
+        await trio.testing.wait_all_tasks_blocked()
+        assert provider.held_runs == frozenset()  # the run is over, its frames queued
+        gate.set()
+        messages: list[str] = []
+        while not messages or '"kind":"finish"' not in messages[-1]:
+            with trio.fail_after(STUCK):
+                messages.append(await link.incoming.receive())
+        nursery.cancel_scope.cancel()
+    return messages
+
+
+async def test_frames_queued_while_the_socket_is_busy_go_out_as_one_batch(autojump_clock):
+    messages = await messages_while_the_socket_was_busy(["batch"])
+    # The writer had taken the `ok` before the socket stalled; the rest waited.
+    first, rest = (f.decode_frame(m, accept=f.FROM_PROVIDER) for m in messages)
+    assert first == f.Ok(id="o1", verdict="accepted")
+    assert isinstance(rest, f.Batch)
+    items = [f.decode_object(item, accept=f.IN_BATCH) for item in rest.frames]
+    assert [i.seq for i in items[:-1]] == list(range(1, 13))
+    assert all(isinstance(i, f.Report) and i.run_id == "r1" for i in items[:-1])
+    assert items[-1] == f.Finish(run_id="r1")
+
+
+async def test_without_the_extension_every_frame_goes_alone(autojump_clock):
+    messages = await messages_while_the_socket_was_busy(None)
+    frames = [f.decode_frame(m, accept=f.FROM_PROVIDER) for m in messages]
+    assert [type(x) for x in frames] == [f.Ok, *[f.Report] * 12, f.Finish]
+
+
+async def test_a_batch_stays_under_the_batch_size(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    big = "x" * 20_000
+
+    async def chatty(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        for _ in range(10):
+            yield {"type": "CUSTOM", "name": "blob", "value": big}
+
+    provider.add_agent(chatty, name="chatty")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach(["batch"])
+        fake.connections[-1].gate = gate = trio.Event()
+        await link.offer("o1", "r1", agent="chatty")
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+        items: list[Any] = []
+        while not items or not isinstance(items[-1], f.Finish):
+            with trio.fail_after(STUCK):
+                text = await link.incoming.receive()
+            assert len(text.encode()) <= BATCH_BYTES
+            frame = f.decode_frame(text, accept=f.FROM_PROVIDER)
+            items += (
+                [f.decode_object(i, accept=f.IN_BATCH) for i in frame.frames]
+                if isinstance(frame, f.Batch)
+                else [frame]
+            )
+        assert [x.seq for x in items if isinstance(x, f.Report)] == list(range(1, 11))
         nursery.cancel_scope.cancel()
 
 

@@ -13,6 +13,13 @@ Decoding is strict about types (a number where a string belongs is an error,
 not a coercion) and lenient about keys it does not know (ignored, so a peer
 speaking a later revision that adds a field is still understood).
 
+One frame is not in DESIGN §5's table: `batch {frames: [...]}`, several
+provider frames in one message, meaning exactly those frames sent one after
+another. It exists because the server's websocket stack hands the broker one
+message per scheduler round, so a run's dozen reports took a dozen rounds on
+a busy link (docs/provider-link.md, "Batches"). funduq announces it in
+`hello.extensions`; a provider that never sends one is unaffected.
+
 `decode_frame(text)` returns a frame or raises `FrameError(reason, id)`,
 where `id` is the frame's `id` when it carried a usable one, so the receiver
 can answer `err {id, reason}`; a frame without one closes the link.
@@ -41,10 +48,14 @@ from pydantic.alias_generators import to_camel
 __all__ = [
     "FROM_FUNDUQ",
     "FROM_PROVIDER",
+    "EXTENSIONS",
+    "IN_BATCH",
     "KINDS",
+    "MAX_BATCH_FRAMES",
     "MAX_ID_CHARS",
     "VERDICTS",
     "AgentSpec",
+    "Batch",
     "Cancel",
     "Connect",
     "ConnectErr",
@@ -60,12 +71,18 @@ __all__ = [
     "QueryThreadMessages",
     "Register",
     "Report",
+    "batch_text",
     "decode_frame",
+    "decode_object",
     "encode_frame",
 ]
 
 #: Longest request id either side accepts (and echoes back in an `err`).
 MAX_ID_CHARS = 256
+#: Frames one `batch` may carry.
+MAX_BATCH_FRAMES = 1024
+#: What `hello.extensions` lists: the frames beyond DESIGN §5 funduq accepts.
+EXTENSIONS = ("batch",)
 #: The three answers to an offer. `declined` = full right now; `refused` = never.
 VERDICTS = ("accepted", "declined", "refused")
 
@@ -115,6 +132,8 @@ class Hello(_Model):
     kind: Literal["hello"] = "hello"
     funduq_key: PublicKeyHex
     nonce: Nonce
+    #: Frames beyond DESIGN §5 this funduq accepts (`["batch"]`); null = none.
+    extensions: list[str] | None = None
 
 
 class ConnectOk(_Model):
@@ -218,6 +237,16 @@ class Finish(_Model):
     run_id: RunId
 
 
+class Batch(_Model):
+    """Several provider frames in one message, meaning exactly those frames
+    sent one after another. Each item is decoded on its own (`decode_object`),
+    so one bad item is answered like the same frame sent alone; a batch never
+    nests and never carries `connect`."""
+
+    kind: Literal["batch"] = "batch"
+    frames: Annotated[list[Any], Field(min_length=1, max_length=MAX_BATCH_FRAMES)]
+
+
 class QueryThreadMessages(_Model):
     """Ask for a thread's messages; answered `ok` with `payload.messages`."""
 
@@ -261,7 +290,8 @@ Frame = Annotated[
     | Report
     | Finish
     | Cancel
-    | QueryThreadMessages,
+    | QueryThreadMessages
+    | Batch,
     Field(discriminator="kind"),
 ]
 
@@ -282,12 +312,15 @@ KINDS: frozenset[str] = frozenset(
         Finish,
         Cancel,
         QueryThreadMessages,
+        Batch,
     )
 )
 #: The kinds a provider may send.
 FROM_PROVIDER: frozenset[str] = frozenset(
-    {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages"}
+    {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages", "batch"}
 )
+#: The kinds a `batch` may carry.
+IN_BATCH: frozenset[str] = FROM_PROVIDER - {"connect", "batch"}
 #: The kinds funduq may send.
 FROM_FUNDUQ: frozenset[str] = frozenset(
     {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel"}
@@ -327,6 +360,11 @@ def decode_frame(text: str | bytes, *, accept: frozenset[str] | None = None) -> 
         obj = json.loads(text, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:
         raise FrameError(f"frame is not JSON: {exc}") from None
+    return decode_object(obj, accept=accept)
+
+
+def decode_object(obj: Any, *, accept: frozenset[str] | None = None) -> Frame:
+    """`decode_frame` for a message already parsed from JSON (a batch's item)."""
     if not isinstance(obj, dict):
         raise FrameError("frame is not a JSON object")
     frame_id = _usable_id(obj)
@@ -346,3 +384,8 @@ def decode_frame(text: str | bytes, *, accept: frozenset[str] | None = None) -> 
 def encode_frame(frame: BaseModel) -> str:
     """The frame as compact JSON text: camelCase keys, optional fields as null."""
     return frame.model_dump_json(by_alias=True)
+
+
+def batch_text(texts: list[str]) -> str:
+    """One `batch` message of already encoded frames (no re-encoding)."""
+    return '{"kind":"batch","frames":[' + ",".join(texts) + "]}"

@@ -41,7 +41,7 @@ copy and `_move` refuses anything not in it):
                     undecodable, oversized)--> CLOSED
         send connect.err {reason}, Close
     AWAIT_CONNECT --connection lost--> CLOSED   (nothing to detach)
-    ATTACHED --register/ok/err/report/finish/query--> ATTACHED   (see below)
+    ATTACHED --register/ok/err/report/finish/query/batch--> ATTACHED (see below)
     ATTACHED --protocol violation--> CLOSED     Close, Detach
     ATTACHED --broker closes the link--> CLOSED Close (Detach when the socket is gone)
     ATTACHED --connection lost--> CLOSED        Detach
@@ -51,6 +51,11 @@ While ATTACHED:
 * `register {id, agents}` -> Register; then `ok {id}` (or `err {id, reason}`).
 * `query.threadMessages {id, threadId, limit}` -> QueryThreadMessages; then
   `ok {id, payload: {messages}}` (or `err {id, reason}`).
+* `batch {frames}` -> each item handled in order exactly as if it had come
+  alone (an item that does not decode is answered `err {id}` or closes the
+  link, as a lone frame would; nothing after a violation is read). A batch
+  may not carry `connect` or another batch. funduq's hello lists it in
+  `extensions`.
 * `report` / `finish` -> Report / Finish. Whether the provider holds the run
   is the broker's to say; a report for a run it does not hold is ignored.
 * `ok {id, verdict, reason}` answering an outstanding offer -> Answer. The
@@ -279,7 +284,13 @@ class LinkMachine:
 
     def hello(self) -> Send:
         """The first frame of the link."""
-        return Send(f.Hello(funduq_key=self._identity.public_key_hex, nonce=self.nonce))
+        return Send(
+            f.Hello(
+                funduq_key=self._identity.public_key_hex,
+                nonce=self.nonce,
+                extensions=list(f.EXTENSIONS),
+            )
+        )
 
     def receive(self, text: str | bytes) -> list[Action]:
         """One message from the provider."""
@@ -295,10 +306,29 @@ class LinkMachine:
         try:
             frame = f.decode_frame(text, accept=f.FROM_PROVIDER)
         except f.FrameError as exc:
-            if exc.id is not None:
-                return [Send(f.Err(id=exc.id, reason=exc.reason))]
-            return self._violation(exc.reason)
+            return self._undecodable(exc)
+        if isinstance(frame, f.Batch):
+            return self._receive_batch(frame)
         return self._receive_attached(frame)
+
+    def _undecodable(self, exc: f.FrameError) -> list[Action]:
+        if exc.id is not None:
+            return [Send(f.Err(id=exc.id, reason=exc.reason))]
+        return self._violation(exc.reason)
+
+    def _receive_batch(self, batch: f.Batch) -> list[Action]:
+        actions: list[Action] = []
+        for index, item in enumerate(batch.frames):
+            try:
+                frame = f.decode_object(item, accept=f.IN_BATCH)
+            except f.FrameError as exc:
+                exc.reason = f"batch item {index}: {exc.reason}"
+                actions += self._undecodable(exc)
+            else:
+                actions += self._receive_attached(frame)
+            if self.state is State.CLOSED:
+                break
+        return actions
 
     def _receive_connect(self, text: str | bytes) -> list[Action]:
         try:

@@ -20,6 +20,10 @@ key against a pinned one, publishes its agents and then:
   per-run `seq`, and always sending `finish` at the end, whether the agent
   returned, raised (a RUN_ERROR is reported first) or was cancelled;
 * cancels a run's task when a `cancel` frame names it;
+* when funduq's hello lists the `batch` extension, writes whatever frames are
+  queued when the socket is free as one `batch` message (at most
+  `BATCH_BYTES`), so a busy link carries a run's reports in a few messages
+  rather than one each; a lone frame still goes out as itself;
 * reconnects with exponential backoff when the link drops. Runs held on a
   dropped link are cancelled: funduq has already failed them
   (`provider_left_holding_it`) and would ignore anything more about them.
@@ -191,15 +195,31 @@ def _wants_ctx(fn: Callable[..., Any]) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional)
 
 
+#: Largest `batch` message the writer builds. Well under any sane server frame
+#: limit (the default is 1 MiB), and big enough that batching costs nothing.
+BATCH_BYTES = 64 * 1024
+
+
+def _wire_bytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 class _Link:
     """One connection's state: its outbox, the runs accepted on it, and the
     replies it waits for. Dies with the connection."""
 
     def __init__(
-        self, conn: Connection, nursery: trio.Nursery, *, max_frame_bytes: int, report_window: int
+        self,
+        conn: Connection,
+        nursery: trio.Nursery,
+        *,
+        max_frame_bytes: int,
+        report_window: int,
+        batch: bool = False,
     ) -> None:
         self.conn = conn
         self.nursery = nursery
+        self.batch = batch
         self.max_frame_bytes = max_frame_bytes
         self.out_send, self.out_receive = trio.open_memory_channel[tuple[str, bool]](math.inf)
         self.credits = trio.Semaphore(report_window)
@@ -232,9 +252,10 @@ class _Link:
         if not isinstance(event, (dict, BaseModel)):
             raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
         text = f.encode_frame(f.Report(run_id=run_id, event=event, seq=seq))
-        if len(text.encode("utf-8")) > self.max_frame_bytes:
+        size = _wire_bytes(text)
+        if size > self.max_frame_bytes:
             raise ValueError(
-                f"event #{seq} is {len(text.encode('utf-8'))} bytes on the wire, over the "
+                f"event #{seq} is {size} bytes on the wire, over the "
                 f"link's frame limit of {self.max_frame_bytes}"
             )
         await self.credits.acquire()
@@ -404,7 +425,8 @@ class Provider:
         except f.FrameError as exc:
             raise _ProtocolError(exc.reason) from None
 
-    async def _handshake(self, conn: Connection) -> None:
+    async def _handshake(self, conn: Connection) -> bool:
+        """Prove our key (and check funduq's); True when funduq takes batches."""
         hello = await self._receive(conn)
         if not isinstance(hello, f.Hello):
             raise _ProtocolError(f"expected hello, got {hello.kind!r}")
@@ -436,10 +458,11 @@ class Provider:
                 raise FunduqKeyMismatch("funduq sent no answer to prove its pinned key")
         elif not verify(hello.funduq_key, payload, reply.answer):
             raise FunduqKeyMismatch("funduq's connect.ok answer does not verify under its key")
+        return "batch" in (hello.extensions or ())
 
     async def _serve(self, conn: Connection, on_registered: Callable[[], None] | None) -> str:
         try:
-            await self._handshake(conn)
+            batch = await self._handshake(conn)
         except LinkLost as exc:
             return str(exc)
         except _ProtocolError as exc:
@@ -450,6 +473,7 @@ class Provider:
                 nursery,
                 max_frame_bytes=self.max_frame_bytes,
                 report_window=self.report_window,
+                batch=batch,
             )
             self._link = link
             nursery.start_soon(self._writer, link)
@@ -464,11 +488,31 @@ class Provider:
         return link.end_reason or "link ended"
 
     async def _writer(self, link: _Link) -> None:
+        held: tuple[str, bool] | None = None  # taken from the outbox, next to go
         try:
-            async for text, is_report in link.out_receive:
-                await link.conn.send(text)
-                if is_report:
-                    link.credits.release()
+            while True:
+                first = held if held is not None else await link.out_receive.receive()
+                held = None
+                queued = [first]
+                if link.batch:
+                    room = min(link.max_frame_bytes, BATCH_BYTES) - 64 - _wire_bytes(first[0])
+                    while len(queued) < f.MAX_BATCH_FRAMES:
+                        try:
+                            item = link.out_receive.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                        room -= _wire_bytes(item[0]) + 1
+                        if room < 0:
+                            held = item
+                            break
+                        queued.append(item)
+                if len(queued) == 1:
+                    await link.conn.send(first[0])
+                else:
+                    await link.conn.send(f.batch_text([text for text, _ in queued]))
+                for _, is_report in queued:
+                    if is_report:
+                        link.credits.release()
         except LinkLost as exc:
             link.end(str(exc))
 
