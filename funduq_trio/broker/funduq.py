@@ -207,13 +207,14 @@ class Funduq:
                 del self._thread_info[tid]
 
     def _offer_payload(self, lane: Lane) -> dict[str, Any]:
-        run_input = lane.run_input
+        run_input = json.loads(lane.run_input_json)
+        caller_metadata = json.loads(lane.caller_metadata_json)
         forwarded = run_input.get("forwardedProps")
         if isinstance(forwarded, dict):
             # Proofs were for funduq; the provider gets the props without them.
             forwarded = {k: v for k, v in forwarded.items() if k not in PROOF_KEYS}
             run_input = {**run_input, "forwardedProps": forwarded}
-        chain = lane.caller_metadata.get("actorChain")
+        chain = caller_metadata.get("actorChain")
         if isinstance(chain, list) and chain:
             # The chain as funduq dispatched it: the caller's hops verbatim plus
             # one hop of funduq's naming where it went.
@@ -221,7 +222,7 @@ class Funduq:
             forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
             forwarded["actorChain"] = [*chain, hop]
             run_input = {**run_input, "forwardedProps": forwarded}
-        metadata = {k: v for k, v in lane.caller_metadata.items() if k not in PROOF_KEYS}
+        metadata = {k: v for k, v in caller_metadata.items() if k not in PROOF_KEYS}
         return {"runId": lane.run_id, "threadId": lane.thread_id, "agentName": lane.agent,
                 "runInput": run_input, "metadata": metadata}
 
@@ -283,10 +284,13 @@ class Funduq:
                 new_thread = None
             messages = self._new_messages(info, run_input, run_id)
             self._arrival += 1
+            # The input and the caller's metadata are kept as the record's JSON
+            # text (read again only for the offer): a waiting run holds one
+            # string each, not a tree of dicts.
             row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
-                   "status": st.QUEUED, "input": run_input, "caller_metadata": metadata,
-                   "metadata": {}, "next_seq": 1, "arrival": self._arrival,
-                   "created_at": time.time()}
+                   "status": st.QUEUED, "input": dumps(run_input),
+                   "caller_metadata": dumps(metadata), "metadata": {}, "next_seq": 1,
+                   "arrival": self._arrival, "created_at": time.time()}
             await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
         finally:
             self._reserved[tid] -= 1
@@ -376,7 +380,7 @@ class Funduq:
         """Wait until the run settles or pauses; return its record."""
         lane = self.lanes.get(run_id)
         if lane is not None:
-            await lane.done.wait()
+            await lane.ended()
             run = lane.snapshot()
             if run is not None:
                 return run
@@ -437,25 +441,25 @@ class Funduq:
         row = _run_row(row)
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
-        row["input"] = {**run_input, "threadId": row["thread_id"], "runId": run_id}
+        run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
         marks = row["metadata"].setdefault("funduq", {})
         marks["answeredBy"] = by
         marks.pop("cancelRequestedBy", None)  # the new turn is nobody's to stop yet
-        row["caller_metadata"] = {**row["caller_metadata"],
-                                  **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}}
+        caller = dumps({**json.loads(row["caller_metadata"]),
+                        **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}})
         tid = row["thread_id"]
         info = await self._thread(tid)
-        messages = self._new_messages(info, row["input"], run_id) if info else []
+        messages = self._new_messages(info, run_input, run_id) if info else []
+        row["input"], row["caller_metadata"] = dumps(run_input), caller
         self._arrival += 1
         arrival = self._arrival
-        caller = dumps(row["caller_metadata"])
         self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
 
         def reopen(conn: Any) -> bool:
             moved = conn.execute(
                 "UPDATE runs SET status=?, input=?, metadata=?, caller_metadata=?, arrival=?, "
                 "completed_at=NULL WHERE id=? AND status=?",
-                (st.QUEUED, dumps(row["input"]), dumps(row["metadata"]), caller, arrival,
+                (st.QUEUED, row["input"], dumps(row["metadata"]), caller, arrival,
                  run_id, st.INPUT_REQUIRED)).rowcount == 1
             if moved and messages:
                 conn.executemany(_INSERT_MESSAGE, messages)
@@ -601,12 +605,13 @@ _INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, me
 
 
 def _run_row(row: Any) -> dict[str, Any]:
+    """A run's row; its input and caller metadata stay JSON text."""
     rid, tid, key, agent, status, run_input, caller, metadata, arrival, created, started, \
         next_seq = row
     return {"id": rid, "thread_id": tid, "provider_key": key, "agent_name": agent,
             "created_at": created, "started_at": started,
-            "status": status, "input": json.loads(run_input),
-            "caller_metadata": json.loads(caller), "metadata": json.loads(metadata),
+            "status": status, "input": run_input,
+            "caller_metadata": caller, "metadata": json.loads(metadata),
             "arrival": arrival, "next_seq": next_seq}
 
 
@@ -626,7 +631,7 @@ def _insert_run(conn: Any, row: dict[str, Any], new_thread: tuple[Any, ...] | No
         "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input, "
         "caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
         (row["arrival"], row["id"], row["thread_id"], row["provider_key"], row["agent_name"],
-         row["status"], dumps(row["input"]), dumps(row["caller_metadata"]),
+         row["status"], row["input"], row["caller_metadata"],
          dumps(row["metadata"]), row["created_at"]))
     if messages:
         conn.executemany(_INSERT_MESSAGE, messages)

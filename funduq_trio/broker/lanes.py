@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -61,43 +60,55 @@ class Feed:
         self.first_seq = first_seq
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.closed = False
-        self._changed = trio.Event()
+        # Made by the first follower to wait: a run nobody follows has none.
+        self._changed: trio.Event | None = None
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def publish(self, seq: int, event: dict[str, Any]) -> None:
         self.events.append((seq, event))
-        self._changed.set()
-        self._changed = trio.Event()
+        self._wake()
 
     def close(self) -> None:
         self.closed = True
-        self._changed.set()
+        self._wake()
 
     async def changed(self) -> None:
+        """Wait for the next publish or the close."""
+        if self.closed:
+            return
+        if self._changed is None:
+            self._changed = trio.Event()
         await self._changed.wait()
 
 
 class ThreadLanes:
     """A thread with active runs: its nursery and its pending queue."""
 
-    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting", "_drained")
+    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting")
 
     def __init__(self, thread_id: str) -> None:
         self.id = thread_id
-        self.pending: deque[Lane] = deque()
+        # A list, not a deque: at most thread_queue_limit long, and an empty
+        # deque costs a waiting run most of a kilobyte.
+        self.pending: list[Lane] = []
         self.lanes = 0
         self._nursery: trio.Nursery | None = None
-        self._starting: list[Lane] = []
-        self._drained = trio.Event()
+        self._starting: list[Lane] | None = []
 
     async def hold(self) -> None:
         """The thread's task: its lanes run in this nursery; it ends once the
-        last of them has ended."""
+        last of them has ended (the nursery's own exit waits for them). No
+        lane starts here after that: the thread is forgotten by then (see
+        ``ended``), and a later run of it gets a new ThreadLanes."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for lane in self._starting:
                 nursery.start_soon(lane.run)
-            self._starting.clear()
-            await self._drained.wait()
+            self._starting = None
 
     def start(self, lane: Lane) -> None:
         self.lanes += 1
@@ -109,10 +120,7 @@ class ThreadLanes:
     def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
         self.lanes -= 1
-        if self.lanes == 0:
-            self._drained.set()
-            return True
-        return False
+        return self.lanes == 0
 
     def enqueue(self, lane: Lane) -> None:
         self.pending.append(lane)
@@ -133,9 +141,9 @@ class Lane:
     """The one task that owns a run from queued until it settles or pauses."""
 
     # Slots: a broker holding ten thousand waiting runs holds ten thousand of these.
-    __slots__ = ("f", "run_id", "thread_id", "key", "agent", "status", "run_input",
-                 "caller_metadata", "metadata", "next_seq", "stamps", "arriving", "feed",
-                 "done", "thread", "_send", "_inbox", "_finished", "_reported_error",
+    __slots__ = ("f", "run_id", "thread_id", "key", "agent", "status", "run_input_json",
+                 "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
+                 "thread", "_send", "_inbox", "_finished", "_reported_error",
                  "_cancel_requested", "_texts", "_session", "_backlog", "awaiting_answer",
                  "_baton")
 
@@ -146,15 +154,15 @@ class Lane:
         self.key: str = row["provider_key"]
         self.agent: str = row["agent_name"]
         self.status: str = row["status"]
-        self.run_input: dict[str, Any] = row["input"]
-        self.caller_metadata: dict[str, Any] = row["caller_metadata"]
+        # As JSON text: read only to make the offer (Funduq._offer_payload).
+        self.run_input_json: str = row["input"]
+        self.caller_metadata_json: str = row["caller_metadata"]
         self.metadata: dict[str, Any] = row["metadata"]
         self.next_seq: int = row["next_seq"]
         self.stamps: dict[str, float | None] = {
             k: row.get(k) for k in ("created_at", "started_at", "completed_at")}
         self.arriving = arriving
         self.feed = Feed(self.next_seq)
-        self.done = trio.Event()
         self.thread: ThreadLanes | None = None
         self._send, self._inbox = trio.open_memory_channel[Message](math.inf)
         # What the stream said so far (the funnel reads these).
@@ -163,10 +171,17 @@ class Lane:
         self._cancel_requested = False
         self._texts: dict[str, dict[str, Any]] = {}
         self._session: ProviderSession | None = None
-        self._backlog: deque[Message] = deque()
+        # Messages read early and not yet applied; rarely any (a list: an
+        # empty deque costs a waiting run most of a kilobyte).
+        self._backlog: list[Message] = []
         #: An offer is out (or about to leave): a cancel now is read after the answer.
         self.awaiting_answer = False
         self._baton = False
+
+    async def ended(self) -> None:
+        """Wait until the lane has ended (the run settled or paused)."""
+        while not self.feed.closed:
+            await self.feed.changed()
 
     # -- the inbox ---------------------------------------------------------------
 
@@ -179,7 +194,9 @@ class Lane:
 
     async def _receive(self, deadline: float = math.inf) -> Message | None:
         if self._backlog:
-            return self._backlog.popleft()
+            return self._backlog.pop(0)
+        if deadline == math.inf:
+            return await self._inbox.receive()  # no clock: no cancel scope to hold
         with trio.move_on_at(deadline):
             return await self._inbox.receive()
         return None
@@ -227,7 +244,6 @@ class Lane:
             if self.thread is not None:
                 self.thread.leave(self)
             self.feed.close()
-            self.done.set()
             self.f._lane_ended(self)
 
     def _drain(self) -> list[Message]:
