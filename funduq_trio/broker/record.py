@@ -89,6 +89,11 @@ CREATE TABLE IF NOT EXISTS messages (
 
 COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
 
+#: Reads running at once, each on a connection of its own. A connection per
+#: worker thread instead grew with trio's thread cache (dozens under load),
+#: each with its own page cache.
+READERS = 4
+
 
 def dumps(value: Any) -> str:
     # ASCII-escaped: valid JSON may carry lone surrogates ("\ud800"), which
@@ -117,7 +122,9 @@ class Record:
         self._pending: list[_Write] = []
         self._batch_done = trio.Event()
         self._wake = trio.Event()
-        self._readers = threading.local()
+        self._read_limiter = trio.CapacityLimiter(READERS)
+        self._idle_readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
         self._writer_conn: sqlite3.Connection | None = None
         self.commits = 0  # group commits done (for benchmarks)
         self.writes = 0
@@ -131,12 +138,18 @@ class Record:
         conn.execute("PRAGMA busy_timeout=5000")
         return conn
 
-    def _reader(self) -> sqlite3.Connection:
-        conn = getattr(self._readers, "conn", None)
+    def _read_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """In a worker thread: ``fn`` on an idle reader connection (a new one
+        when none is idle; the read limiter keeps them to READERS)."""
+        with self._readers_lock:
+            conn = self._idle_readers.pop() if self._idle_readers else None
         if conn is None:
-            conn = self._readers.conn = self._connect()
-            self._readers.all = getattr(self._readers, "all", [])
-        return conn
+            conn = self._connect()
+        try:
+            return fn(conn)
+        finally:
+            with self._readers_lock:
+                self._idle_readers.append(conn)
 
     def _open_sync(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +229,8 @@ class Record:
     # -- reading -----------------------------------------------------------
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return await trio.to_thread.run_sync(lambda: fn(self._reader()))
+        async with self._read_limiter:
+            return await trio.to_thread.run_sync(self._read_sync, fn)
 
     def read_now(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Blocking read on the trio thread: only for start-up, before serving."""
@@ -295,3 +309,7 @@ async def open_record(path: Path) -> AsyncIterator[Record]:
             await record._flush()
             if record._writer_conn is not None:
                 record._writer_conn.close()
+            with record._readers_lock:
+                idle, record._idle_readers = record._idle_readers, []
+            for conn in idle:
+                conn.close()
