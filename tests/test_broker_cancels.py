@@ -180,6 +180,47 @@ async def test_a_cancel_arriving_as_the_stream_ends_gets_an_answer(tmp_path, moc
 # -- running ----------------------------------------------------------------------------------
 
 
+async def test_an_accepted_cancel_is_answered_as_applied_though_the_run_ends_at_once(
+        tmp_path, mock_clock):
+    """The provider ignores the cancel and finishes before the caller is
+    answered: the answer is the run as the cancel left it (cancelling: A2A's
+    working plus the pending-cancel marker), not the completed run a read
+    made a moment later would find -- that would tell the caller its accepted
+    cancel hit an ended run."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await accepted(funduq, p)
+        events = reply(a.run_id, a.thread_id)
+        p.stream(a.run_id, *events[:2], finish=False)
+        await quiet()
+        ended = trio.Event()
+        real_read = funduq.record.read
+
+        async def read_once_the_run_ended(fn):
+            await ended.wait()
+            return await real_read(fn)
+
+        funduq.record.read = read_once_the_run_ended
+        answers = []
+
+        async def cancel():
+            answers.append(await funduq.cancel_run(a.run_id))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel)
+            await quiet()
+            assert p.link.cancels == [a.run_id]  # applied: the provider was asked
+            p.stream(a.run_id, *events[2:])  # ...and finishes anyway
+            await quiet()
+            ended.set()
+        funduq.record.read = real_read
+        (answer,) = answers
+        assert answer["status"] == "cancelling"
+        assert "cancelRequestedBy" in answer["metadata"]["funduq"]
+        assert events_of(answer) == events[:2]
+        assert await status_of(funduq, a.run_id) == "completed"  # what the provider did
+
+
 async def test_cancel_of_a_running_run_tells_the_provider_and_relays_until_it_stops(
         tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:

@@ -410,6 +410,8 @@ class Funduq:
             await cancel.seen.wait()
             if cancel.refused:
                 raise _not_cancellable(run_id)
+            if cancel.record is not None:
+                return cancel.record
         run = await self.get_run(run_id)
         assert run is not None
         return run

@@ -7,6 +7,7 @@ the lane applies those facts one at a time, in channel order.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,22 @@ class Wake:
 @dataclass(slots=True)
 class Cancel:
     """A caller asked to stop the run. ``seen`` is set once the lane read it;
-    ``refused`` too when the run had ended before the lane got to it."""
+    ``refused`` too when the run had ended before the lane got to it.
+    ``record`` is the run as the lane left it right after applying the cancel
+    (None when the lane lacks the whole record): the caller's answer, which a
+    finish read a moment later must not overtake."""
 
     by: str | None = None
     seen: trio.Event = field(default_factory=trio.Event)
     refused: bool = False
+    record: dict[str, Any] | None = None
 
     def refuse(self) -> None:
         self.refused = True
+        self.seen.set()
+
+    def applied(self, record: dict[str, Any] | None) -> None:
+        self.record = copy.deepcopy(record)
         self.seen.set()
 
 

@@ -312,7 +312,7 @@ class Lane:
             self._cancel_requested = True
             self._note_cancel(message.by)
             await self._settle(st.CANCELLED)
-            message.seen.set()
+            message.applied(self.snapshot())
             return "settled"
         # Reports, finishes and "gone" for a run nobody holds: nothing to apply.
         log.debug("run %s ignored %r while pending", self.run_id, message)
@@ -405,7 +405,7 @@ class Lane:
                     self._note_cancel(message.by)
                     if await self._move(st.CANCELLING):
                         session.cancel(self.run_id)
-                message.seen.set()
+                message.applied(self.snapshot())
             elif isinstance(message, Gone):
                 session.release(self.run_id)
                 await self._settle(st.FAILED, reasons.PROVIDER_LEFT_HOLDING_IT)
