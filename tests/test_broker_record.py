@@ -41,3 +41,40 @@ async def test_forgotten_idle_threads_continue_from_the_record(tmp_path, autojum
         snapshot = await funduq.get_thread(threads[0])
         assert [m["content"] for m in snapshot["messages"]] == ["first 0", "hi", "again", "hi"]
         assert len(snapshot["runs"]) == 2
+
+
+async def test_a_write_lock_held_by_another_process_parks_the_writer_not_the_loop(tmp_path):
+    """Commits run on the trio thread but never wait for the lock there: while
+    another connection (an operator's sqlite3 shell, a backup) holds the write
+    lock, the batch waits in a worker thread, the loop keeps serving, and the
+    write lands once the lock is released."""
+    import sqlite3
+
+    import trio
+    import trio.testing
+
+    from funduq_trio.broker.record import open_record
+
+    path = tmp_path / "record.sqlite3"
+    async with open_record(path) as record:
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        landed = trio.Event()
+
+        async def write() -> None:
+            await record.write(lambda c: c.execute(
+                "INSERT INTO threads (id, provider_key, agent_name, created_at) VALUES ('t', 'k', 'a', 0)"))
+            landed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            await trio.testing.wait_all_tasks_blocked()
+            for _ in range(100):  # the loop still runs other tasks
+                await trio.lowlevel.checkpoint()
+            assert not landed.is_set()
+            blocker.execute("COMMIT")
+            with trio.fail_after(30):
+                await landed.wait()
+        blocker.close()
+        found = await record.read(lambda c: c.execute("SELECT id FROM threads").fetchall())
+        assert found == [("t",)]

@@ -1,10 +1,16 @@
 """The record: everything funduq observed, in one SQLite file (WAL).
 
-SQLite calls block, so they run off the trio thread. Writes go through one
-writer task that gathers whatever writes are waiting into a single
-transaction (a group commit): a run's event is durable before anyone relays
-it, yet a thousand busy runs share one commit instead of paying one each --
-one transaction per event is what capped the original at ~24 runs/s.
+Writes go through one writer task that gathers whatever writes are waiting
+into a single transaction (a group commit): a run's event is durable before
+anyone relays it, yet a thousand busy runs share one commit instead of paying
+one each -- one transaction per event is what capped the original at ~24
+runs/s. The commit itself runs on the trio thread: in WAL mode with
+`synchronous=NORMAL` a commit appends to the log without an fsync and takes
+microseconds, while handing every batch to a worker thread cost the loop
+more than the commit (a thread wake-up per batch, then the GIL passed back
+and forth; bench/README.md has the figures). What does fsync -- the
+checkpoint that copies the log into the database file -- runs in a worker
+thread instead (`_run_checkpoints`), as do reads.
 
 Status writes are guarded (``UPDATE ... WHERE status IN (legal sources)``,
 sources from ``protocol.statuses``) and report whether they moved the run.
@@ -93,6 +99,13 @@ COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
 #: worker thread instead grew with trio's thread cache (dozens under load),
 #: each with its own page cache.
 READERS = 4
+#: How long a write or read waits (in a worker thread) for another process
+#: holding the file's lock before it fails.
+BUSY_TIMEOUT_MS = 5000
+#: How often the write-ahead log is copied into the database file (when
+#: anything was committed since). SQLite's own default would do it every
+#: 1,000 pages, inside whichever commit crossed the line.
+CHECKPOINT_SECONDS = 1.0
 
 
 def dumps(value: Any) -> str:
@@ -135,7 +148,7 @@ class Record:
         conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         return conn
 
     def _read_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -155,6 +168,10 @@ class Record:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = self._connect()
         conn.executescript(SCHEMA)
+        # Commits never checkpoint (that fsyncs, on the loop): _run_checkpoints
+        # does. Nor do they wait for the write lock on the loop: _begin_now.
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("PRAGMA busy_timeout=0")
         self._writer_conn = conn
 
     # -- writing -----------------------------------------------------------
@@ -177,27 +194,55 @@ class Record:
         self._pending.append(_Write(fn))
         self._wake.set()
 
-    def _apply(self, ops: list[_Write]) -> None:
+    def _begin_now(self) -> bool:
+        """Take the write lock without waiting; False when someone else holds
+        it (another process writing the file: an operator's sqlite3 shell, a
+        backup). The writer connection's busy timeout is 0 for this."""
+        conn = self._writer_conn
+        assert conn is not None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                return False
+            raise
+        return True
+
+    def _apply_waiting(self, ops: list[_Write]) -> None:
+        """`_apply` for a worker thread, waiting up to the busy timeout for the
+        write lock instead of failing at once."""
+        conn = self._writer_conn
+        assert conn is not None
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        try:
+            self._apply(ops)
+        finally:
+            conn.execute("PRAGMA busy_timeout=0")
+
+    def _apply(self, ops: list[_Write], *, begun: bool = False) -> None:
         """One transaction for the whole batch. Should any write fail, the
         batch is rolled back and replayed one write per transaction, so one
         bad write never takes the others with it."""
         conn = self._writer_conn
         assert conn is not None
         try:
-            conn.execute("BEGIN")
+            if not begun:
+                conn.execute("BEGIN IMMEDIATE")
             for op in ops:
                 op.result = op.fn(conn)
             conn.execute("COMMIT")
             return
         except Exception:  # noqa: BLE001 -- replayed below, one by one
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
         for op in ops:
             try:
-                conn.execute("BEGIN")
+                conn.execute("BEGIN IMMEDIATE")
                 op.result = op.fn(conn)
                 conn.execute("COMMIT")
             except Exception as exc:  # noqa: BLE001 -- reported to that write's caller
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 op.error = exc
                 log.warning("write failed: %s", exc)
 
@@ -209,6 +254,16 @@ class Record:
             await self._wake.wait()
             await self._flush()
 
+    async def _run_checkpoints(self) -> None:
+        """Copy the write-ahead log into the database file now and then, off
+        the trio thread, so the log stays short and commits stay cheap."""
+        checkpointed = self.commits
+        while True:
+            await trio.sleep(CHECKPOINT_SECONDS)
+            if self.commits != checkpointed:
+                checkpointed = self.commits
+                await self.read(lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
+
     async def _flush(self) -> None:
         self._wake = trio.Event()
         ops, done = self._pending, self._batch_done
@@ -216,7 +271,10 @@ class Record:
             return
         self._pending, self._batch_done = [], trio.Event()
         try:
-            await trio.to_thread.run_sync(self._apply, ops)
+            if self._begin_now():
+                self._apply(ops, begun=True)  # on the trio thread: see the module docstring
+            else:
+                await trio.to_thread.run_sync(self._apply_waiting, ops)
         except BaseException as exc:
             for op in ops:
                 op.error = op.error or exc
@@ -300,6 +358,7 @@ async def open_record(path: Path) -> AsyncIterator[Record]:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(record._run_writer)
+            nursery.start_soon(record._run_checkpoints)
             try:
                 yield record
             finally:
