@@ -223,16 +223,19 @@ class Follower:
     def __init__(self, funduq: Funduq, run_id: str, after_seq: int = 0) -> None:
         self.funduq, self.run_id, self.after_seq = funduq, run_id, after_seq
         self.items: list[tuple[int, dict[str, Any]]] = []
+        self.bursts: list[list[int]] = []  # the seqs of each burst follow yielded
         self.not_yet_durable: list[int] = []
         self.ended = trio.Event()
 
     async def run(self) -> None:
         async with contextlib.aclosing(self.funduq.follow(self.run_id, self.after_seq)) as gen:
-            async for seq, event in gen:
-                self.items.append((seq, event))
+            async for burst in gen:
+                assert burst, "follow yielded an empty burst"
+                self.bursts.append([seq for seq, _ in burst])
+                self.items += burst
                 run = await self.funduq.get_run(self.run_id)
-                if seq not in {e["seq"] for e in run["events"]}:
-                    self.not_yet_durable.append(seq)
+                durable = {e["seq"] for e in run["events"]}
+                self.not_yet_durable += [seq for seq, _ in burst if seq not in durable]
         self.ended.set()
 
 

@@ -104,6 +104,25 @@ async def test_a_stream_ending_without_run_finished_fails_with_a_synthesized_run
         assert [e for _, e in follower.items] == [*events, synthesized]
 
 
+async def test_events_recorded_together_reach_a_follower_as_one_burst(tmp_path, mock_clock):
+    """A provider's batch is persisted in one commit and handed to each
+    follower as one burst (which a door writes as one chunk)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await accepted(funduq, p)
+        events = reply(a.run_id, a.thread_id)
+        async with trio.open_nursery() as nursery:
+            follower = Follower(funduq, a.run_id)
+            nursery.start_soon(follower.run)
+            await quiet()
+            p.stream(a.run_id, *events[:3], finish=False)
+            await quiet()
+            p.stream(a.run_id, *events[3:])
+            await quiet()
+            assert follower.ended.is_set()
+        assert follower.bursts == [[1, 2, 3], list(range(4, len(events) + 1))]
+
+
 async def test_a_finish_with_no_events_at_all_fails(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()

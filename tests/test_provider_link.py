@@ -140,9 +140,9 @@ def finished(run: dict[str, Any]) -> dict[str, Any]:
 async def first_event(info: Any, run_id: str) -> dict[str, Any]:
     """Wait until the run's first event is in the record (so it is running)."""
     with trio.fail_after(NET):
-        async with contextlib.aclosing(info.funduq.follow(run_id)) as events:
-            async for _seq, event in events:
-                return event
+        async with contextlib.aclosing(info.funduq.follow(run_id)) as bursts:
+            async for burst in bursts:
+                return burst[0][1]
     raise AssertionError("the run ended without events")
 
 

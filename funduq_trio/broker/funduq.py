@@ -346,25 +346,33 @@ class Funduq:
         return lambda conn: conn.executemany(_INSERT_MESSAGE, rows)
 
     async def follow(self, run_id: str, after_seq: int = 0
-                     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """The run's events after ``after_seq``, in order, each durable before it
-        is yielded; ends once the run settles or pauses."""
+                     ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
+        """The run's events after ``after_seq`` as (seq, event), in order, each
+        durable before it is yielded; ends once the run settles or pauses.
+
+        Events come in bursts -- a non-empty list of whatever was recorded
+        together -- so a stream can write a burst as one chunk: a provider's
+        batch of a dozen events is then one socket write, not a dozen."""
         lane = self.lanes.get(run_id)
         if lane is None:
             if not await self._run_exists(run_id):
                 raise RunNotFound(run_id)
-            for item in await self._events(run_id, after_seq):
-                yield item
+            recorded = await self._events(run_id, after_seq)
+            if recorded:
+                yield recorded
             return
         feed = lane.feed
         if after_seq < feed.first_seq - 1:
-            for item in await self._events(run_id, after_seq, feed.first_seq):
-                yield item
+            recorded = await self._events(run_id, after_seq, feed.first_seq)
+            if recorded:
+                yield recorded
         index = bisect.bisect_right(feed.events, after_seq, key=lambda item: item[0])
         while True:
-            while index < len(feed.events):
-                index += 1
-                yield feed.events[index - 1]
+            if index < len(feed.events):
+                burst = feed.events[index:]
+                index += len(burst)
+                yield burst
+                continue  # more may have come (and the feed closed) meanwhile
             if feed.closed:
                 return
             await feed.changed()

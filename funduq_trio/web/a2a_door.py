@@ -222,7 +222,7 @@ class A2ADoor:
 
     # -- streams
 
-    async def open_stream(self, call: a2a.Call) -> AsyncIterator[dict[str, Any]]:
+    async def open_stream(self, call: a2a.Call) -> AsyncIterator[list[dict[str, Any]]]:
         """Check the call and start what it asks for, then return the stream
         (everything that can fail upfront has failed by the time this returns)."""
         if call.op == a2a.STREAM:
@@ -241,25 +241,31 @@ class A2ADoor:
 
     async def stream(
         self, call: a2a.Call, record: Mapping[str, Any]
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The stream's responses in bursts (one burst = one write)."""
         projection = a2a.TaskProjection.from_record(record)
         run_id = projection.task_id
         try:
-            yield a2a.stream_frame(call, pb.StreamResponse(task=projection.task()))
+            yield [a2a.stream_frame(call, pb.StreamResponse(task=projection.task()))]
             follow = self.funduq.follow(run_id, after_seq=projection.last_seq)
-            async with contextlib.aclosing(follow) as events:
-                async for seq, event in events:
-                    for update in projection.apply(seq, event):
-                        yield a2a.stream_frame(call, update)
+            async with contextlib.aclosing(follow) as bursts:
+                async for burst in bursts:
+                    frames = [
+                        a2a.stream_frame(call, update)
+                        for seq, event in burst
+                        for update in projection.apply(seq, event)
+                    ]
+                    if frames:
+                        yield frames
             settled = await self.funduq.wait_run(run_id)
-            yield a2a.stream_frame(call, projection.settle(settled))
+            yield [a2a.stream_frame(call, projection.settle(settled))]
         except A2AError as exc:
-            yield a2a.error_response(call, exc)
+            yield [a2a.error_response(call, exc)]
         except CALLER_ERRORS as exc:
-            yield a2a.error_response(call, a2a.broker_error(exc, task_id=run_id))
+            yield [a2a.error_response(call, a2a.broker_error(exc, task_id=run_id))]
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
-            yield a2a.error_response(call, InternalError(message=str(exc) or None))
+            yield [a2a.error_response(call, InternalError(message=str(exc) or None))]
 
 
 def _task_id(call: a2a.Call) -> str | None:

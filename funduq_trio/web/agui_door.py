@@ -147,14 +147,16 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
 
 async def relay(
     funduq: Funduq, thread_id: str, run_id: str, after_seq: int
-) -> AsyncIterator[dict[str, Any]]:
-    """The run's events after `after_seq`, opened by a RUN_STARTED if they aren't."""
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """The run's events after `after_seq` in bursts, opened by a RUN_STARTED if
+    they aren't."""
     started = False
-    async with contextlib.aclosing(funduq.follow(run_id, after_seq=after_seq)) as events:
-        async for _seq, event in events:
-            if not started and event.get("type") != EventType.RUN_STARTED.value:
-                yield RunStartedEvent(thread_id=thread_id, run_id=run_id).model_dump(
-                    mode="json", by_alias=True, exclude_none=True
-                )
+    async with contextlib.aclosing(funduq.follow(run_id, after_seq=after_seq)) as bursts:
+        async for burst in bursts:
+            events = [event for _seq, event in burst]
+            if not started and events[0].get("type") != EventType.RUN_STARTED.value:
+                opening = RunStartedEvent(thread_id=thread_id, run_id=run_id)
+                events.insert(0, opening.model_dump(mode="json", by_alias=True,
+                                                    exclude_none=True))
             started = True
-            yield event
+            yield events
