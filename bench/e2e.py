@@ -187,11 +187,14 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
         profiler = h.Profiler(server.pid, Path(args.profile)) if args.profile else None
         sched_before = server.scheduler() if args.sched_stats else None
         server_cpu_before = h.proc_cpu(server.pid)
+        round_trips_before = await h.offer_round_trips(client, server.url)
         cpu.start()
         with trio.fail_after(args.time_limit):
             out["seconds"] = await load.run(args.runs, args.threads)
         out["cpu"] = cpu.shares()
         out["server_cpu_s"] = h.proc_cpu(server.pid) - server_cpu_before
+        out["round_trips"] = (round_trips_before,
+                              await h.offer_round_trips(client, server.url))
         if sched_before is not None:
             after = server.scheduler()
             out["sched"] = {k: after[k] - sched_before[k] for k in after}
@@ -305,6 +308,10 @@ def main() -> None:
               f"p99 {h.ms(f['tail'], .99):8.2f} ms   (finish written -> caller has the answer)")
     else:
         print("  offer figures       (none: --provider-cli has no stamps)")
+    p50, answered = h.histogram_quantile(*out["round_trips"], 0.5)
+    p99, _ = h.histogram_quantile(*out["round_trips"], 0.99)
+    print(f"  offer round trip    p50 <= {p50 * 1e3:g} ms, p99 <= {p99 * 1e3:g} ms   (server side, "
+          f"GET /metrics buckets: offer handed to the link -> answer read; {answered} offers)")
     cpu_per_run = out["server_cpu_s"] / max(1, len(ok)) * 1e3
     print(f"  server CPU per run  {cpu_per_run:10.2f} ms   (all its threads; a ceiling of "
           f"{1e3 / cpu_per_run:.0f} runs/s per core)")

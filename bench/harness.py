@@ -721,6 +721,27 @@ def describe_build() -> str:
     return f"{root} (git {head}{', funduq_trio/ has uncommitted changes' if dirty else ''})"
 
 
+async def offer_round_trips(client: Any, url: str) -> list[tuple[float, int]]:
+    """The server's offer round trip histogram from `GET /metrics`: cumulative
+    (upper bound in seconds, count) pairs, +Inf last."""
+    text = (await client.get(f"{url}/metrics")).text
+    found = re.findall(r'^funduq_offer_round_trip_seconds_bucket\{le="([^"]+)"\} (\d+)$',
+                       text, re.M)
+    return [(float(le), int(n)) for le, n in found]
+
+
+def histogram_quantile(before: list[tuple[float, int]], after: list[tuple[float, int]],
+                       q: float) -> tuple[float, int]:
+    """(the bucket bound the q-quantile falls under, observations) between two
+    readings of one cumulative histogram."""
+    diff = [(le, n - m) for (le, n), (_, m) in zip(after, before, strict=True)]
+    total = diff[-1][1] if diff else 0
+    for le, n in diff:
+        if total and n >= q * total:
+            return le, total
+    return float("inf"), total
+
+
 def fresh_dir(prefix: str) -> AbstractContextManager[str]:
     """A scratch directory, removed afterwards unless FUNDUQ_BENCH_KEEP is set
     (then the server's log and record stay behind for a post-mortem)."""

@@ -37,6 +37,7 @@ from .errors import (
 )
 from .inbox import Cancel
 from .lanes import Lane, ThreadLanes
+from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .record import Record, dumps, iso, open_record
 
@@ -90,6 +91,7 @@ class Funduq:
         self.providers: Providers
         self.lanes: dict[str, Lane] = {}
         self.threads: dict[str, ThreadLanes] = {}
+        self.metrics = Metrics()
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
         self._answering: dict[str, int] = {}
@@ -110,7 +112,7 @@ class Funduq:
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.providers = Providers(self.record, self.settings.quality_allowance,
-                                       self._provider_thread_messages)
+                                       self._provider_thread_messages, self.metrics)
             self.providers.load()
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
@@ -297,6 +299,7 @@ class Funduq:
             if not self._reserved[tid]:
                 del self._reserved[tid]
         self._start_lane(row, arriving=True)
+        self.metrics.runs_started += 1
         return RunTicket(run_id, tid)
 
     def _reserve(self, thread_id: str) -> None:
@@ -376,6 +379,16 @@ class Funduq:
             if feed.closed:
                 return
             await feed.changed()
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The current values `GET /metrics` shows beside the counters."""
+        return {
+            "funduq_runs_live": ("Runs with a lane: queued, offering, running, cancelling.",
+                                 len(self.lanes)),
+            "funduq_threads_live": ("Threads with a live run.", len(self.threads)),
+            "funduq_providers_attached": ("Provider links attached.",
+                                          sum(s.live for s in self.providers.sessions.values())),
+        }
 
     def live_record(self, run_id: str) -> dict[str, Any] | None:
         """A live run's record as its lane knows it, taken without awaiting

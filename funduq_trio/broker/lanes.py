@@ -462,6 +462,7 @@ class Lane:
         numbered = list(enumerate(events, start=self.next_seq))
         self.next_seq += len(events)
         await self.f.record.append_events(self.run_id, numbered)
+        self.f.metrics.events_recorded += len(numbered)
         for seq, event in numbered:
             self.feed.publish(seq, event)
 
@@ -475,6 +476,9 @@ class Lane:
             self.status = to
             if stamp:
                 self.stamps[stamp] = when
+            self.f.metrics.events_recorded += len(events)
+            if to in st.TERMINAL or to == st.INPUT_REQUIRED:
+                self.f.metrics.run_ended(to)
         return moved
 
     def snapshot(self) -> dict[str, Any] | None:

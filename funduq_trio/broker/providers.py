@@ -20,6 +20,7 @@ import trio
 
 from ..identity import fingerprint_of
 from .inbox import Finish, Gone, Report, Wake
+from .metrics import Metrics
 from .record import COUNTERS, Record, dumps
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class Offer:
     verdict: str | None = None
     reason: str | None = None
     answered: trio.Event = field(default_factory=trio.Event)
+    sent_at: float = 0.0  # trio clock: when it was handed to the link
 
     def resolve(self, verdict: str | None, reason: str | None = None) -> None:
         if not self.answered.is_set():
@@ -111,6 +113,7 @@ class ProviderSession:
             offer.resolve(None)
             return
         self.offers[offer.id] = offer
+        offer.sent_at = trio.current_time()
         self.link.send_offer(offer.id, run)
 
     def withdraw(self, offer: Offer) -> None:
@@ -165,6 +168,7 @@ class ProviderSession:
                 # it works for nobody no longer and a later offer finds it free.
                 self.cancel_unheld(run_id)
             return
+        self.registry.metrics.offer_answered(verdict, self.last_heard - offer.sent_at)
         if verdict == ACCEPTED:
             # Held from the answer on: its events queue behind the answer in
             # the lane's inbox, and the lane claims the run when it reads it.
@@ -202,9 +206,10 @@ class Providers:
     """The registry of providers, their agents, places and counters."""
 
     def __init__(self, record: Record, allowance: int,
-                 messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]]
-                 ) -> None:
+                 messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]],
+                 metrics: Metrics | None = None) -> None:
         self.messages_of = messages_of  # the facade's: (provider key, thread id, limit)
+        self.metrics = metrics or Metrics()
         self.record = record
         self.allowance = allowance
         self.sessions: dict[str, ProviderSession] = {}

@@ -1,5 +1,6 @@
 """The read routes (DESIGN §5): `/runs/{run_id}`, `/threads/{thread_id}`,
-`/agents`, `/healthz`, `/readyz`. JSON, camelCase; the facade returns the
+`/agents`, `/healthz`, `/readyz`, and `/metrics` (Prometheus text, see
+`broker/metrics.py`). JSON, camelCase; the facade returns the
 shapes, this module only routes them. Unknown ids raise the broker's own
 not-found errors, which the app answers 404 JSON."""
 
@@ -44,3 +45,8 @@ def mount_reads(app: QuartTrio, funduq: Funduq) -> None:
         response = jsonify({"status": "ready" if ready else "not ready"})
         response.status_code = 200 if ready else 503
         return response
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = funduq.metrics.render(funduq.gauges())
+        return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
