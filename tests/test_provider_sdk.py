@@ -338,6 +338,64 @@ async def test_a_batch_stays_under_the_batch_size(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def frames_until_finished(link: FunduqEnd, run_ids: set[str]) -> list[list[Any]]:
+    """The frames of each message funduq receives until every run in
+    `run_ids` has finished (a lone frame is a message of one)."""
+    messages: list[list[Any]] = []
+    finished: set[str] = set()
+    while finished != run_ids:
+        frame = await link.recv()
+        items = ([f.decode_object(i, accept=f.IN_BATCH) for i in frame.frames]
+                 if isinstance(frame, f.Batch) else [frame])
+        finished |= {i.run_id for i in items if isinstance(i, f.Finish)}
+        messages.append(items)
+    return messages
+
+
+async def test_events_yielded_back_to_back_leave_in_one_message(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(make_echo(deltas=8), name="echo")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach(["batch"])
+        await link.offer("o1", "r1", text="hello, world!")
+        messages = await frames_until_finished(link, {"r1"})
+        nursery.cancel_scope.cancel()
+    run_messages = [m for m in messages if any(isinstance(i, f.Report) for i in m)]
+    (only,) = run_messages  # 12 reports and the finish, one message (the ok may ride too)
+    frames = [i for i in only if isinstance(i, (f.Report, f.Finish))]
+    assert [i.seq for i in frames[:-1]] == list(range(1, 13))
+    assert frames[-1] == f.Finish(run_id="r1")
+
+
+async def test_a_chatty_agent_still_lets_other_runs_through(autojump_clock):
+    """Reports queue without yielding, but only REPORTS_PER_YIELD at a time:
+    an agent producing thousands of events back to back does not hold the
+    provider's other runs until it is done."""
+    fake = FakeFunduq()
+    provider = provider_for(fake, report_window=10_000)
+
+    async def chatty(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        for i in range(500):
+            yield {"type": "CUSTOM", "name": "n", "value": i}
+
+    provider.add_agent(chatty, name="chatty")
+    provider.add_agent(make_echo(deltas=1), name="echo")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach(["batch"])
+        await link.offer("o1", "big", agent="chatty")
+        await link.offer("o2", "small", text="hi")
+        messages = await frames_until_finished(link, {"big", "small"})
+        nursery.cancel_scope.cancel()
+    order = [(i.run_id, i.kind) for m in messages for i in m if isinstance(i, (f.Report, f.Finish))]
+    assert order.index(("small", "finish")) < order.index(("big", "finish"))
+    assert sum(1 for run, kind in order if run == "big" and kind == "report") == 500
+
+
 async def test_an_agent_that_raises_reports_run_error_then_finishes(autojump_clock):
     async def broken(run_input: RunAgentInput) -> AsyncIterator[Any]:
         yield {"type": "RUN_STARTED", "threadId": run_input.thread_id, "runId": run_input.run_id}

@@ -198,6 +198,8 @@ def _wants_ctx(fn: Callable[..., Any]) -> bool:
 #: Largest `batch` message the writer builds. Well under any sane server frame
 #: limit (the default is 1 MiB), and big enough that batching costs nothing.
 BATCH_BYTES = 64 * 1024
+#: Reports queued back to back before the runtime yields to the scheduler.
+REPORTS_PER_YIELD = 64
 
 
 def _wire_bytes(text: str) -> int:
@@ -223,6 +225,7 @@ class _Link:
         self.max_frame_bytes = max_frame_bytes
         self.out_send, self.out_receive = trio.open_memory_channel[tuple[str, bool]](math.inf)
         self.credits = trio.Semaphore(report_window)
+        self._unyielded = 0  # reports queued since this link last yielded
         self.runs: dict[str, _Run] = {}
         self.pending: dict[str, _Pending] = {}
         self.end_reason: str | None = None
@@ -248,6 +251,22 @@ class _Link:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
+    async def _credit(self) -> None:
+        """Take a report credit. With one free, yield to the scheduler only
+        every `REPORTS_PER_YIELD` reports (a cancel still lands at once): an
+        agent that yields its events back to back then queues them in one go,
+        and the writer sends them as one batch instead of one message each."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.credits.acquire_nowait()
+        except trio.WouldBlock:
+            await self.credits.acquire()
+            return
+        self._unyielded += 1
+        if self._unyielded >= REPORTS_PER_YIELD:
+            self._unyielded = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
+
     async def report(self, run_id: str, event: Any, seq: int) -> None:
         if not isinstance(event, (dict, BaseModel)):
             raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
@@ -258,7 +277,7 @@ class _Link:
                 f"event #{seq} is {size} bytes on the wire, over the "
                 f"link's frame limit of {self.max_frame_bytes}"
             )
-        await self.credits.acquire()
+        await self._credit()
         try:
             self.out_send.send_nowait((text, True))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
