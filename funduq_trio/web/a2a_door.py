@@ -26,6 +26,7 @@ a2a-sdk's own server classes are asyncio-only, so none of them run here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -237,13 +238,16 @@ class A2ADoor:
                 raise UnsupportedOperationError(
                     message=f"Task {call.request.id} is in terminal state: {state}"
                 )
-        return self.stream(call, record)
+        # A stream lasts as long as its run: it keeps what it frames with (the
+        # call's id and dialect, the projection), not the parsed request or
+        # the opening record.
+        call = dataclasses.replace(call, request=None, params={})
+        return self.stream(call, a2a.TaskProjection.from_record(record))
 
     async def stream(
-        self, call: a2a.Call, record: Mapping[str, Any]
+        self, call: a2a.Call, projection: a2a.TaskProjection
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream's responses in bursts (one burst = one write)."""
-        projection = a2a.TaskProjection.from_record(record)
         run_id = projection.task_id
         try:
             yield [a2a.stream_frame(call, pb.StreamResponse(task=projection.task()))]
