@@ -293,10 +293,12 @@ class StampingConnection:
         text = await self.inner.receive()
         if isinstance(text, str) and '"kind":"offer"' in text:
             now = time.monotonic()
-            frame = json.loads(text)
-            run_id = frame["run"]["runId"]
-            self.offer_runs[frame["id"]] = run_id
-            self.stamps.setdefault(run_id, {})["offer"] = now
+            message = json.loads(text)
+            for frame in message["frames"] if message["kind"] == "batch" else [message]:
+                if frame["kind"] == "offer":
+                    run_id = frame["run"]["runId"]
+                    self.offer_runs[frame["id"]] = run_id
+                    self.stamps.setdefault(run_id, {})["offer"] = now
         return text
 
     async def send(self, text: str) -> None:

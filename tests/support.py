@@ -109,6 +109,7 @@ class RawProvider:
         self._replied = trio.Event()
         self._ids = 0
         self.hello: dict[str, Any] = {}
+        self.kinds: list[str] = []  # each message's kind, "batch" included
 
     async def send(self, frame: dict[str, Any]) -> None:
         await self.ws.send_message(json.dumps(frame))
@@ -119,16 +120,21 @@ class RawProvider:
                 text = await self.ws.get_message()
             except ConnectionClosed:
                 return
-            frame = json.loads(text)
-            kind = frame.get("kind")
-            if kind == "offer":
-                await self._offers_in.send(frame)
-            elif kind == "cancel":
-                await self._cancels_in.send(frame["runId"])
-            elif kind in ("ok", "err"):
-                self._replies[frame["id"]] = frame
-                self._replied.set()
-                self._replied = trio.Event()
+            message = json.loads(text)
+            self.kinds.append(message.get("kind"))
+            for frame in message["frames"] if message.get("kind") == "batch" else [message]:
+                await self._take(frame)
+
+    async def _take(self, frame: dict[str, Any]) -> None:
+        kind = frame.get("kind")
+        if kind == "offer":
+            await self._offers_in.send(frame)
+        elif kind == "cancel":
+            await self._cancels_in.send(frame["runId"])
+        elif kind in ("ok", "err"):
+            self._replies[frame["id"]] = frame
+            self._replied.set()
+            self._replied = trio.Event()
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
         """Send a frame with a fresh `id`; return funduq's `ok`/`err` for it."""
@@ -182,8 +188,10 @@ async def raw_provider(
     *,
     max_concurrent_runs: int | None = None,
     identity: Identity | None = None,
+    extensions: list[str] | None = None,
 ) -> AsyncIterator[RawProvider]:
-    """Attach a hand-played provider serving `agents`; detach (close the link) at exit."""
+    """Attach a hand-played provider serving `agents`; detach (close the link)
+    at exit. `extensions` goes in its connect (["batch"]: funduq may batch)."""
     identity = identity or Identity.generate()
     async with open_websocket_url(info.provider_url) as ws:
         hello = json.loads(await ws.get_message())
@@ -198,6 +206,7 @@ async def raw_provider(
                     "nonce": nonce,
                     "proof": identity.sign(payload),
                     "maxConcurrentRuns": max_concurrent_runs,
+                    "extensions": extensions,
                 }
             )
         )

@@ -133,3 +133,132 @@ async def test_a_violation_mid_batch_closes_the_link_and_nothing_after_it_counts
     assert all(e["event"]["type"] != "TEXT_MESSAGE_CONTENT" for e in record["events"])
     assert [e["type"] for e in caller["events"]][0] == START
     assert json.dumps(caller["events"]).count("TEXT_MESSAGE_CONTENT") == 0
+
+
+# --- funduq -> provider ----------------------------------------------------------
+
+
+async def many_runs_through(tmp_path, extensions: list[str] | None, runs: int = 30):
+    """Start `runs` AG-UI runs at once for a raw provider connected with
+    `extensions`; it accepts and completes each. Returns the kinds of the
+    messages it received and the runs' final records."""
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"], extensions=extensions) as provider,
+    ):
+        run_ids = []
+        async with trio.open_nursery() as nursery:
+            for i in range(runs):
+                body = user_input(f"run {i}", thread_id=f"caller-{i}")
+                nursery.start_soon(post_sse, http, f"/agui/{provider.key}/echo", body)
+            for _ in range(runs):
+                with trio.fail_after(30):
+                    run = await provider.next_offer()
+                run_ids.append(run["runId"])
+                await provider.answer(run, "accepted")
+                await provider.play(run, events_of(run, "ok"))
+        records = [(await http.get(f"/runs/{run_id}")).json() for run_id in run_ids]
+    return provider.kinds, records
+
+
+async def test_a_provider_that_takes_batches_gets_every_offer_batched_or_not(tmp_path):
+    kinds, records = await many_runs_through(tmp_path, ["batch"])
+    assert len(records) == 30 and {r["status"] for r in records} == {"completed"}
+    assert set(kinds) <= {"ok", "offer", "batch"}
+
+
+async def test_a_provider_that_did_not_ask_never_gets_a_batch(tmp_path):
+    kinds, records = await many_runs_through(tmp_path, None)
+    assert len(records) == 30 and {r["status"] for r in records} == {"completed"}
+    assert "batch" not in kinds and kinds.count("offer") == 30
+
+
+# --- the shell's writer, forced: a socket that is busy while offers queue ------------
+
+
+class BusySocket:
+    """The server side of one websocket, played in memory: what the provider
+    sends is fed in, what funduq writes is kept; `busy` holds writes back."""
+
+    def __init__(self) -> None:
+        self._in_send, self._in = trio.open_memory_channel[str](100)
+        self.written: list[dict[str, Any]] = []
+        self.wrote = trio.Event()
+        self.busy: trio.Event | None = None
+
+    async def accept(self) -> None:
+        pass
+
+    async def receive(self) -> str:
+        return await self._in.receive()
+
+    async def send(self, text: str) -> None:
+        if self.busy is not None:
+            await self.busy.wait()
+        self.written.append(json.loads(text))
+        self.wrote.set()
+        self.wrote = trio.Event()
+
+    async def close(self, code: int, reason: str) -> None:
+        pass
+
+    async def next_written(self, kind: str) -> dict[str, Any]:
+        with trio.fail_after(100):
+            while not any(m["kind"] == kind for m in self.written):
+                await self.wrote.wait()
+        return next(m for m in self.written if m["kind"] == kind)
+
+
+async def offers_written_while_busy(tmp_path, extensions: list[str] | None) -> list[Any]:
+    """Attach a provider through ProviderSocket over a BusySocket, make the
+    socket busy, start three runs, free it: the messages written after."""
+    from broker_support import broker, quiet
+    from broker_support import user_input as broker_input
+
+    from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
+    from funduq_trio.web.provider_socket import ProviderSocket
+
+    provider = Identity.generate()
+    async with broker(tmp_path) as funduq:
+        ws = BusySocket()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ProviderSocket(ws, funduq).run)
+            hello = await ws.next_written("hello")
+            nonce = new_nonce()
+            proof = provider.sign(provider_connect_payload(hello["funduqKey"], hello["nonce"], nonce))
+            await ws._in_send.send(json.dumps({
+                "kind": "connect", "publicKey": provider.public_key_hex, "nonce": nonce,
+                "proof": proof, "maxConcurrentRuns": None, "extensions": extensions}))
+            await ws._in_send.send(json.dumps({
+                "kind": "register", "id": "r1",
+                "agents": [{"name": "echo", "description": None, "card": None,
+                            "metadata": None}]}))
+            await ws.next_written("ok")
+            await quiet()
+            ws.busy = trio.Event()
+            before = len(ws.written)
+            for i in range(3):
+                await funduq.start_run(provider.public_key_hex, "echo",
+                                       broker_input(f"run {i}"))
+            await quiet()
+            ws.busy.set()
+            await quiet()
+            nursery.cancel_scope.cancel()
+    return ws.written[before:]
+
+
+async def test_offers_queued_while_the_socket_is_busy_go_out_as_one_batch(tmp_path, mock_clock):
+    first, *rest = await offers_written_while_busy(tmp_path, ["batch"])
+    # The writer had taken the first offer when the socket stalled; the
+    # other two waited and left together.
+    assert first["kind"] == "offer"
+    (batch,) = rest
+    assert batch["kind"] == "batch" and [f["kind"] for f in batch["frames"]] == ["offer"] * 2
+    run_ids = [first["run"]["runId"], *(f["run"]["runId"] for f in batch["frames"])]
+    assert len(set(run_ids)) == 3
+
+
+async def test_to_a_provider_without_the_extension_each_offer_goes_alone(tmp_path, mock_clock):
+    messages = await offers_written_while_busy(tmp_path, None)
+    assert [m["kind"] for m in messages] == ["offer"] * 3

@@ -26,6 +26,7 @@ from funduq_trio.identity import (
     verify,
 )
 from funduq_trio.protocol import frames as f
+from funduq_trio.protocol.frames import BATCH_BYTES
 from funduq_trio.provider import (
     Backoff,
     ConnectRejected,
@@ -38,7 +39,6 @@ from funduq_trio.provider import (
     serialize_per_thread,
 )
 from funduq_trio.provider.echo import split_text
-from funduq_trio.provider.runtime import BATCH_BYTES
 
 FUNDUQ = Identity.from_private_hex("d1" * 32)
 # Virtual seconds: under the autojump clock a test waiting on something that
@@ -396,6 +396,40 @@ async def test_a_chatty_agent_still_lets_other_runs_through(autojump_clock):
     order = [(i.run_id, i.kind) for m in messages for i in m if isinstance(i, (f.Report, f.Finish))]
     assert order.index(("small", "finish")) < order.index(("big", "finish"))
     assert sum(1 for run, kind in order if run == "big" and kind == "report") == 500
+
+
+async def test_the_sdk_asks_for_batches_and_reads_them_frame_by_frame(autojump_clock):
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(make_echo(deltas=1), name="echo")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        nonce = new_nonce()
+        await link.send(f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=nonce))
+        connect = await link.recv()
+        assert connect.extensions == ["batch"]
+        answer = FUNDUQ.sign(funduq_connect_payload(nonce, connect.nonce))
+        await link.send(f.ConnectOk(answer=answer))
+        register = await link.recv()
+        offer = {"kind": "offer", "id": "o2", "run": {
+            "runId": "r2", "threadId": "t2", "agentName": "echo",
+            "runInput": user_input("two", thread_id="t2") | {"runId": "r2"}, "metadata": None}}
+        await link.outgoing.send(f.batch_text([
+            f.encode_frame(f.Ok(id=register.id)),
+            '{"kind": "offer", "id": "bad-offer", "run": {}}',  # answered err, the rest read
+            f.encode_frame(f.Offer(id="o2", run=f.OfferRun.model_validate(offer["run"]))),
+        ]))
+        err = await link.until(f.Err)
+        assert err.id == "bad-offer" and err.reason.startswith("batch item 1: ")
+        ok = await link.until(f.Ok, id="o2")
+        assert ok.verdict == "accepted"
+        assert (await link.run_frames("r2"))[-1] == f.Finish(run_id="r2")
+        # An item without a usable id that does not decode ends the link.
+        await link.outgoing.send(f.batch_text(['{"kind": "cancel"}']))
+        with trio.fail_after(STUCK):
+            await fake.next_link()  # the SDK reconnects
+        nursery.cancel_scope.cancel()
 
 
 async def test_an_agent_that_raises_reports_run_error_then_finishes(autojump_clock):

@@ -14,11 +14,12 @@ not a coercion) and lenient about keys it does not know (ignored, so a peer
 speaking a later revision that adds a field is still understood).
 
 One frame is not in DESIGN §5's table: `batch {frames: [...]}`, several
-provider frames in one message, meaning exactly those frames sent one after
-another. It exists because the server's websocket stack hands the broker one
-message per scheduler round, so a run's dozen reports took a dozen rounds on
-a busy link (docs/provider-link.md, "Batches"). funduq announces it in
-`hello.extensions`; a provider that never sends one is unaffected.
+frames in one message, meaning exactly those frames sent one after another.
+It exists because the server's websocket stack moves one message per
+scheduler round each way, so a run's dozen reports took a dozen rounds on a
+busy link and offers queued behind each other (docs/provider-link.md,
+"Batches"). Each side lists it in `extensions` (funduq's `hello`, the
+provider's `connect`) and sends batches only to a peer that listed it.
 
 `decode_frame(text)` returns a frame or raises `FrameError(reason, id)`,
 where `id` is the frame's `id` when it carried a usable one, so the receiver
@@ -50,6 +51,7 @@ __all__ = [
     "FROM_PROVIDER",
     "EXTENSIONS",
     "IN_BATCH",
+    "IN_FUNDUQ_BATCH",
     "KINDS",
     "MAX_BATCH_FRAMES",
     "MAX_ID_CHARS",
@@ -71,7 +73,10 @@ __all__ = [
     "QueryThreadMessages",
     "Register",
     "Report",
+    "BATCH_BYTES",
+    "Outgoing",
     "batch_text",
+    "wire_bytes",
     "decode_frame",
     "decode_object",
     "encode_frame",
@@ -81,7 +86,11 @@ __all__ = [
 MAX_ID_CHARS = 256
 #: Frames one `batch` may carry.
 MAX_BATCH_FRAMES = 1024
-#: What `hello.extensions` lists: the frames beyond DESIGN §5 funduq accepts.
+#: Largest batch a writer builds: well under any sane frame limit (the
+#: default is 1 MiB), big enough that batching costs nothing.
+BATCH_BYTES = 64 * 1024
+#: What `hello.extensions` / `connect.extensions` list: the frames beyond
+#: DESIGN §5 this side accepts.
 EXTENSIONS = ("batch",)
 #: The three answers to an offer. `declined` = full right now; `refused` = never.
 VERDICTS = ("accepted", "declined", "refused")
@@ -186,6 +195,8 @@ class Connect(_Model):
     nonce: Nonce
     proof: SignatureHex
     max_concurrent_runs: Annotated[int, Field(ge=0)] | None = None
+    #: Frames beyond DESIGN §5 this provider accepts (`["batch"]`); null = none.
+    extensions: list[str] | None = None
 
 
 class AgentSpec(_Model):
@@ -238,10 +249,10 @@ class Finish(_Model):
 
 
 class Batch(_Model):
-    """Several provider frames in one message, meaning exactly those frames
-    sent one after another. Each item is decoded on its own (`decode_object`),
-    so one bad item is answered like the same frame sent alone; a batch never
-    nests and never carries `connect`."""
+    """Several frames in one message, meaning exactly those frames sent one
+    after another. Each item is decoded on its own (`decode_object`), so one
+    bad item is answered like the same frame sent alone; a batch never nests
+    and never carries a handshake frame."""
 
     kind: Literal["batch"] = "batch"
     frames: Annotated[list[Any], Field(min_length=1, max_length=MAX_BATCH_FRAMES)]
@@ -319,12 +330,14 @@ KINDS: frozenset[str] = frozenset(
 FROM_PROVIDER: frozenset[str] = frozenset(
     {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages", "batch"}
 )
-#: The kinds a `batch` may carry.
+#: The kinds a provider's `batch` may carry.
 IN_BATCH: frozenset[str] = FROM_PROVIDER - {"connect", "batch"}
 #: The kinds funduq may send.
 FROM_FUNDUQ: frozenset[str] = frozenset(
-    {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel"}
+    {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel", "batch"}
 )
+#: The kinds funduq's `batch` may carry.
+IN_FUNDUQ_BATCH: frozenset[str] = frozenset({"offer", "ok", "err", "cancel"})
 
 
 def _no_constants(name: str) -> Any:
@@ -389,3 +402,32 @@ def encode_frame(frame: BaseModel) -> str:
 def batch_text(texts: list[str]) -> str:
     """One `batch` message of already encoded frames (no re-encoding)."""
     return '{"kind":"batch","frames":[' + ",".join(texts) + "]}"
+
+
+def wire_bytes(text: str) -> int:
+    """A message's length on the wire (UTF-8)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+class Outgoing:
+    """The encoded frames a writer gathers for its next message: a lone frame
+    goes as itself, several as one `batch` of at most MAX_BATCH_FRAMES and
+    about BATCH_BYTES (a single larger frame still goes, alone)."""
+
+    __slots__ = ("texts", "_room")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self._room = BATCH_BYTES - 32  # the batch's own wrapping
+
+    def add(self, text: str) -> bool:
+        """Take `text` into this message; False when it must wait for the next."""
+        cost = wire_bytes(text) + 1
+        if self.texts and (cost > self._room or len(self.texts) >= MAX_BATCH_FRAMES):
+            return False
+        self.texts.append(text)
+        self._room -= cost
+        return True
+
+    def message(self) -> str:
+        return self.texts[0] if len(self.texts) == 1 else batch_text(self.texts)

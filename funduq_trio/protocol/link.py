@@ -55,7 +55,10 @@ While ATTACHED:
   alone (an item that does not decode is answered `err {id}` or closes the
   link, as a lone frame would; nothing after a violation is read). A batch
   may not carry `connect` or another batch. funduq's hello lists it in
-  `extensions`.
+  `extensions`. The other way, a provider whose `connect.extensions` lists
+  "batch" (`peer_takes_batches`) may be sent batches of offer/cancel/ok/err
+  frames by the shell; which frames share a message is the shell's choice,
+  the machine's frames and their order are the same either way.
 * `report` / `finish` -> Report / Finish. Whether the provider holds the run
   is the broker's to say; a report for a run it does not hold is ignored.
 * `ok {id, verdict, reason}` answering an outstanding offer -> Answer. The
@@ -226,6 +229,9 @@ class LinkMachine:
         self.state = State.AWAIT_CONNECT
         self.nonce = nonce
         self.public_key: str | None = None  # the provider's, once attached
+        #: The provider listed "batch" in connect.extensions: the shell may
+        #: write several queued frames to it as one batch.
+        self.peer_takes_batches = False
         self.close_reason: str | None = None
         self._identity = funduq_identity
         self._allowed = allowed_keys
@@ -351,6 +357,7 @@ class LinkMachine:
         self._move("connect accepted")
         self._attached = True
         self.public_key = frame.public_key
+        self.peer_takes_batches = "batch" in (frame.extensions or ())
         answer = self._identity.sign(_identity.funduq_connect_payload(self.nonce, frame.nonce))
         return [
             Send(f.ConnectOk(answer=answer)),

@@ -22,7 +22,7 @@ key against a pinned one, publishes its agents and then:
 * cancels a run's task when a `cancel` frame names it;
 * when funduq's hello lists the `batch` extension, writes whatever frames are
   queued when the socket is free as one `batch` message (at most
-  `BATCH_BYTES`), so a busy link carries a run's reports in a few messages
+  `frames.BATCH_BYTES`), so a busy link carries a run's reports in a few messages
   rather than one each; a lone frame still goes out as itself;
 * reconnects with exponential backoff when the link drops. Runs held on a
   dropped link are cancelled: funduq has already failed them
@@ -195,15 +195,8 @@ def _wants_ctx(fn: Callable[..., Any]) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional)
 
 
-#: Largest `batch` message the writer builds. Well under any sane server frame
-#: limit (the default is 1 MiB), and big enough that batching costs nothing.
-BATCH_BYTES = 64 * 1024
 #: Reports queued back to back before the runtime yields to the scheduler.
 REPORTS_PER_YIELD = 64
-
-
-def _wire_bytes(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 class _Link:
@@ -271,7 +264,7 @@ class _Link:
         if not isinstance(event, (dict, BaseModel)):
             raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
         text = f.encode_frame(f.Report(run_id=run_id, event=event, seq=seq))
-        size = _wire_bytes(text)
+        size = f.wire_bytes(text)
         if size > self.max_frame_bytes:
             raise ValueError(
                 f"event #{seq} is {size} bytes on the wire, over the "
@@ -463,6 +456,7 @@ class Provider:
                     nonce=nonce,
                     proof=proof,
                     max_concurrent_runs=self.max_concurrent_runs,
+                    extensions=list(f.EXTENSIONS),
                 )
             )
         )
@@ -512,26 +506,20 @@ class Provider:
             while True:
                 first = held if held is not None else await link.out_receive.receive()
                 held = None
-                queued = [first]
-                if link.batch:
-                    room = min(link.max_frame_bytes, BATCH_BYTES) - 64 - _wire_bytes(first[0])
-                    while len(queued) < f.MAX_BATCH_FRAMES:
-                        try:
-                            item = link.out_receive.receive_nowait()
-                        except trio.WouldBlock:
-                            break
-                        room -= _wire_bytes(item[0]) + 1
-                        if room < 0:
-                            held = item
-                            break
-                        queued.append(item)
-                if len(queued) == 1:
-                    await link.conn.send(first[0])
-                else:
-                    await link.conn.send(f.batch_text([text for text, _ in queued]))
-                for _, is_report in queued:
-                    if is_report:
-                        link.credits.release()
+                out, reports = f.Outgoing(), int(first[1])
+                out.add(first[0])
+                while link.batch:
+                    try:
+                        item = link.out_receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    if not out.add(item[0]):
+                        held = item
+                        break
+                    reports += item[1]
+                await link.conn.send(out.message())
+                for _ in range(reports):
+                    link.credits.release()
         except LinkLost as exc:
             link.end(str(exc))
 
@@ -542,25 +530,44 @@ class Provider:
                 try:
                     frame = f.decode_frame(text, accept=f.FROM_FUNDUQ)
                 except f.FrameError as exc:
-                    if exc.id is None:
-                        raise _ProtocolError(exc.reason) from None
-                    link.queue(f.Err(id=exc.id, reason=exc.reason))
+                    self._undecodable(link, exc)
                     continue
-                if isinstance(frame, f.Offer):
-                    link.queue(self._answer(link, frame))
-                elif isinstance(frame, f.Cancel):
-                    run = link.runs.get(frame.run_id)
-                    if run is not None:
-                        run.ctx.cancel_requested = True
-                        run.scope.cancel()
-                elif isinstance(frame, (f.Ok, f.Err)):
-                    self._reply(link, frame, on_registered)
-                else:
-                    raise _ProtocolError(f"unexpected {frame.kind!r} on an attached link")
+                if not isinstance(frame, f.Batch):
+                    self._handle(link, frame, on_registered)
+                    continue
+                # A batch: its frames, one after another.
+                for index, item in enumerate(frame.frames):
+                    try:
+                        inner = f.decode_object(item, accept=f.IN_FUNDUQ_BATCH)
+                    except f.FrameError as exc:
+                        exc.reason = f"batch item {index}: {exc.reason}"
+                        self._undecodable(link, exc)
+                        continue
+                    self._handle(link, inner, on_registered)
         except LinkLost as exc:
             link.end(str(exc))
         except _ProtocolError as exc:
             link.end(f"protocol error: {exc}")
+
+    @staticmethod
+    def _undecodable(link: _Link, exc: f.FrameError) -> None:
+        if exc.id is None:
+            raise _ProtocolError(exc.reason)
+        link.queue(f.Err(id=exc.id, reason=exc.reason))
+
+    def _handle(self, link: _Link, frame: Any, on_registered: Callable[[], None] | None) -> None:
+        """One frame from funduq on an attached link."""
+        if isinstance(frame, f.Offer):
+            link.queue(self._answer(link, frame))
+        elif isinstance(frame, f.Cancel):
+            run = link.runs.get(frame.run_id)
+            if run is not None:
+                run.ctx.cancel_requested = True
+                run.scope.cancel()
+        elif isinstance(frame, (f.Ok, f.Err)):
+            self._reply(link, frame, on_registered)
+        else:
+            raise _ProtocolError(f"unexpected {frame.kind!r} on an attached link")
 
     def _reply(
         self, link: _Link, frame: f.Ok | f.Err, on_registered: Callable[[], None] | None

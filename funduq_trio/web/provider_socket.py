@@ -23,7 +23,7 @@ from quart import websocket
 
 from funduq_trio.identity import new_nonce
 from funduq_trio.protocol import link as L
-from funduq_trio.protocol.frames import encode_frame
+from funduq_trio.protocol.frames import Outgoing, encode_frame
 
 __all__ = ["OUTBOX_FRAMES", "ProviderSocket", "mount_provider_socket", "register_provider_socket"]
 
@@ -170,14 +170,32 @@ class ProviderSocket:
             )
 
     async def _writer(self) -> None:
+        """Write queued frames in order. To a provider that takes batches,
+        whatever is queued when the socket frees up goes as one `batch`: each
+        websocket message costs a few scheduler rounds to send, so one frame
+        per message left offers queueing behind each other under load."""
         nursery = self._nursery
         assert nursery is not None
+        held: Any = None  # taken from the outbox, next to go
         try:
-            async for item in self._out_receive:
+            while True:
+                item = held if held is not None else await self._out_receive.receive()
+                held = None
                 if isinstance(item, L.Close):
                     break
-                await self._ws.send(encode_frame(item))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                out = Outgoing()
+                out.add(encode_frame(item))
+                while self.machine.peer_takes_batches:
+                    try:
+                        item = self._out_receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    if isinstance(item, L.Close) or not out.add(encode_frame(item)):
+                        held = item
+                        break
+                await self._ws.send(out.message())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel,
+                OSError) as exc:
             log.info("provider link write failed: %r", exc)
         nursery.cancel_scope.cancel()
 
