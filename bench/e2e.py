@@ -31,7 +31,6 @@ the child processes are stopped at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -62,11 +61,10 @@ class Load:
             return self.args.door
         return "a2a" if thread % 2 == 0 else "agui"
 
-    async def a2a_call(self, client: httpx.AsyncClient, url: str, text: str, message_id: str,
+    async def a2a_call(self, client: h.Caller, path: str, text: str, message_id: str,
                        context: str | None, result: dict[str, Any]) -> str | None:
         body = h.a2a_send_body(1, text, message_id, context)
-        response = await client.post(url, json=body, headers=h.A2A_HEADERS)
-        data = response.json()
+        _, data = await client.post_json(path, body, h.A2A_HEADERS)
         if "result" not in data:
             raise RuntimeError(f"A2A error: {data.get('error')}")
         task = data["result"]["task"]
@@ -78,17 +76,13 @@ class Load:
             raise RuntimeError(f"A2A task {task['id']} ended {state}, reply {reply[:40]!r}")
         return task["contextId"]
 
-    async def agui_call(self, client: httpx.AsyncClient, url: str, text: str, message_id: str,
+    async def agui_call(self, client: h.Caller, path: str, text: str, message_id: str,
                         context: str, result: dict[str, Any]) -> str:
-        events = []
-        async with client.stream("POST", url, json=h.agui_body(context, text, message_id)) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"AG-UI HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    if not events:
-                        result["first"] = time.monotonic()
-                    events.append(json.loads(line[6:]))
+        status, events = await client.post_sse(
+            path, h.agui_body(context, text, message_id),
+            lambda: result.__setitem__("first", time.monotonic()))
+        if status != 200:
+            raise RuntimeError(f"AG-UI HTTP {status}: {events[:1]!r}")
         result["run_id"] = events[0].get("runId") if events else None
         reply = "".join(e.get("delta", "") for e in events if e["type"] == "TEXT_MESSAGE_CONTENT")
         result["ok"] = (len(events) == self.events_per_run and events[-1]["type"] == "RUN_FINISHED"
@@ -99,14 +93,14 @@ class Load:
         return events[0]["threadId"]
 
     async def caller(self, thread: int, count: int) -> None:
-        async with h.caller_client() as client:
-            await client.get(f"{self.url}/healthz")  # open the connection first
+        async with h.Caller(self.url, self.args.client == "lean") as client:
+            await client.get("/healthz")  # open the connection first
             await self.converse(client, thread, count)
 
-    async def converse(self, client: httpx.AsyncClient, thread: int, count: int) -> None:
+    async def converse(self, client: h.Caller, thread: int, count: int) -> None:
         door = self.door_of(thread)
         fp = self.fingerprints[thread % len(self.fingerprints)]
-        url = f"{self.url}/{door}/{fp}/echo"
+        url = f"/{door}/{fp}/echo"
         context: str | None = None if door == "a2a" else f"bench-caller-thread-{thread}"
         for k in range(count):
             text = utterance(thread, k)
@@ -119,7 +113,7 @@ class Load:
                 else:
                     context = await self.agui_call(client, url, text, f"m-{thread}-{k}",
                                                    context, result)
-            except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+            except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError) as exc:
                 self.errors.append(f"thread {thread} run {k}: {type(exc).__name__}: {exc}")
             result["done"] = time.monotonic()
             self.results.append(result)
@@ -175,7 +169,8 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
 
         if not args.no_baseline:
             out["healthz"] = await h.healthz_baseline(server.url, args.baseline_requests,
-                                                      args.threads, server.pid)
+                                                      args.threads, server.pid,
+                                                      lean=args.client == "lean")
             out["ws"] = await h.websocket_baseline(server.ws_url, len(providers),
                                                    max(1, args.threads // len(providers)),
                                                    args.baseline_frames, server.pid)
@@ -232,6 +227,9 @@ def main() -> None:
     parser.add_argument("--max-concurrent", type=int, default=None,
                         help="each provider's maxConcurrentRuns (default unlimited)")
     parser.add_argument("--door", choices=["mix", "a2a", "agui"], default="mix")
+    parser.add_argument("--client", choices=["httpx", "lean"], default="httpx",
+                        help="the callers' HTTP client (and the healthz baseline's): httpx, "
+                        "or a lean h11 client that leaves the server more of the cores")
     parser.add_argument("--provider-cli", action="store_true",
                         help="use `funduq-trio provider` itself (no offer stamps)")
     parser.add_argument("--warmup", type=int, default=50, help="runs before measuring")

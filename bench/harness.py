@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -416,10 +417,65 @@ def caller_client(timeout: float = 120) -> Any:
         max_connections=1, max_keepalive_connections=1))
 
 
+class Caller:
+    """One caller's connection, as the load uses it: JSON posts, SSE posts and
+    GETs. `Caller.open(url, lean=...)` gives httpx (`lean=False`) or the h11
+    client below (`lean=True`, a fraction of httpx's CPU: on a 2-core host
+    the load generator competes with the server for the same cores)."""
+
+    def __init__(self, url: str, lean: bool) -> None:
+        self.url, self.lean = url, lean
+        self.client: Any = RawHTTP(url) if lean else caller_client()
+
+    async def __aenter__(self) -> Caller:
+        if not self.lean:
+            await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.lean:
+            await self.client.aclose()
+        else:
+            await self.client.__aexit__(*exc)
+
+    async def get(self, path: str) -> tuple[int, Any]:
+        if self.lean:
+            return await self.client.json("GET", path)
+        response = await self.client.get(self.url + path)
+        return response.status_code, response.json()
+
+    async def post_json(self, path: str, body: Any, headers: dict[str, str]) -> tuple[int, Any]:
+        if self.lean:
+            return await self.client.json("POST", path, body, headers)
+        response = await self.client.post(self.url + path, json=body, headers=headers)
+        return response.status_code, response.json()
+
+    async def post_sse(self, path: str, body: Any, first: Callable[[], None]
+                       ) -> tuple[int, list[dict[str, Any]]]:
+        """POST, then read the SSE stream to its end; `first()` when the first
+        event is read."""
+        events: list[dict[str, Any]] = []
+        if self.lean:
+            status, chunks = await self.client.request("POST", path, json.dumps(body).encode())
+            async for event in sse_events(chunks):
+                if not events:
+                    first()
+                events.append(event)
+            return status, events
+        async with self.client.stream("POST", self.url + path, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    if not events:
+                        first()
+                    events.append(json.loads(line[6:]))
+            return r.status_code, events
+
+
 async def healthz_baseline(url: str, requests: int, concurrency: int,
-                           server_pid: int | None = None) -> dict[str, Any]:
+                           server_pid: int | None = None, *, lean: bool = False
+                           ) -> dict[str, Any]:
     """`requests` GET /healthz round trips from `concurrency` loops, each on
-    its own connection (as the callers of the load)."""
+    its own connection (as the callers of the load, with the same client)."""
     import trio
 
     latencies: list[float] = []
@@ -427,16 +483,16 @@ async def healthz_baseline(url: str, requests: int, concurrency: int,
 
     async def loop(count: int) -> None:
         nonlocal failures
-        async with caller_client() as client:
-            await client.get(f"{url}/healthz")  # connect before the clock starts
+        async with Caller(url, lean) as client:
+            await client.get("/healthz")  # connect before the clock starts
             connected.append(1)
             if len(connected) == concurrency:
                 all_connected.set()
             await ready.wait()
             for _ in range(count):
                 began = time.monotonic()
-                response = await client.get(f"{url}/healthz")
-                if response.status_code != 200:
+                status, _ = await client.get("/healthz")
+                if status != 200:
                     failures += 1
                 latencies.append(time.monotonic() - began)
 
