@@ -373,7 +373,15 @@ def provider_frames(ids: list[str], threads: list[str]) -> st.SearchStrategy[str
         "proof",
         "maxConcurrentRuns",
     ]
-    return encodings(mutated(templates, values, keys), MAX_FRAME)
+    frame = mutated(templates, values, keys)
+    # A batch of such frames (mutated items, a nested batch now and then).
+    batch = st.fixed_dictionaries(
+        {"kind": st.just("batch"),
+         "frames": st.lists(weighted((9, frame), (1, st.just({"kind": "batch", "frames": []}))),
+                            max_size=4)}
+    )
+    return encodings(weighted((4, frame), (1, mutated(batch, values, ["frames", "kind"]))),
+                     MAX_FRAME)
 
 
 def jsonrpc_bodies(ids: list[str], threads: list[str]) -> st.SearchStrategy[Any]:
@@ -621,17 +629,36 @@ class Tally:
 # ----------------------------------------------------------------------------- the link
 
 
-def expected_on_link(message: str | bytes) -> str:
-    """What the written contract (DESIGN §5, protocol/frames.py) makes of one
-    message on an attached link: 'close', 'err:<id>', 'reply:<id>' (ok or err),
-    'nothing', or 'close-or-nothing' (an answer to no offer)."""
+def expected_on_link(message: str | bytes) -> list[str]:
+    """What the written contract (DESIGN §5, protocol/frames.py, and the batch
+    rules of docs/provider-link.md) makes of one message on an attached link,
+    frame by frame in order: 'close', 'err:<id>', 'reply:<id>' (ok or err),
+    'nothing', or 'close-or-nothing' (an answer to no offer). Nothing after a
+    frame that closes (or may close) the link can be predicted, so the list
+    stops there."""
     size = len(message) if isinstance(message, bytes) else len(message.encode("utf-8", "replace"))
     if size > MAX_FRAME:
-        return "close"
+        return ["close"]
     try:
         frame = frames.decode_frame(message, accept=frames.FROM_PROVIDER)
     except frames.FrameError as exc:
-        return "close" if exc.id is None else f"err:{exc.id}"
+        return ["close" if exc.id is None else f"err:{exc.id}"]
+    if not isinstance(frame, frames.Batch):
+        return [expected_of(frame)]
+    out = []
+    for item in frame.frames:
+        try:
+            inner = frames.decode_object(item, accept=frames.IN_BATCH)
+        except frames.FrameError as exc:
+            out.append("close" if exc.id is None else f"err:{exc.id}")
+        else:
+            out.append(expected_of(inner))
+        if out[-1].startswith("close"):
+            break
+    return out
+
+
+def expected_of(frame: Any) -> str:
     if isinstance(frame, frames.Connect):
         return "close"
     if isinstance(frame, (frames.Register, frames.QueryThreadMessages)):
@@ -731,7 +758,12 @@ class LinkFuzzer:
         self.tally("connect.err")
 
     async def attached(self, ws: Any, message: str | bytes) -> None:
-        expected = expected_on_link(message)
+        outcomes = expected_on_link(message)
+        may_close = outcomes[-1] in ("close", "close-or-nothing")
+        owed_errs = [o[4:] for o in outcomes if o.startswith("err:")]
+        owed_replies = [o[6:] for o in outcomes if o.startswith("reply:")]
+        if isinstance(message, str) and '"batch"' in message:
+            self.tally(f"batch of {len(outcomes)} -> {outcomes[-1].split(':')[0]}")
         await ws.send_message(message)
         probe = f"probe-{next(self.probes)}"
         try:
@@ -747,48 +779,44 @@ class LinkFuzzer:
             )
         except ConnectionClosed:
             pass
-        got, closed = await self.read_until(
-            ws, probe, expected[6:] if expected.startswith("reply:") else None
-        )
+        got, closed = await self.read_until(ws, probe, set(owed_replies))
         shown = f"{message[:300]!r}"
-        if closed is not None:
-            assert expected in ("close", "close-or-nothing"), (
-                f"link closed ({closed}) after {shown}; the contract says {expected}"
-            )
-            assert closed.code in (1008, 1009) and closed.reason, (
-                f"closed without a clear reason: {closed} after {shown}"
-            )
-            self.tally(f"close {closed.code}")
-            return
-        assert expected != "close", f"link stayed up after {shown}; the contract says close"
         answers = [f for f in got if f.get("id") != probe]
-        if expected.startswith("err:"):
-            fid = expected[4:]
+        for fid in owed_errs:  # queued before anything that closes: always sent
             errs = [f for f in answers if f.get("kind") == "err" and f.get("id") == fid]
             assert errs and isinstance(errs[0].get("reason"), str) and errs[0]["reason"], (
                 f"no err for id {fid!r} after {shown}: {got}"
             )
             self.tally("err")
-        elif expected.startswith("reply:"):
-            fid = expected[6:]
+        if closed is not None:
+            assert may_close, f"link closed ({closed}) after {shown}; the contract says {outcomes}"
+            assert closed.code in (1008, 1009) and closed.reason, (
+                f"closed without a clear reason: {closed} after {shown}"
+            )
+            self.tally(f"close {closed.code}")
+            return
+        assert outcomes[-1] != "close", (
+            f"link stayed up after {shown}; the contract says {outcomes}"
+        )
+        for fid in owed_replies:
             assert any(f.get("id") == fid and f.get("kind") in ("ok", "err") for f in answers), (
                 f"no reply to {fid!r} after {shown}: {got}"
             )
             self.tally("reply")
-        else:
+        if not owed_errs and not owed_replies:
             unexpected = [f for f in answers if f.get("kind") != "offer"]
             assert not unexpected, f"unexpected frames after {shown}: {unexpected}"
             self.tally("nothing")
 
     async def read_until(
-        self, ws: Any, probe: str | None, reply_to: str | None = None
+        self, ws: Any, probe: str | None, reply_to: set[str] = frozenset()
     ) -> tuple[list[dict], Any]:
         """Frames until the probe's reply (the link has read everything sent
-        before it) and, for a query, until its reply too (queries are answered
-        concurrently, so the probe is no barrier for them) -- or until the link
-        closes (returns its close reason)."""
+        before it) and, for queries, until their replies too (queries are
+        answered concurrently, so the probe is no barrier for them) -- or until
+        the link closes (returns its close reason)."""
         got: list[dict] = []
-        waiting = {probe, reply_to} - {None}
+        waiting = ({probe} - {None}) | set(reply_to)
         while True:
             try:
                 text = await ws.get_message()

@@ -76,10 +76,10 @@ class ProviderSocket:
 
     # -- performing the machine's actions -------------------------------------
 
-    def _perform(self, actions: list[L.Action]) -> list[L.Action]:
-        """Do the actions that need no waiting, in order; return the ones that
-        do (Register, QueryThreadMessages) for the reader loop."""
-        waiting: list[L.Action] = []
+    def _perform(self, actions: list[L.Action]) -> None:
+        """Do actions that need no waiting, in order. (Register and
+        QueryThreadMessages come only from `receive`; the reader loop does
+        those itself, in their place among the others.)"""
         for action in actions:
             if isinstance(action, L.Send):
                 self._queue(action.frame)
@@ -112,8 +112,7 @@ class ProviderSocket:
             elif isinstance(action, L.Close):
                 self._begin_close(action)
             else:
-                waiting.append(action)
-        return waiting
+                raise AssertionError(f"{action!r} needs the reader loop")  # pragma: no cover
 
     def _queue(self, frame: Any) -> None:
         if self._close is not None:
@@ -204,11 +203,15 @@ class ProviderSocket:
             message = await self._ws.receive()
             if message is None:  # quart-trio hands an empty binary frame over as None
                 message = b""
-            for action in self._perform(self.machine.receive(message)):
+            # In order, the waiting ones included: a batch's frames take effect
+            # exactly as if they had come one by one.
+            for action in self.machine.receive(message):
                 if isinstance(action, L.Register):
                     await self._register(action)
                 elif isinstance(action, L.QueryThreadMessages):
                     nursery.start_soon(self._query, action)
+                else:
+                    self._perform([action])
         # Closing: the writer sends what is queued, then the close. Meanwhile
         # keep reading (and dropping) what the provider still sends, so its
         # frames never back up into the server's queues and wedge the close.
