@@ -55,6 +55,7 @@ class Load:
         self.results: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self.events_per_run = args.deltas + 4
+        self.tickets: trio.MemoryReceiveChannel[None] | None = None
 
     def door_of(self, thread: int) -> str:
         if self.args.door != "mix":
@@ -103,6 +104,8 @@ class Load:
         url = f"/{door}/{fp}/echo"
         context: str | None = None if door == "a2a" else f"bench-caller-thread-{thread}"
         for k in range(count):
+            if self.tickets is not None:
+                await self.tickets.receive()  # --rate: wait for this run's slot
             text = utterance(thread, k)
             result: dict[str, Any] = {"door": door, "ok": False, "run_id": None,
                                       "began": time.monotonic()}
@@ -118,13 +121,26 @@ class Load:
             result["done"] = time.monotonic()
             self.results.append(result)
 
-    async def run(self, runs: int, threads: int) -> float:
-        """Each thread's caller on its own connection; returns the wall time."""
+    async def run(self, runs: int, threads: int, rate: float | None = None) -> float:
+        """Each thread's caller on its own connection; returns the wall time.
+        With `rate`, runs start at that many a second (a free caller takes the
+        next slot), so the load is offered rather than as fast as it goes."""
         began = time.monotonic()
         async with trio.open_nursery() as nursery:
+            if rate:
+                send, self.tickets = trio.open_memory_channel[None](0)
+                nursery.start_soon(self.ticker, send, runs, rate)
             for i in range(threads):
                 nursery.start_soon(self.caller, i, runs // threads + (i < runs % threads))
         return time.monotonic() - began
+
+    @staticmethod
+    async def ticker(send: trio.MemorySendChannel[None], runs: int, rate: float) -> None:
+        start = trio.current_time()
+        async with send:
+            for n in range(runs):
+                await trio.sleep_until(start + n / rate)
+                await send.send(None)
 
 
 async def verify(client: httpx.AsyncClient, url: str, run_ids: list[str], concurrency: int,
@@ -185,7 +201,7 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
         round_trips_before = await h.offer_round_trips(client, server.url)
         cpu.start()
         with trio.fail_after(args.time_limit):
-            out["seconds"] = await load.run(args.runs, args.threads)
+            out["seconds"] = await load.run(args.runs, args.threads, args.rate)
         out["cpu"] = cpu.shares()
         out["server_cpu_s"] = h.proc_cpu(server.pid) - server_cpu_before
         out["round_trips"] = (round_trips_before,
@@ -227,6 +243,9 @@ def main() -> None:
     parser.add_argument("--max-concurrent", type=int, default=None,
                         help="each provider's maxConcurrentRuns (default unlimited)")
     parser.add_argument("--door", choices=["mix", "a2a", "agui"], default="mix")
+    parser.add_argument("--rate", type=float, default=None, metavar="RUNS_PER_S",
+                        help="offer the load at this rate (runs start on a clock) instead of "
+                        "as fast as the callers go; --threads is then the most in flight")
     parser.add_argument("--client", choices=["httpx", "lean"], default="httpx",
                         help="the callers' HTTP client (and the healthz baseline's): httpx, "
                         "or a lean h11 client that leaves the server more of the cores")
@@ -283,7 +302,8 @@ def main() -> None:
     print(f"  measuring {build}")
     print(f"e2e: {args.runs} runs over {args.threads} threads ({args.door} doors), "
           f"{load.events_per_run} events each, {args.providers} SDK provider process(es) "
-          f"over websockets, server in its own process, SQLite on disk")
+          f"over websockets, server in its own process, SQLite on disk, {args.client} callers"
+          + (f", offered at {args.rate:g} runs/s" if args.rate else ", as fast as they go"))
     print(f"  wall time           {seconds:10.2f} s")
     print(f"  runs/s              {runs_per_s:10.1f}")
     print(f"  events/s            {events_per_s:10.1f}   (events in the record / wall time)")

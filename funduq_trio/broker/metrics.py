@@ -20,7 +20,8 @@ __all__ = ["OFFER_ROUND_TRIP_BUCKETS", "Histogram", "Metrics"]
 
 #: Upper bounds (seconds) of the offer round trip histogram's buckets.
 OFFER_ROUND_TRIP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 )
 
 
