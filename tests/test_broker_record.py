@@ -78,3 +78,26 @@ async def test_a_write_lock_held_by_another_process_parks_the_writer_not_the_loo
         blocker.close()
         found = await record.read(lambda c: c.execute("SELECT id FROM threads").fetchall())
         assert found == [("t",)]
+
+
+async def test_the_log_is_copied_into_the_database_file_each_second_off_the_loop(
+        tmp_path, mock_clock):
+    """Commits never checkpoint (that fsyncs, on the loop); the checkpoint
+    task does, once a second when anything was committed."""
+    from broker_support import quiet
+
+    from funduq_trio.broker.record import CHECKPOINT_SECONDS, open_record
+
+    path = tmp_path / "record.sqlite3"
+    rows = [(f"t{i}", "k", "a", "x" * 500) for i in range(400)]
+    async with open_record(path) as record:
+        await quiet()
+        before = path.stat().st_size
+        await record.write(lambda c: c.executemany(
+            "INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at) "
+            "VALUES (?, ?, ?, ?, 0)", rows))
+        await quiet()
+        assert path.stat().st_size == before  # committed to the log only
+        mock_clock.jump(CHECKPOINT_SECONDS)
+        await quiet()
+        assert path.stat().st_size > before + 400 * 500  # now in the file itself

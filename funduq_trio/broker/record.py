@@ -262,7 +262,14 @@ class Record:
             await trio.sleep(CHECKPOINT_SECONDS)
             if self.commits != checkpointed:
                 checkpointed = self.commits
-                await self.read(lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone())
+                try:
+                    await self.read(
+                        lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    )
+                except sqlite3.Error as exc:
+                    # Nothing is lost (the log still holds every commit) and the
+                    # next second tries again; serving goes on.
+                    log.warning("WAL checkpoint failed: %s", exc)
 
     async def _flush(self) -> None:
         self._wake = trio.Event()
