@@ -208,7 +208,11 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
                               await h.offer_round_trips(client, server.url))
         if sched_before is not None:
             after = server.scheduler()
-            out["sched"] = {k: after[k] - sched_before[k] for k in after}
+            out["sched"] = {k: after[k] - sched_before[k]
+                            for k in ("rounds", "steps", "busy", "rounds_over_20ms", "at")}
+            # Over the server's life (the warm-up included): the worst stall.
+            out["sched"]["longest_round"] = after["longest_round"]
+            out["sched"]["longest_step"] = after["longest_step"]
         if profiler is not None:
             out["profiler_log"] = profiler.stop()
         out["rss_after_kib"] = server.status()["VmRSS"]
@@ -341,6 +345,10 @@ def main() -> None:
               f"{sc['busy'] / seconds * 100:.0f}% of the wall time")
         print(f"  link frames/round   {frames / max(1, sc['rounds']) / args.providers:10.2f}   "
               f"(frames from providers per scheduler round per provider link)")
+        step_s, step_task = sc["longest_step"]
+        print(f"  longest round       {sc['longest_round'] * 1e3:10.1f} ms   "
+              f"({sc['rounds_over_20ms']} rounds over 20 ms during the load; longest task "
+              f"step {step_s * 1e3:.1f} ms in {step_task})")
     print(f"  server RSS          {out['rss_before_kib'] / 1024:10.1f} MiB before the load, "
           f"{out['rss_after_kib'] / 1024:.1f} MiB after, peak (VmHWM) {hwm_kib / 1024:.1f} MiB")
     print(f"  CPU during the load {h.format_shares(out['cpu'])} "

@@ -872,7 +872,11 @@ def serve_instrumented_main(argv: list[str]) -> int:
                 self.rounds = 0
                 self.steps = 0
                 self.busy = 0.0
+                self.longest_round = 0.0
+                self.rounds_over_20ms = 0
+                self.longest_step = (0.0, "")  # (seconds, task name)
                 self._began: float | None = None
+                self._step_began = 0.0
 
             def after_io_wait(self, timeout: float) -> None:
                 self.rounds += 1
@@ -880,11 +884,20 @@ def serve_instrumented_main(argv: list[str]) -> int:
 
             def before_io_wait(self, timeout: float) -> None:
                 if self._began is not None:
-                    self.busy += time.perf_counter() - self._began
+                    spent = time.perf_counter() - self._began
+                    self.busy += spent
+                    self.longest_round = max(self.longest_round, spent)
+                    self.rounds_over_20ms += spent > 0.020
                     self._began = None
 
             def before_task_step(self, task: Any) -> None:
                 self.steps += 1
+                self._step_began = time.perf_counter()
+
+            def after_task_step(self, task: Any) -> None:
+                spent = time.perf_counter() - self._step_began
+                if spent > self.longest_step[0]:
+                    self.longest_step = (spent, task.name)
 
         rounds = Rounds()
 
@@ -892,6 +905,9 @@ def serve_instrumented_main(argv: list[str]) -> int:
             tmp = sched_path + ".tmp"
             with open(tmp, "w") as fh:
                 json.dump({"rounds": rounds.rounds, "steps": rounds.steps, "busy": rounds.busy,
+                           "longest_round": rounds.longest_round,
+                           "rounds_over_20ms": rounds.rounds_over_20ms,
+                           "longest_step": list(rounds.longest_step),
                            "at": time.monotonic()}, fh)
             os.replace(tmp, sched_path)
 
