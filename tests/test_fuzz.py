@@ -646,13 +646,11 @@ def expected_on_link(message: str | bytes) -> list[str]:
     if not isinstance(frame, frames.Batch):
         return [expected_of(frame)]
     out = []
-    for item in frame.frames:
-        try:
-            inner = frames.decode_object(item, accept=frames.IN_BATCH)
-        except frames.FrameError as exc:
-            out.append("close" if exc.id is None else f"err:{exc.id}")
+    for item in frames.batch_items(frame, accept=frames.IN_BATCH):
+        if isinstance(item, frames.FrameError):
+            out.append("close" if item.id is None else f"err:{item.id}")
         else:
-            out.append(expected_of(inner))
+            out.append(expected_of(item))
         if out[-1].startswith("close"):
             break
     return out

@@ -33,6 +33,7 @@ server both use it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -75,6 +76,7 @@ __all__ = [
     "Report",
     "BATCH_BYTES",
     "Outgoing",
+    "batch_items",
     "batch_text",
     "wire_bytes",
     "decode_frame",
@@ -392,6 +394,17 @@ def decode_object(obj: Any, *, accept: frozenset[str] | None = None) -> Frame:
         return _FRAME.validate_python(obj)
     except ValidationError as exc:
         raise FrameError(f"{kind!r} frame does not validate: {_describe(exc)}", frame_id) from None
+
+
+def batch_items(batch: Batch, *, accept: frozenset[str]) -> Iterator[Frame | FrameError]:
+    """A batch's frames in order, each decoded on its own: the frame, or the
+    FrameError that item would have raised alone, its reason prefixed
+    `batch item N: ` so the sender can find it."""
+    for index, item in enumerate(batch.frames):
+        try:
+            yield decode_object(item, accept=accept)
+        except FrameError as exc:
+            yield FrameError(f"batch item {index}: {exc.reason}", exc.id)
 
 
 def encode_frame(frame: BaseModel) -> str:

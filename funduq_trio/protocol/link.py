@@ -324,14 +324,11 @@ class LinkMachine:
 
     def _receive_batch(self, batch: f.Batch) -> list[Action]:
         actions: list[Action] = []
-        for index, item in enumerate(batch.frames):
-            try:
-                frame = f.decode_object(item, accept=f.IN_BATCH)
-            except f.FrameError as exc:
-                exc.reason = f"batch item {index}: {exc.reason}"
-                actions += self._undecodable(exc)
+        for item in f.batch_items(batch, accept=f.IN_BATCH):
+            if isinstance(item, f.FrameError):
+                actions += self._undecodable(item)
             else:
-                actions += self._receive_attached(frame)
+                actions += self._receive_attached(item)
             if self.state is State.CLOSED:
                 break
         return actions

@@ -535,15 +535,11 @@ class Provider:
                 if not isinstance(frame, f.Batch):
                     self._handle(link, frame, on_registered)
                     continue
-                # A batch: its frames, one after another.
-                for index, item in enumerate(frame.frames):
-                    try:
-                        inner = f.decode_object(item, accept=f.IN_FUNDUQ_BATCH)
-                    except f.FrameError as exc:
-                        exc.reason = f"batch item {index}: {exc.reason}"
-                        self._undecodable(link, exc)
-                        continue
-                    self._handle(link, inner, on_registered)
+                for item in f.batch_items(frame, accept=f.IN_FUNDUQ_BATCH):
+                    if isinstance(item, f.FrameError):
+                        self._undecodable(link, item)
+                    else:
+                        self._handle(link, item, on_registered)
         except LinkLost as exc:
             link.end(str(exc))
         except _ProtocolError as exc:
