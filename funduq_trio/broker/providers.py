@@ -207,9 +207,9 @@ class Providers:
 
     def __init__(self, record: Record, allowance: int,
                  messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]],
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics) -> None:
         self.messages_of = messages_of  # the facade's: (provider key, thread id, limit)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics
         self.record = record
         self.allowance = allowance
         self.sessions: dict[str, ProviderSession] = {}
