@@ -8,8 +8,13 @@ import json
 from typing import Any
 
 import trio
+from broker_support import broker, quiet
+from broker_support import user_input as broker_input
 from support import http_client, post_sse, raw_provider, running_server, user_input
 from trio_websocket import ConnectionClosed
+
+from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
+from funduq_trio.web.provider_socket import ProviderSocket
 
 START, FINISH = "RUN_STARTED", "RUN_FINISHED"
 
@@ -213,12 +218,6 @@ class BusySocket:
 async def offers_written_while_busy(tmp_path, extensions: list[str] | None) -> list[Any]:
     """Attach a provider through ProviderSocket over a BusySocket, make the
     socket busy, start three runs, free it: the messages written after."""
-    from broker_support import broker, quiet
-    from broker_support import user_input as broker_input
-
-    from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
-    from funduq_trio.web.provider_socket import ProviderSocket
-
     provider = Identity.generate()
     async with broker(tmp_path) as funduq:
         ws = BusySocket()

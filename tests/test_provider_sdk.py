@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -83,6 +84,7 @@ class FunduqEnd:
         self.incoming = incoming
         self.provider_key: str | None = None
         self.max_runs: int | None = None
+        self.connect: f.Connect | None = None  # the provider's, once handshaken
 
     async def send(self, frame: Any) -> None:
         await self.outgoing.send(f.encode_frame(frame))
@@ -110,6 +112,7 @@ class FunduqEnd:
             provider_connect_payload(identity.public_key_hex, nonce, connect.nonce),
             connect.proof,
         )
+        self.connect = connect
         self.provider_key = connect.public_key
         self.max_runs = connect.max_concurrent_runs
         answer = identity.sign(funduq_connect_payload(nonce, connect.nonce))
@@ -122,26 +125,8 @@ class FunduqEnd:
         await self.send(f.Ok(id=register.id))
         return register
 
-    async def offer(
-        self,
-        offer_id: str,
-        run_id: str,
-        *,
-        thread: str = "t1",
-        agent: str = "echo",
-        text: str = "hello",
-        run_input: dict[str, Any] | None = None,
-    ) -> None:
-        if run_input is None:
-            run_input = user_input(text, thread_id=thread) | {"runId": run_id}
-        run = {
-            "runId": run_id,
-            "threadId": thread,
-            "agentName": agent,
-            "runInput": run_input,
-            "metadata": None,
-        }
-        await self.send(f.Offer(id=offer_id, run=f.OfferRun.model_validate(run)))
+    async def offer(self, offer_id: str, run_id: str, **run: Any) -> None:
+        await self.send(offer_frame(offer_id, run_id, **run))
 
     async def until(self, kind: type, **match: Any) -> Any:
         """The next frame of this kind (and these field values), skipping others."""
@@ -160,6 +145,36 @@ class FunduqEnd:
             elif isinstance(frame, f.Finish) and frame.run_id == run_id:
                 seen.append(frame)
                 return seen
+
+
+def offer_frame(
+    offer_id: str,
+    run_id: str,
+    *,
+    thread: str = "t1",
+    agent: str = "echo",
+    text: str = "hello",
+    run_input: dict[str, Any] | None = None,
+) -> f.Offer:
+    if run_input is None:
+        run_input = user_input(text, thread_id=thread) | {"runId": run_id}
+    run = {
+        "runId": run_id,
+        "threadId": thread,
+        "agentName": agent,
+        "runInput": run_input,
+        "metadata": None,
+    }
+    return f.Offer(id=offer_id, run=f.OfferRun.model_validate(run))
+
+
+def items_of(frame: Any) -> list[Any]:
+    """A message's frames: a batch's items (each must decode), or the frame."""
+    if not isinstance(frame, f.Batch):
+        return [frame]
+    items = list(f.batch_items(frame, accept=f.IN_BATCH))
+    assert not any(isinstance(i, f.FrameError) for i in items), items
+    return items
 
 
 class FakeFunduq:
@@ -190,6 +205,23 @@ class FakeFunduq:
 def provider_for(fake: FakeFunduq, **kw: Any) -> Provider:
     kw.setdefault("backoff", Backoff(initial=1.0, factor=2.0, maximum=8.0, jitter=0.0))
     return Provider(Identity.generate(), "ws://fake/ws/provider", connector=fake.connect, **kw)
+
+
+@asynccontextmanager
+async def serving(agents: dict[str, Any], *, extensions: list[str] | None = None,
+                  **kw: Any) -> AsyncIterator[tuple[FakeFunduq, Provider, FunduqEnd]]:
+    """A provider serving `agents`, running against an in-memory funduq that
+    said `extensions` in its hello; yields (fake, provider, its attached link)."""
+    fake = FakeFunduq()
+    provider = provider_for(fake, **kw)
+    for name, agent in agents.items():
+        provider.add_agent(agent, name=name)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach(extensions)
+        yield fake, provider, link
+        nursery.cancel_scope.cancel()
 
 
 # --- answers are receipts -----------------------------------------------------
@@ -264,37 +296,30 @@ async def test_a_run_reports_seq_numbered_events_then_finishes(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
-async def messages_while_the_socket_was_busy(extensions: list[str] | None) -> list[str]:
+async def messages_while_the_socket_was_busy(extensions: list[str] | None) -> list[Any]:
     """Offer an 8-delta echo run while the provider's socket is busy, let the
-    agent queue everything, free the socket: the raw messages that arrive."""
-    fake = FakeFunduq()
-    provider = provider_for(fake)
-    provider.add_agent(make_echo(deltas=8), name="echo")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(provider.run)
-        link = await fake.next_link()
-        await link.attach(extensions)
+    agent queue everything, free the socket: the messages that arrive."""
+    async with serving({"echo": make_echo(deltas=8)}, extensions=extensions) as (
+        fake, provider, link,
+    ):
         fake.connections[-1].gate = gate = trio.Event()
         await link.offer("o1", "r1", text="hello, world!")
         await trio.testing.wait_all_tasks_blocked()
         assert provider.held_runs == frozenset()  # the run is over, its frames queued
         gate.set()
-        messages: list[str] = []
-        while not messages or '"kind":"finish"' not in messages[-1]:
-            with trio.fail_after(STUCK):
-                messages.append(await link.incoming.receive())
-        nursery.cancel_scope.cancel()
+        messages = [await link.recv()]
+        while not isinstance(items_of(messages[-1])[-1], f.Finish):
+            messages.append(await link.recv())
     return messages
 
 
 async def test_frames_queued_while_the_socket_is_busy_go_out_as_one_batch(autojump_clock):
-    messages = await messages_while_the_socket_was_busy(["batch"])
+    *first, last = await messages_while_the_socket_was_busy(["batch"])
     # The writer may have taken the `ok` before the socket stalled (then it
     # goes alone); everything queued behind it leaves as one batch.
-    *first, last = (f.decode_frame(m, accept=f.FROM_PROVIDER) for m in messages)
     assert first in ([], [f.Ok(id="o1", verdict="accepted")])
     assert isinstance(last, f.Batch)
-    items = [*first, *(f.decode_object(item, accept=f.IN_BATCH) for item in last.frames)]
+    items = [*first, *items_of(last)]
     assert items[0] == f.Ok(id="o1", verdict="accepted")
     assert [i.seq for i in items[1:-1]] == list(range(1, 13))
     assert all(isinstance(i, f.Report) and i.run_id == "r1" for i in items[1:-1])
@@ -303,24 +328,17 @@ async def test_frames_queued_while_the_socket_is_busy_go_out_as_one_batch(autoju
 
 async def test_without_the_extension_every_frame_goes_alone(autojump_clock):
     messages = await messages_while_the_socket_was_busy(None)
-    frames = [f.decode_frame(m, accept=f.FROM_PROVIDER) for m in messages]
-    assert [type(x) for x in frames] == [f.Ok, *[f.Report] * 12, f.Finish]
+    assert [type(x) for x in messages] == [f.Ok, *[f.Report] * 12, f.Finish]
 
 
 async def test_a_batch_stays_under_the_batch_size(autojump_clock):
-    fake = FakeFunduq()
-    provider = provider_for(fake)
     big = "x" * 20_000
 
     async def chatty(run_input: RunAgentInput) -> AsyncIterator[Any]:
         for _ in range(10):
             yield {"type": "CUSTOM", "name": "blob", "value": big}
 
-    provider.add_agent(chatty, name="chatty")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(provider.run)
-        link = await fake.next_link()
-        await link.attach(["batch"])
+    async with serving({"chatty": chatty}, extensions=["batch"]) as (fake, _, link):
         fake.connections[-1].gate = gate = trio.Event()
         await link.offer("o1", "r1", agent="chatty")
         await trio.testing.wait_all_tasks_blocked()
@@ -330,14 +348,8 @@ async def test_a_batch_stays_under_the_batch_size(autojump_clock):
             with trio.fail_after(STUCK):
                 text = await link.incoming.receive()
             assert len(text.encode()) <= BATCH_BYTES
-            frame = f.decode_frame(text, accept=f.FROM_PROVIDER)
-            items += (
-                [f.decode_object(i, accept=f.IN_BATCH) for i in frame.frames]
-                if isinstance(frame, f.Batch)
-                else [frame]
-            )
-        assert [x.seq for x in items if isinstance(x, f.Report)] == list(range(1, 11))
-        nursery.cancel_scope.cancel()
+            items += items_of(f.decode_frame(text, accept=f.FROM_PROVIDER))
+    assert [x.seq for x in items if isinstance(x, f.Report)] == list(range(1, 11))
 
 
 async def frames_until_finished(link: FunduqEnd, run_ids: set[str]) -> list[list[Any]]:
@@ -346,25 +358,15 @@ async def frames_until_finished(link: FunduqEnd, run_ids: set[str]) -> list[list
     messages: list[list[Any]] = []
     finished: set[str] = set()
     while finished != run_ids:
-        frame = await link.recv()
-        items = ([f.decode_object(i, accept=f.IN_BATCH) for i in frame.frames]
-                 if isinstance(frame, f.Batch) else [frame])
-        finished |= {i.run_id for i in items if isinstance(i, f.Finish)}
-        messages.append(items)
+        messages.append(items_of(await link.recv()))
+        finished |= {i.run_id for i in messages[-1] if isinstance(i, f.Finish)}
     return messages
 
 
 async def test_events_yielded_back_to_back_leave_in_one_message(autojump_clock):
-    fake = FakeFunduq()
-    provider = provider_for(fake)
-    provider.add_agent(make_echo(deltas=8), name="echo")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(provider.run)
-        link = await fake.next_link()
-        await link.attach(["batch"])
+    async with serving({"echo": make_echo(deltas=8)}, extensions=["batch"]) as (_, _, link):
         await link.offer("o1", "r1", text="hello, world!")
         messages = await frames_until_finished(link, {"r1"})
-        nursery.cancel_scope.cancel()
     run_messages = [m for m in messages if any(isinstance(i, f.Report) for i in m)]
     (only,) = run_messages  # 12 reports and the finish, one message (the ok may ride too)
     frames = [i for i in only if isinstance(i, (f.Report, f.Finish))]
@@ -376,23 +378,16 @@ async def test_a_chatty_agent_still_lets_other_runs_through(autojump_clock):
     """Reports queue without yielding, but only REPORTS_PER_YIELD at a time:
     an agent producing thousands of events back to back does not hold the
     provider's other runs until it is done."""
-    fake = FakeFunduq()
-    provider = provider_for(fake, report_window=10_000)
 
     async def chatty(run_input: RunAgentInput) -> AsyncIterator[Any]:
         for i in range(500):
             yield {"type": "CUSTOM", "name": "n", "value": i}
 
-    provider.add_agent(chatty, name="chatty")
-    provider.add_agent(make_echo(deltas=1), name="echo")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(provider.run)
-        link = await fake.next_link()
-        await link.attach(["batch"])
+    agents = {"chatty": chatty, "echo": make_echo(deltas=1)}
+    async with serving(agents, extensions=["batch"], report_window=10_000) as (_, _, link):
         await link.offer("o1", "big", agent="chatty")
         await link.offer("o2", "small", text="hi")
         messages = await frames_until_finished(link, {"big", "small"})
-        nursery.cancel_scope.cancel()
     order = [(i.run_id, i.kind) for m in messages for i in m if isinstance(i, (f.Report, f.Finish))]
     assert order.index(("small", "finish")) < order.index(("big", "finish"))
     assert sum(1 for run, kind in order if run == "big" and kind == "report") == 500
@@ -405,20 +400,13 @@ async def test_the_sdk_asks_for_batches_and_reads_them_frame_by_frame(autojump_c
     async with trio.open_nursery() as nursery:
         nursery.start_soon(provider.run)
         link = await fake.next_link()
-        nonce = new_nonce()
-        await link.send(f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=nonce))
-        connect = await link.recv()
-        assert connect.extensions == ["batch"]
-        answer = FUNDUQ.sign(funduq_connect_payload(nonce, connect.nonce))
-        await link.send(f.ConnectOk(answer=answer))
+        await link.handshake()
+        assert link.connect is not None and link.connect.extensions == ["batch"]
         register = await link.recv()
-        offer = {"kind": "offer", "id": "o2", "run": {
-            "runId": "r2", "threadId": "t2", "agentName": "echo",
-            "runInput": user_input("two", thread_id="t2") | {"runId": "r2"}, "metadata": None}}
         await link.outgoing.send(f.batch_text([
             f.encode_frame(f.Ok(id=register.id)),
             '{"kind": "offer", "id": "bad-offer", "run": {}}',  # answered err, the rest read
-            f.encode_frame(f.Offer(id="o2", run=f.OfferRun.model_validate(offer["run"]))),
+            f.encode_frame(offer_frame("o2", "r2", thread="t2", text="two")),
         ]))
         err = await link.until(f.Err)
         assert err.id == "bad-offer" and err.reason.startswith("batch item 1: ")
