@@ -145,6 +145,23 @@ DIE_WITH_PARENT = [sys.executable, "-c", (
 # -- the server --------------------------------------------------------------------
 
 
+def _wait_in_log(proc: subprocess.Popen[bytes], log_path: Path, pattern: str, what: str,
+                 give_up: Callable[[], Any] | None = None, timeout: float = 30.0) -> str:
+    """Wait until a child's log matches `pattern`; return its first group."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace")
+        found = re.search(pattern, text)
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited at start:\n{text}")
+        time.sleep(0.05)
+    if give_up is not None:
+        give_up()
+    raise SystemExit(f"{what} printed nothing matching {pattern!r} within {timeout}s")
+
+
 class Server:
     """`funduq-trio serve` in a child process with its own data directory."""
 
@@ -170,25 +187,13 @@ class Server:
             env=child_env(env),
             cwd=data_dir,  # not the caller's directory: `-m` would import a checkout there
         )
-        self.url = self._wait_url()
+        self.url = _wait_in_log(self.proc, self.log_path,
+                                r"funduq-trio serving on (http://\S+)", "server", self.stop)
         self.ws_url = "ws" + self.url[len("http"):] + "/ws/provider"
 
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-    def _wait_url(self, timeout: float = 30.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            found = re.search(r"funduq-trio serving on (http://\S+)", text)
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited at start:\n{text}")
-            time.sleep(0.05)
-        self.stop()
-        raise SystemExit(f"server did not report its URL within {timeout}s")
 
     def status(self) -> dict[str, int]:
         return proc_status(self.pid)
@@ -248,23 +253,12 @@ class ProviderChild:
         self.proc = subprocess.Popen([*DIE_WITH_PARENT, *argv], stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
                                      env=child_env())
-        self.fingerprint = self._wait_fingerprint()
+        self.fingerprint = _wait_in_log(self.proc, self.log_path,
+                                        r"\(fingerprint ([0-9a-f]{16})\)", "provider")
 
     @property
     def pid(self) -> int:
         return self.proc.pid
-
-    def _wait_fingerprint(self, timeout: float = 30.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            found = re.search(r"\(fingerprint ([0-9a-f]{16})\)", text)
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                raise SystemExit(f"provider exited at start:\n{text}")
-            time.sleep(0.05)
-        raise SystemExit("provider did not print its fingerprint")
 
     def stop(self) -> dict[str, dict[str, float]]:
         """Stop it; return its stamps {run_id: {offer, answer, finish}} (CLOCK_MONOTONIC)."""
