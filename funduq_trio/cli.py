@@ -34,6 +34,7 @@ FLAG_HELP = {
     "max_frame_bytes": "largest provider-link frame",
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
+    "operator_token": "the operator's bearer token (default: generated, kept in the data dir)",
 }
 
 

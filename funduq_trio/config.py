@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 MiB = 1024 * 1024
+
+#: What an operator token may look like: it rides a header, a query and a cookie.
+OPERATOR_TOKEN = re.compile(r"[A-Za-z0-9._-]{16,256}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class Settings:
     max_frame_bytes: int = MiB
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
+    operator_token: str | None = None
 
     @property
     def database_path(self) -> Path:
@@ -63,6 +68,9 @@ class Settings:
                 found.append(
                     f"{env_name('provider_keys')}: {key!r} is not a 64-hex Ed25519 public key"
                 )
+        if self.operator_token is not None and not OPERATOR_TOKEN.fullmatch(self.operator_token):
+            found.append(f"{env_name('operator_token')}: must be 16 to 256 characters of "
+                         "letters, digits, '-', '_' or '.'")
         if self.database_url is not None:
             try:
                 _ = self.database_path

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import secrets
-from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -29,6 +28,8 @@ from cryptography.hazmat.primitives.serialization import (
     PrivateFormat,
     PublicFormat,
 )
+
+from funduq_trio.secret_file import SecretFileError, load_or_create
 
 __all__ = [
     "Identity",
@@ -116,49 +117,18 @@ class Identity:
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
-        """Load the key kept at `path`, or create it there (mode 0600) if absent.
-
-        The file holds the private key as hex. Creation is atomic: the key is
-        written to a temporary file and hard-linked into place, so a concurrent
-        starter either wins or loads the winner's key, and nobody reads half a
-        file. A file that exists but holds no key raises IdentityFileError
-        rather than being replaced: losing a key changes who this is.
-        """
-        path = Path(path)
-        if path.exists():
-            return cls._load(path)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        identity = cls.generate()
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        """Load the key kept at `path` (its private key as hex), or create it
+        there (mode 0600) if absent; see `secret_file`. A file that exists but
+        holds no key raises IdentityFileError rather than being replaced:
+        losing a key changes who this is."""
         try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, (identity._private_hex() + "\n").encode("ascii"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return cls._load(path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return identity
-
-    @classmethod
-    def _load(cls, path: Path) -> Identity:
-        try:
-            text = path.read_text("ascii")
-        except (UnicodeDecodeError, OSError) as exc:
-            raise IdentityFileError(f"identity key file {path} cannot be read: {exc}") from None
-        try:
-            return cls.from_private_hex(text)
-        except ValueError:
+            return load_or_create(path, lambda: cls.generate()._private_hex(),
+                                  cls.from_private_hex)
+        except SecretFileError as exc:
             raise IdentityFileError(
-                f"identity key file {path} is corrupt: it must hold a 64-hex-character "
-                "Ed25519 private key; move it aside to generate a new identity "
-                "(which changes this party's public key)"
-            ) from None
+                f"identity key file {exc}: it must hold a 64-hex-character Ed25519 private "
+                "key; move it aside to generate a new identity (which changes this party's "
+                "public key)") from None
 
     def _private_hex(self) -> str:
         return self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()).hex()

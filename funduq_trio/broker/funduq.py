@@ -20,10 +20,11 @@ from typing import Any
 
 import trio
 
-from ..config import Settings
+from ..config import OPERATOR_TOKEN, Settings
 from ..identity import Identity, dispatch_hop
 from ..protocol import agui, reasons
 from ..protocol import statuses as st
+from ..secret_file import load_or_create
 from . import authority
 from .errors import (
     AgentNotFound,
@@ -87,6 +88,8 @@ class Funduq:
     def __init__(self, settings: Settings, *, identity: Identity | None = None) -> None:
         self.settings = settings
         self.identity = identity
+        #: The operator's bearer token (see _load_operator_token).
+        self.operator_token = ""
         self.record: Record
         self.providers: Providers
         self.lanes: dict[str, Lane] = {}
@@ -111,6 +114,7 @@ class Funduq:
                 open_record(self.settings.database_path))
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
+            self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
             self.providers = Providers(self.record, self.settings.quality_allowance,
                                        self._provider_thread_messages, self.metrics)
             self.providers.load()
@@ -132,6 +136,20 @@ class Funduq:
         if self.settings.identity_key:
             return Identity.from_private_hex(self.settings.identity_key)
         return Identity.load_or_create(self.settings.data_dir / "funduq.key")
+
+    def _load_operator_token(self) -> str:
+        """The token that lets the operator see everything (DESIGN §8):
+        configured, or generated on first start and kept in the data directory."""
+        if self.settings.operator_token:
+            return self.settings.operator_token
+
+        def read(text: str) -> str:
+            if not OPERATOR_TOKEN.fullmatch(text):
+                raise ValueError("it must hold one operator token")
+            return text
+
+        return load_or_create(self.settings.data_dir / "operator.token",
+                              lambda: secrets.token_urlsafe(32), read)
 
     async def _restore(self) -> None:
         """After a restart: what nobody can still be holding fails

@@ -1,0 +1,41 @@
+"""Who is asking, as far as the web layer can tell: the operator (DESIGN §8).
+
+The operator sees everything: unscoped listings and the operator's page.
+They prove it with funduq's operator token, in `Authorization: Bearer …`,
+or in `?token=` once (a page opened from the start banner's URL), which
+sets a cookie so the page's own requests carry it. Compared in constant
+time; a wrong or missing token is simply "not the operator".
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+__all__ = ["OPERATOR_COOKIE", "operator_token_of", "is_operator", "remember_operator"]
+
+#: The cookie `?token=` sets (HttpOnly, SameSite=Strict, path /).
+OPERATOR_COOKIE = "funduq_operator"
+
+
+def operator_token_of(request: Any) -> str | None:
+    """The token the request presents, wherever it rides (None: none)."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return request.args.get("token") or request.cookies.get(OPERATOR_COOKIE)
+
+
+def is_operator(funduq: Any, request: Any) -> bool:
+    """Does the request carry funduq's operator token?"""
+    presented = operator_token_of(request)
+    expected = funduq.operator_token
+    return bool(presented and expected) and hmac.compare_digest(
+        presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
+
+
+def remember_operator(response: Any, funduq: Any) -> Any:
+    """Set the cookie that lets the operator's page make its own requests."""
+    response.set_cookie(OPERATOR_COOKIE, funduq.operator_token, httponly=True,
+                        samesite="Strict", path="/")
+    return response
