@@ -34,6 +34,7 @@ FLAG_HELP = {
     "max_frame_bytes": "largest provider-link frame",
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
+    "sse_keepalive_seconds": "silence before an SSE stream sends a keepalive comment (0 = never)",
 }
 
 
