@@ -33,7 +33,7 @@ from test_a2a_door import (
 
 from funduq_trio.config import Settings
 from funduq_trio.identity import Identity
-from funduq_trio.web.sse import KEEPALIVE, read_cursor, with_keepalive
+from funduq_trio.web.sse import KEEPALIVE, StreamCut, read_cursor, with_keepalive
 
 S = pb.TaskState
 V1 = {"A2A-Version": "1.0"}
@@ -287,6 +287,16 @@ async def test_a2a_cursor_is_checked(tmp_path) -> None:
             assert frames[-1][0] == last
             assert payload(frames[-1][1])[1]["status"]["state"] == "TASK_STATE_COMPLETED"
             assert all(i > 3 for i, _ in frames)
+        # The 0.3 name honours the cursor the same way.
+        async with (
+            httpx.AsyncClient(timeout=30) as http,
+            http.stream("POST", url, json=rpc("tasks/resubscribe", {"id": task.id}),
+                        headers={"Last-Event-ID": "3"}) as response,
+        ):
+            old = await events_of(response)
+        assert [i for i, _ in old] == [i for i, _ in frames]
+        assert old[-1][1]["result"]["kind"] == "status-update"
+        assert old[-1][1]["result"]["status"]["state"] == "completed"
 
 
 # ------------------------------------------------------------------ across a restart
@@ -476,6 +486,28 @@ async def test_with_keepalive_raises_what_the_source_raises(autojump_clock) -> N
         stream = with_keepalive(source(), 15, nursery)
         assert await anext(stream) == b"one"
         with pytest.raises(RuntimeError, match="broken source"):
+            await anext(stream)
+
+
+async def test_a_reader_cancelled_under_the_stream_cuts_it(autojump_clock) -> None:
+    """The app's nursery cancelled (shutdown) is not a complete stream: the
+    response is cut, so a caller cannot mistake it for the run's end."""
+
+    async def source() -> AsyncIterator[bytes]:
+        yield b"one"
+        await trio.sleep_forever()
+
+    async def hold(task_status: trio.TaskStatus[trio.Nursery]) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started(nursery)
+            await trio.sleep_forever()
+
+    async with trio.open_nursery() as outer:
+        readers: trio.Nursery = await outer.start(hold)
+        stream = with_keepalive(source(), 15, readers)
+        assert await anext(stream) == b"one"
+        readers.cancel_scope.cancel()
+        with pytest.raises(StreamCut):
             await anext(stream)
 
 

@@ -11,16 +11,20 @@ a2a-sdk's own server classes are asyncio-only, so none of them run here.
   The one exception is the card route: no such agent is a plain 404.
 - A task is a run and its `contextId` is the run's thread. A task id only
   names tasks of the agent in the URL; any other run is "not found" here.
-- A message naming (`taskId`) the thread's paused task answers the pause: the
-  same task id continues. Any other message is a new run on its `contextId`'s
-  thread (a new thread without one; an unknown one is an invalid-params error).
+- A message naming (`taskId`) a paused task answers the pause: the same task
+  id continues. A message naming a task that is not paused (ended, or working)
+  is refused with UnsupportedOperationError (A2A §3.1.1). A message naming no
+  task is a new run on its `contextId`'s thread (a new thread without one; an
+  unknown one is an invalid-params error).
 - Request-level metadata (`params.metadata`: `actorChain`, `cancel`,
   `resolution`) goes to the broker; a message's own metadata binds nothing.
 - A streaming call is checked and its run started *before* the SSE response
   begins, so every upfront error is an ordinary JSON answer. The stream opens
   with the Task snapshot, then the updates of each event as it is recorded,
-  then the final status once the run settles or pauses. A caller that goes
-  away ends only its own stream, never the run.
+  then the final status once the run settles or pauses. Every frame's SSE id
+  is the run seq it reflects; SubscribeToTask with `Last-Event-ID` re-attaches
+  after it, and a subscription to a paused task waits through the answer. A
+  caller that goes away ends only its own stream, never the run.
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ KEEPALIVE = b": keepalive\n\n"
 KEEPALIVE_CONFIG = "SSE_KEEPALIVE_SECONDS"
 
 
+class StreamCut(Exception):
+    """A stream's source stopped without ending (see `with_keepalive`)."""
+
+
 class Identified:
     """An event with its SSE ``id`` (a run's event seq): ``id: <n>`` precedes
     its ``data:`` line."""
@@ -115,13 +119,16 @@ async def with_keepalive(
     send, receive = trio.open_memory_channel[bytes](0)
     reader = trio.CancelScope()
     failure: list[BaseException] = []
+    read_all = False
 
     async def read() -> None:
+        nonlocal read_all
         with reader:
             async with send, contextlib.aclosing(chunks):  # type: ignore[type-var]
                 try:
                     async for chunk in chunks:
                         await send.send(chunk)
+                    read_all = True
                 except Exception as exc:  # noqa: BLE001 -- the stream raises it, not the nursery
                     failure.append(exc)
 
@@ -139,6 +146,10 @@ async def with_keepalive(
             yield KEEPALIVE if chunk is None else chunk
         if failure:
             raise failure[0]
+        if not read_all:
+            # The nursery was cancelled (the app shuts down): cut the response
+            # rather than end it as if the stream were complete.
+            raise StreamCut("the stream's source was cancelled")
     finally:
         reader.cancel()
         receive.close()
