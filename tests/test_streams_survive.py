@@ -415,7 +415,9 @@ async def test_a_subscription_to_a_paused_task_stays_open_through_the_answer(tmp
 
 
 async def test_a_subscription_from_a_cursor_at_the_pause_waits_for_the_answer(tmp_path) -> None:
-    async with broker_with_agents(tmp_path) as (info, agents):
+    """A caller whose cursor is the pause's last seq gets only what follows the
+    answer, and keepalive comments while it waits (A2A streams have them too)."""
+    async with broker_with_agents(tmp_path, sse_keepalive_seconds=0.01) as (info, agents):
         fp = agents.provider.fingerprint
         url = info.a2a_url(fp, "asker")
         async with a2a_client(info, fp, "asker", streaming=False) as plain:
@@ -427,15 +429,53 @@ async def test_a_subscription_from_a_cursor_at_the_pause_waits_for_the_answer(tm
                 async with http.stream("POST", url, json=body,
                                        headers={"Last-Event-ID": at_pause}) as response:
                     items = sse_items(response)
+                    assert await anext(items) == {"comment": "keepalive"}  # still waiting
                     answer = pb.SendMessageRequest(message=pb.Message(
                         message_id="answer-2", role=pb.Role.ROLE_USER, task_id=paused.id,
                         parts=[pb.Part(text="ok")]))
                     assert (await send_blocking(plain, answer)).status.state == \
                         S.TASK_STATE_COMPLETED
-                    frames = [(int(i["id"]), i["data"]) async for i in items]
+                    frames = [(int(i["id"]), i["data"]) async for i in items
+                              if "comment" not in i]
         ids = [i for i, _ in frames]
         assert ids == sorted(ids) and ids[0] > int(at_pause)  # only what followed the pause
         assert payload(frames[-1][1])[1]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+async def test_a_subscription_at_a_pause_closes_when_the_task_pauses_again(tmp_path) -> None:
+    interrupt = {"type": "interrupt", "interrupts": [{"id": "ok?", "reason": "approval"}]}
+    async with (
+        running_server(tmp_path) as info,
+        httpx.AsyncClient(timeout=30, headers=V1) as http,
+        raw_provider(info, ["asker"]) as provider,
+        trio.open_nursery() as nursery,
+    ):
+        url = info.a2a_url(provider.fingerprint, "asker")
+
+        async def asks_every_turn() -> None:
+            while True:
+                run = await provider.next_offer()
+                await provider.answer(run, "accepted")
+                await provider.play(run, [started(run), {**finished(run), "outcome": interrupt}])
+
+        nursery.start_soon(asks_every_turn)
+        sent = (await http.post(url, json=rpc("SendMessage", v1_message("go")))).json()
+        task = sent["result"]["task"]
+        assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+
+        async with http.stream("POST", url, json=rpc("SubscribeToTask", {"id": task["id"]})
+                               ) as response:
+            items = sse_items(response)
+            opening = await anext(items)
+            assert payload(opening["data"])[1]["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            answer = v1_message("yes", taskId=task["id"])
+            again = (await http.post(url, json=rpc("SendMessage", answer))).json()
+            assert again["result"]["task"]["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            rest = [(int(i["id"]), i["data"]) async for i in items]  # the stream closes
+        nursery.cancel_scope.cancel()
+    # The second turn's RUN_STARTED (seq 3), then its pause (seq 4) as the end.
+    assert [(i, payload(f)[1]["status"]["state"]) for i, f in rest] == [
+        (3, "TASK_STATE_WORKING"), (4, "TASK_STATE_INPUT_REQUIRED")]
 
 
 # ------------------------------------------------------------------ keepalive
