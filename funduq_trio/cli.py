@@ -35,6 +35,7 @@ FLAG_HELP = {
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
     "operator_token": "the operator's bearer token (default: generated, kept in the data dir)",
+    "sse_keepalive_seconds": "silence before an SSE stream sends a keepalive comment (0 = never)",
 }
 
 

@@ -33,6 +33,7 @@ class Settings:
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
     operator_token: str | None = None
+    sse_keepalive_seconds: float = 15.0
 
     @property
     def database_path(self) -> Path:
@@ -58,6 +59,9 @@ class Settings:
         ):
             if getattr(self, name) < 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
+        if not 0 <= self.sse_keepalive_seconds < float("inf"):  # NaN fails too
+            found.append(f"{env_name('sse_keepalive_seconds')}={self.sse_keepalive_seconds}: "
+                         "must be a finite number of seconds, at least 0 (0 = no keepalive)")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
                         "max_body_bytes")
         for name in at_least_one:

@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,9 @@ class Funduq:
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
         self._answering: dict[str, int] = {}
+        #: run id -> [event set when a lane next takes the run, watchers]:
+        #: subscribers waiting at a pause for its answer (see wait_reopened).
+        self._reopen: dict[str, list[Any]] = {}
         self._arrival = 0
         self._nursery: trio.Nursery | None = None
         #: The context lanes start in (see _start_lane).
@@ -204,6 +207,9 @@ class Funduq:
         lane.thread = thread
         thread.enqueue(lane)
         thread.start(lane)
+        reopen = self._reopen.pop(lane.run_id, None)
+        if reopen is not None:
+            reopen[0].set()
         return lane
 
     def _lane_ended(self, lane: Lane) -> None:
@@ -397,6 +403,46 @@ class Funduq:
             if feed.closed:
                 return
             await feed.changed()
+
+    @contextlib.contextmanager
+    def _watch_reopen(self, run_id: str) -> Iterator[trio.Event]:
+        """An event set when a lane next takes `run_id`. Registered before the
+        caller awaits anything, so no reopen can slip past unseen."""
+        entry = self._reopen.get(run_id)
+        if entry is None:
+            entry = self._reopen[run_id] = [trio.Event(), 0]
+        entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            entry[1] -= 1
+            if not entry[1] and self._reopen.get(run_id) is entry:
+                del self._reopen[run_id]
+
+    async def wait_reopened(self, run_id: str, after_seq: int) -> None:
+        """Wait at a pause for its answer: return once a lane holds the run
+        again, or at once when the record already has news for a reader that
+        saw up to `after_seq` (events past it, or the run ended). Woken by the
+        lane's start, never by a clock, so a subscriber to a paused task stays
+        open through the answer."""
+        with self._watch_reopen(run_id) as reopened:
+            if run_id in self.lanes:
+                return
+
+            def read(conn: Any) -> Any:
+                return conn.execute(
+                    "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                    "WHERE e.run_id = r.id) FROM runs r WHERE id=?", (run_id,)).fetchone()
+
+            found = await self.record.read(read)
+            if found is None:
+                raise RunNotFound(run_id)
+            status, last_seq = found
+            if status in st.TERMINAL or last_seq > after_seq or run_id in self.lanes:
+                return
+            # Paused with nothing new (or answered a moment ago, its lane
+            # about to start): the lane's start wakes us.
+            await reopened.wait()
 
     def gauges(self) -> dict[str, tuple[str, float]]:
         """The current values `GET /metrics` shows beside the counters."""

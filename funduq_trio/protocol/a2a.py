@@ -103,6 +103,7 @@ V03 = constants.PROTOCOL_VERSION_0_3
 _TEXT_DELTA_TYPES = frozenset(
     {EventType.TEXT_MESSAGE_CONTENT.value, EventType.TEXT_MESSAGE_CHUNK.value}
 )
+_RUN_STARTED = EventType.RUN_STARTED.value
 _RUN_FINISHED = EventType.RUN_FINISHED.value
 _RUN_ERROR = EventType.RUN_ERROR.value
 _CUSTOM = EventType.CUSTOM.value
@@ -310,6 +311,9 @@ class TaskProjection:
                     last_chunk=True,
                 )
                 return [pb.StreamResponse(artifact_update=update)]
+        if kind == _RUN_STARTED:
+            # A new turn (a paused run answered): the last one's end is history.
+            self._terminal_event = self._run_error = None
         if kind in (_RUN_FINISHED, _RUN_ERROR):
             self._terminal_event = dict(event)
             if kind == _RUN_ERROR:

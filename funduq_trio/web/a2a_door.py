@@ -11,16 +11,20 @@ a2a-sdk's own server classes are asyncio-only, so none of them run here.
   The one exception is the card route: no such agent is a plain 404.
 - A task is a run and its `contextId` is the run's thread. A task id only
   names tasks of the agent in the URL; any other run is "not found" here.
-- A message naming (`taskId`) the thread's paused task answers the pause: the
-  same task id continues. Any other message is a new run on its `contextId`'s
-  thread (a new thread without one; an unknown one is an invalid-params error).
+- A message naming (`taskId`) a paused task answers the pause: the same task
+  id continues. A message naming a task that is not paused (ended, or working)
+  is refused with UnsupportedOperationError (A2A §3.1.1). A message naming no
+  task is a new run on its `contextId`'s thread (a new thread without one; an
+  unknown one is an invalid-params error).
 - Request-level metadata (`params.metadata`: `actorChain`, `cancel`,
   `resolution`) goes to the broker; a message's own metadata binds nothing.
 - A streaming call is checked and its run started *before* the SSE response
   begins, so every upfront error is an ordinary JSON answer. The stream opens
   with the Task snapshot, then the updates of each event as it is recorded,
-  then the final status once the run settles or pauses. A caller that goes
-  away ends only its own stream, never the run.
+  then the final status once the run settles or pauses. Every frame's SSE id
+  is the run seq it reflects; SubscribeToTask with `Last-Event-ID` re-attaches
+  after it, and a subscription to a paused task waits through the answer. A
+  caller that goes away ends only its own stream, never the run.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 from ..broker.errors import FunduqError, RunNotPaused
 from ..identity import InvalidActorChain
 from ..protocol import a2a, statuses
-from .sse import sse_response
+from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 CARD_PATH = "/.well-known/agent-card.json"
 
@@ -174,8 +178,14 @@ class A2ADoor:
         raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
 
     async def deliver(self, call: a2a.Call) -> str:
-        """Hand the call's message to the broker: the answer to the thread's
-        paused task it names, or a new run. Returns the task (run) id."""
+        """Hand the call's message to the broker: the answer to the paused task
+        it names, or a new run. Returns the task (run) id.
+
+        A message naming a task is an answer or nothing (A2A §3.1.1): a task
+        that ended cannot restart, and a working one takes no message (funduq
+        cannot put one into a turn in flight), so either is refused with
+        UnsupportedOperationError -- after the thread's authority check, which
+        the broker's `answer_pause` runs before it looks at the run's state."""
         message: pb.Message = call.request.message
         metadata = call.request_metadata()
         thread_id = message.context_id or None
@@ -186,18 +196,18 @@ class A2ADoor:
                     message=f"Context {message.context_id} does not match context "
                     f"{record['threadId']} of task {message.task_id}"
                 )
-            thread_id = record["threadId"]
+            interrupts = []
             if record.get("status") == statuses.INPUT_REQUIRED:
                 interrupts = (record.get("metadata") or {}).get("interrupts") or []
-                run_input = a2a.run_input_from_message(message, interrupts=interrupts)
-                try:
-                    ticket = await self.funduq.answer_pause(
-                        message.task_id, run_input, metadata=metadata
-                    )
-                except RunNotPaused:
-                    pass  # answered meanwhile: this message is a new utterance
-                else:
-                    return ticket.run_id
+            run_input = a2a.run_input_from_message(message, interrupts=interrupts)
+            try:
+                ticket = await self.funduq.answer_pause(
+                    message.task_id, run_input, metadata=metadata
+                )
+            except RunNotPaused:
+                # Ended, working, or answered meanwhile by someone else.
+                raise await self._not_answerable(message.task_id) from None
+            return ticket.run_id
         ticket = await self.funduq.start_run(
             self.view.key,
             self.view.name,
@@ -206,6 +216,19 @@ class A2ADoor:
             metadata=metadata,
         )
         return ticket.run_id
+
+    async def _not_answerable(self, task_id: str) -> UnsupportedOperationError:
+        record = await self.run_record(task_id)
+        state = pb.TaskState.Name(a2a.task_state(record["status"]))
+        if record["status"] in statuses.TERMINAL:
+            why = f"Task {task_id} is in terminal state: {state}"
+        else:
+            why = (f"Task {task_id} is not waiting for input ({state}); "
+                   "only an input-required task takes a message")
+        return UnsupportedOperationError(
+            message=f"{why}. Send the message without taskId (same contextId) "
+            "to start a new task."
+        )
 
     async def list_tasks(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
         records = await self.funduq.list_runs(
@@ -223,46 +246,103 @@ class A2ADoor:
 
     # -- streams
 
-    async def open_stream(self, call: a2a.Call) -> AsyncIterator[list[dict[str, Any]]]:
+    async def open_stream(self, call: a2a.Call) -> AsyncIterator[list[Any]]:
         """Check the call and start what it asks for, then return the stream
-        (everything that can fail upfront has failed by the time this returns)."""
+        (everything that can fail upfront has failed by the time this returns).
+
+        SubscribeToTask with `Last-Event-ID` re-attaches: no opening snapshot,
+        the updates of the events after that seq, then the rest live (a task
+        that ended meanwhile still gets its final status). Without it, it opens
+        with the Task as it stands; an ended task is refused. A subscription
+        at a pause waits through the answer (see `stream`)."""
+        cursor = None
         if call.op == a2a.STREAM:
             run_id = await self.deliver(call)
             # Taken before anything else can happen to the run: the stream then
             # shows it from its arrival, however fast the provider is.
             record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
         else:
+            try:
+                cursor = read_cursor(request.headers.get(LAST_EVENT_ID))
+            except ValueError as exc:
+                raise InvalidParamsError(message=f"{LAST_EVENT_ID}: {exc}") from None
             record = await self.run_record(call.request.id)
-            if record.get("status") in statuses.TERMINAL:
+            if record.get("status") in statuses.TERMINAL and cursor is None:
                 state = pb.TaskState.Name(a2a.task_state(record["status"]))
                 raise UnsupportedOperationError(
                     message=f"Task {call.request.id} is in terminal state: {state}"
                 )
+        recorded = max((e["seq"] for e in record.get("events") or ()), default=0)
+        if cursor is not None:
+            if cursor > recorded:
+                raise InvalidParamsError(
+                    message=f"{LAST_EVENT_ID}: {cursor} is past the task's last event "
+                    f"({recorded})")
+            seen = [e for e in record.get("events") or () if e["seq"] <= cursor]
+            record = {**record, "events": seen}
+        projection = a2a.TaskProjection.from_record(record)
+        if cursor is not None:
+            projection.last_seq = cursor
+        # A subscriber that has seen the pause (the snapshot shows it, or its
+        # cursor is past it) waits for the answer instead of closing at once.
+        at_pause = (call.op == a2a.SUBSCRIBE and record.get("status") == statuses.INPUT_REQUIRED
+                    and projection.last_seq >= recorded)
         # A stream lasts as long as its run: it keeps what it frames with (the
         # call's id and dialect, the projection), not the parsed request or
         # the opening record.
         call = dataclasses.replace(call, request=None, params={})
-        return self.stream(call, a2a.TaskProjection.from_record(record))
+        return self.stream(call, projection, opening=cursor is None, at_pause=at_pause)
 
     async def stream(
-        self, call: a2a.Call, projection: a2a.TaskProjection
-    ) -> AsyncIterator[list[dict[str, Any]]]:
-        """The stream's responses in bursts (one burst = one write)."""
+        self, call: a2a.Call, projection: a2a.TaskProjection, *, opening: bool = True,
+        at_pause: bool = False,
+    ) -> AsyncIterator[list[Any]]:
+        """The stream's responses in bursts (one burst = one write). Each frame's
+        SSE id is the seq of the event behind it; the opening snapshot and the
+        final status carry the last seq they reflect, so a caller re-attaching
+        with any id it got misses nothing and sees nothing twice.
+
+        It follows the run until the run ends or pauses. If the run is queued
+        again by the time that is read (answered at once), it goes on through
+        the new turn rather than close on a pause that is already over."""
         run_id = projection.task_id
+
+        def framed(update: pb.StreamResponse, seq: int) -> Identified:
+            return Identified(seq, a2a.stream_frame(call, update))
+
         try:
-            yield [a2a.stream_frame(call, pb.StreamResponse(task=projection.task()))]
-            follow = self.funduq.follow(run_id, after_seq=projection.last_seq)
-            async with contextlib.aclosing(follow) as bursts:
-                async for burst in bursts:
-                    frames = [
-                        a2a.stream_frame(call, update)
-                        for seq, event in burst
-                        for update in projection.apply(seq, event)
-                    ]
-                    if frames:
-                        yield frames
-            settled = await self.funduq.wait_run(run_id)
-            yield [a2a.stream_frame(call, projection.settle(settled))]
+            if opening:
+                yield [framed(pb.StreamResponse(task=projection.task()), projection.last_seq)]
+            if at_pause:
+                await self.funduq.wait_reopened(run_id, projection.last_seq)
+            while True:
+                follow = self.funduq.follow(run_id, after_seq=projection.last_seq)
+                async with contextlib.aclosing(follow) as bursts:
+                    async for burst in bursts:
+                        frames = [
+                            framed(update, seq)
+                            for seq, event in burst
+                            for update in projection.apply(seq, event)
+                        ]
+                        if frames:
+                            yield frames
+                record = await self.funduq.get_run(run_id)
+                if record is None:
+                    raise TaskNotFoundError(data={"taskId": run_id})
+                # What the record has beyond the follow (a run reopened while
+                # it read the record): folded in, never skipped.
+                frames = [
+                    framed(update, entry["seq"])
+                    for entry in record["events"]
+                    for update in projection.apply(entry["seq"], entry["event"])
+                ]
+                if frames:
+                    yield frames
+                status = record["status"]
+                if status in statuses.TERMINAL or status == statuses.INPUT_REQUIRED:
+                    break
+                await self.funduq.wait_reopened(run_id, projection.last_seq)
+            yield [framed(projection.settle(record), projection.last_seq)]
         except A2AError as exc:
             yield [a2a.error_response(call, exc)]
         except CALLER_ERRORS as exc:

@@ -18,6 +18,13 @@ stream of the run's AG-UI events out (DESIGN §5).
   the door sends a `RUN_STARTED` first, so an AG-UI client always sees a run
   begin before it ends.
 - There is no cancel here: AG-UI has no cancel signal.
+- Every event carries its run seq as the SSE `id`. `GET /agui/runs/{run_id}/events`
+  re-attaches: with `Last-Event-ID` (or `?after=seq`) it relays the events after
+  that seq, from the record and then live, until the run ends or pauses; it
+  works for any run the record holds, across restarts. The synthesized
+  `RUN_STARTED` carries the id of the cursor the stream opened at (0 for a new
+  run) and is sent only by streams opened without a cursor, so re-attaching
+  with any id received repeats nothing.
 
 Errors are the broker's own exceptions, answered as JSON by the app
 (unknown agent/thread 404, full thread 429, missing authority 403).
@@ -36,9 +43,9 @@ from quart import jsonify, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import BadRequest
 
-from ..broker.errors import AgentNotFound, InvalidRunInput, UnknownThread
+from ..broker.errors import AgentNotFound, InvalidRunInput, RunNotFound, UnknownThread
 from ..broker.funduq import Funduq
-from .sse import sse_response
+from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 # funduq's request-level keys, read off forwardedProps.
 METADATA_KEYS = ("actorChain", "resolution")
@@ -69,6 +76,20 @@ def nesting(value: Any) -> int:
 
 class InvalidJSON(BadRequest):
     error_code = "invalid_json"
+
+
+class InvalidCursor(BadRequest):
+    error_code = "invalid_cursor"
+
+
+async def readable_run(funduq: Funduq, run_id: str) -> dict[str, Any]:
+    """The run's record for a reader of this door, or RunNotFound (404).
+    The one place a read of a run through this door is decided: DESIGN §8's
+    read proof for a bound thread's runs belongs here."""
+    record = await funduq.get_run(run_id)
+    if record is None:
+        raise RunNotFound(f"no run {run_id!r}")
+    return record
 
 
 def invalid_input(exc: ValidationError) -> InvalidRunInput:
@@ -144,19 +165,38 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
 
         return sse_response(relay(funduq, ticket.thread_id, ticket.run_id, after_seq))
 
+    @app.get("/agui/runs/<run_id>/events")
+    async def agui_events(run_id: str) -> Any:
+        """Re-attach to a run's stream after the cursor (see the module doc).
+        Without a cursor it is the run's whole stream, opened as a POST's is."""
+        header = request.headers.get(LAST_EVENT_ID)
+        raw = header if header not in (None, "") else request.args.get("after")
+        try:
+            cursor = read_cursor(raw)
+        except ValueError as exc:
+            raise InvalidCursor(str(exc)) from None
+        record = await readable_run(funduq, run_id)
+        recorded = max((e["seq"] for e in record["events"]), default=0)
+        if cursor is not None and cursor > recorded:
+            raise InvalidCursor(f"cursor {cursor} is past the run's last event ({recorded})")
+        return sse_response(relay(funduq, record["threadId"], run_id, cursor or 0,
+                                  opening=cursor is None))
+
 
 async def relay(
-    funduq: Funduq, thread_id: str, run_id: str, after_seq: int
-) -> AsyncIterator[list[dict[str, Any]]]:
-    """The run's events after `after_seq` in bursts, opened by a RUN_STARTED if
-    they aren't."""
-    started = False
+    funduq: Funduq, thread_id: str, run_id: str, after_seq: int, *, opening: bool = True
+) -> AsyncIterator[list[Identified]]:
+    """The run's events after `after_seq` in bursts, each with its seq as SSE id.
+    An `opening` stream starts with a RUN_STARTED if the events don't: it is in
+    no record, so it carries `after_seq`, the position it stands for, and a
+    stream re-attached with that id (or any later) does not send it again."""
+    started = not opening
     async with contextlib.aclosing(funduq.follow(run_id, after_seq=after_seq)) as bursts:
         async for burst in bursts:
-            events = [event for _seq, event in burst]
-            if not started and events[0].get("type") != EventType.RUN_STARTED.value:
-                opening = RunStartedEvent(thread_id=thread_id, run_id=run_id)
-                events.insert(0, opening.model_dump(mode="json", by_alias=True,
-                                                    exclude_none=True))
+            events = [Identified(seq, event) for seq, event in burst]
+            if not started and burst[0][1].get("type") != EventType.RUN_STARTED.value:
+                opening_event = RunStartedEvent(thread_id=thread_id, run_id=run_id)
+                events.insert(0, Identified(after_seq, opening_event.model_dump(
+                    mode="json", by_alias=True, exclude_none=True)))
             started = True
             yield events

@@ -75,6 +75,8 @@ def create_app(funduq: Funduq) -> QuartTrio:
         # Streams (SSE) last as long as the run they follow: no response timeout.
         RESPONSE_TIMEOUT=None,
         PROPAGATE_EXCEPTIONS=False,
+        # Read by web/sse.py: a silent stream's keepalive comment.
+        SSE_KEEPALIVE_SECONDS=settings.sse_keepalive_seconds,
     )
     app.json.sort_keys = False  # keep the shapes' own key order
     # ensure_ascii stays on: a body may carry lone surrogates ("\ud800" is valid
