@@ -27,6 +27,12 @@ from .broker.funduq import Funduq
 from .config import Settings
 from .web.app import create_app
 
+#: How long an idle connection is kept (between requests, or before its
+#: headers are complete); FUNDUQ_BODY_TIMEOUT_SECONDS lowers it.
+KEEP_ALIVE_SECONDS = 5.0
+#: Request line plus headers (hypercorn's h11 bound, its default made explicit).
+MAX_HEADER_BYTES = 16 * 1024
+
 
 @dataclass(frozen=True)
 class ServerInfo:
@@ -60,6 +66,14 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     # its reason); hypercorn's own bound sits above it so the link's check is
     # the one a provider meets, while a runaway message is still cut (1009).
     config.websocket_max_message_size = 2 * settings.max_frame_bytes
+    # A connection between requests, or one whose request line and headers
+    # have not all come, is idle: hypercorn closes it after keep_alive_timeout
+    # (never longer than a body may take). Headers are bounded in size too.
+    # A request's body is bounded by FUNDUQ_BODY_TIMEOUT_SECONDS (the app's).
+    # (hypercorn's read_timeout is not used: it would cut quiet SSE streams
+    # and provider links, which are idle by design.)
+    config.keep_alive_timeout = min(KEEP_ALIVE_SECONDS, settings.body_timeout_seconds)
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
     return config
 
 
