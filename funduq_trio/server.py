@@ -17,6 +17,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 from urllib.parse import urlsplit
 
 import hypercorn.trio
@@ -77,6 +78,34 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     return config
 
 
+def shield_last_send(app: Any) -> Any:
+    """The ASGI app, with the last message of each HTTP response sent shielded.
+
+    When a response ends a connection (``Connection: close``, or a request
+    body not all read, as after a 408), hypercorn closes the socket inside
+    that last send. quart-trio cancels the request's tasks the moment the
+    connection reports closing, which cancelled that close half-way: the
+    socket then stayed open, answered and unused, for as long as the client
+    kept it. Shielded, the close completes. (Hypercorn shields its own socket
+    writes already; this adds only the close.)"""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_last_shielded(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await app(scope, receive, send_last_shielded)
+
+    return asgi
+
+
 async def serve(
     settings: Settings, *, task_status: trio.TaskStatus[ServerInfo] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -86,7 +115,8 @@ async def serve(
         app = create_app(funduq)
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(
-                partial(hypercorn.trio.serve, app, hypercorn_config(settings), mode="asgi")
+                partial(hypercorn.trio.serve, shield_last_send(app), hypercorn_config(settings),
+                        mode="asgi")
             )
             url = binds[0]
             port = urlsplit(url).port

@@ -1132,7 +1132,7 @@ def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
         return UnsupportedOperationError(
             message=detail or "funduq holds as many waiting tasks as it may; retry later",
             data={"reason": getattr(exc, "code", "queue_limit_reached"),
-                  **(getattr(exc, "details", None) or {})},
+                  **{k: str(v) for k, v in (getattr(exc, "details", None) or {}).items()}},
         )
     if name == "NotAuthorized":
         # Deliberately the same answer whatever state the run is in.
