@@ -16,11 +16,14 @@ from typing import Any
 import pytest
 import trio
 from a2a.utils.errors import UnsupportedOperationError
-from broker_support import broker
+from broker_support import AGENT, Provider, broker, quiet
+from broker_support import user_input as broker_input
 from support import http_client, post_sse, raw_provider, running_server, user_input
 from test_a2a_door import a2a_client, send, send_blocking, send_request
 from test_provider_link import Raw, dial
 
+from funduq_trio.broker.errors import QueuedRunsLimit
+from funduq_trio.config import Settings
 from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
 from funduq_trio.web.provider_socket import ProviderSocket
 
@@ -390,3 +393,53 @@ async def test_idle_and_half_open_connections_are_closed(tmp_path):
         async with stream:
             await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
             assert (await read_to_eof(stream, 3)).startswith(b"HTTP/1.1 200")
+
+
+# --- the waiting-runs count, forced interleavings ------------------------------------------
+
+
+async def test_two_runs_racing_for_the_last_place_cannot_both_take_it(tmp_path, mock_clock):
+    async with broker(tmp_path, max_queued_runs=1) as funduq:
+        provider = await Provider(funduq, max_concurrent=0).attach()
+        outcomes: list[str] = []
+
+        async def start(text: str) -> None:
+            try:
+                await funduq.start_run(provider.key, AGENT, broker_input(text))
+            except QueuedRunsLimit:
+                outcomes.append("refused")
+            else:
+                outcomes.append("queued")
+
+        # Both are checked before either's record write finishes.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start, "one")
+            nursery.start_soon(start, "two")
+        assert sorted(outcomes) == ["queued", "refused"]
+        assert len(await funduq.list_runs()) == 1
+
+
+async def test_runs_queued_again_at_a_restart_count(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        provider = await Provider(funduq, max_concurrent=0).attach()
+        for text in ("one", "two"):
+            await funduq.start_run(provider.key, AGENT, broker_input(text))
+        await quiet()
+    async with broker(tmp_path, max_queued_runs=2) as funduq:
+        assert {r["status"] for r in await funduq.list_runs()} == {"queued"}
+        with pytest.raises(QueuedRunsLimit):
+            await funduq.start_run(provider.key, AGENT, broker_input("three"))
+        assert len(await funduq.list_runs()) == 2
+
+
+def test_bad_bounds_are_refused_at_start():
+    bad = Settings(max_queued_runs=0, max_feed_events=0, max_agents_per_provider=-1,
+                   max_unauthenticated_links=0, max_queued_input_bytes=0,
+                   max_queued_runs_per_agent=0, handshake_timeout_seconds=0,
+                   body_timeout_seconds=-1)
+    problems = " ".join(bad.problems())
+    for name in ("MAX_QUEUED_RUNS=", "MAX_FEED_EVENTS", "MAX_AGENTS_PER_PROVIDER",
+                 "MAX_UNAUTHENTICATED_LINKS", "MAX_QUEUED_INPUT_BYTES",
+                 "MAX_QUEUED_RUNS_PER_AGENT", "HANDSHAKE_TIMEOUT_SECONDS", "BODY_TIMEOUT_SECONDS"):
+        assert f"FUNDUQ_{name}" in problems
+    assert Settings().problems() == []
