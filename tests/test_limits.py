@@ -16,19 +16,33 @@ from typing import Any
 import pytest
 import trio
 from a2a.utils.errors import UnsupportedOperationError
-from broker_support import AGENT, Provider, broker, quiet
+from broker_support import (
+    AGENT,
+    Provider,
+    accepted,
+    broker,
+    interrupt_finish,
+    last_offer_for,
+    quiet,
+    reply,
+    resume_input,
+    start,
+    status_of,
+)
 from broker_support import user_input as broker_input
 from support import http_client, post_sse, raw_provider, running_server, user_input
 from test_a2a_door import a2a_client, send, send_blocking, send_request
 from test_provider_link import Raw, dial
 
-from funduq_trio.broker.errors import QueuedRunsLimit
+from funduq_trio.broker.errors import AgentQueuedRunsLimit, QueuedRunsLimit
 from funduq_trio.config import Settings
 from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
 from funduq_trio.web.provider_socket import ProviderSocket
 
 # A safety net against a hung test, never a behaviour clock.
 NET = 15
+ASK = [{"id": "ask-1", "reason": "approval", "message": "Proceed?",
+        "expiresAt": "2030-06-01T00:00:00Z"}]
 
 
 async def until(check: Any) -> None:
@@ -443,3 +457,23 @@ def test_bad_bounds_are_refused_at_start():
                  "MAX_QUEUED_RUNS_PER_AGENT", "HANDSHAKE_TIMEOUT_SECONDS", "BODY_TIMEOUT_SECONDS"):
         assert f"FUNDUQ_{name}" in problems
     assert Settings().problems() == []
+
+
+async def test_answering_a_pause_waits_again_so_it_counts(tmp_path, mock_clock):
+    async with broker(tmp_path, max_queued_runs_per_agent=1) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        paused = await accepted(funduq, p)
+        p.stream(paused.run_id, *reply(paused.run_id, paused.thread_id)[:-1],
+                 interrupt_finish(paused.run_id, paused.thread_id, ASK))
+        assert await status_of(funduq, paused.run_id) == "input-required"
+        waiting = await start(funduq, p)  # offered, not yet answered: it waits
+        messages = len((await funduq.get_thread(paused.thread_id))["messages"])
+        with pytest.raises(AgentQueuedRunsLimit):
+            await funduq.answer_pause(paused.run_id, resume_input("ask-1"))
+        assert await status_of(funduq, paused.run_id) == "input-required"
+        assert len((await funduq.get_thread(paused.thread_id))["messages"]) == messages
+        # Once the other run is taken, the answer fits.
+        p.session.answer(last_offer_for(p.link, waiting.run_id), "accepted")
+        await quiet()
+        await funduq.answer_pause(paused.run_id, resume_input("ask-1"))
+        assert await status_of(funduq, paused.run_id) in ("queued", "offering")
