@@ -402,6 +402,13 @@ async def test_idle_and_half_open_connections_are_closed(tmp_path):
         async with stream:
             await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
             assert await read_to_eof(stream, 3) == b""
+        # A request answered before its body came (405 here): the rest of the
+        # body is never read, so the connection closes rather than wait for it.
+        stream = await trio.open_tcp_stream("127.0.0.1", info.port)
+        async with stream:
+            await stream.send_all(b"POST /healthz HTTP/1.1\r\nHost: t\r\n"
+                                  b"Content-Length: 100\r\n\r\nab")
+            assert (await read_to_eof(stream, 3)).startswith(b"HTTP/1.1 405")
         # A keep-alive connection left idle after its request.
         stream = await trio.open_tcp_stream("127.0.0.1", info.port)
         async with stream:
