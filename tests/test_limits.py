@@ -35,8 +35,11 @@ from test_a2a_door import a2a_client, send, send_blocking, send_request
 from test_provider_link import Raw, dial
 
 from funduq_trio.broker.errors import AgentQueuedRunsLimit, QueuedRunsLimit
+from funduq_trio.broker.providers import agents_to_forget
 from funduq_trio.config import Settings
 from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
+from funduq_trio.protocol import frames as f
+from funduq_trio.protocol.link import CLOSE_POLICY, CLOSE_TRY_LATER, LinkMachine, State
 from funduq_trio.web.provider_socket import ProviderSocket
 
 # A safety net against a hung test, never a behaviour clock.
@@ -484,3 +487,37 @@ async def test_answering_a_pause_waits_again_so_it_counts(tmp_path, mock_clock):
         await quiet()
         await funduq.answer_pause(paused.run_id, resume_input("ask-1"))
         assert await status_of(funduq, paused.run_id) in ("queued", "offering")
+
+
+# --- the I/O-free cores ------------------------------------------------------------------------
+
+
+def test_the_link_machine_owns_both_handshake_refusals():
+    funduq = Identity.generate()
+    late = LinkMachine(funduq, new_nonce())
+    send, close = late.handshake_timed_out(10)
+    assert isinstance(send.frame, f.ConnectErr) and "10 s" in send.frame.reason
+    assert close.code == CLOSE_POLICY and late.state is State.CLOSED
+    assert late.receive("{}") == []  # closed: nothing more is read
+
+    full = LinkMachine(funduq, new_nonce())
+    send, close = full.no_room_to_wait(256)
+    assert isinstance(send.frame, f.ConnectErr) and close.code == CLOSE_TRY_LATER
+    assert full.state is State.CLOSED
+
+    # A link that attached before its deadline is not touched by it.
+    provider = Identity.generate()
+    attached = LinkMachine(funduq, "n" * 32)
+    nonce = new_nonce()
+    proof = provider.sign(provider_connect_payload(funduq.public_key_hex, "n" * 32, nonce))
+    attached.receive(json.dumps({"kind": "connect", "publicKey": provider.public_key_hex,
+                                 "nonce": nonce, "proof": proof, "maxConcurrentRuns": None}))
+    assert attached.state is State.ATTACHED
+    assert attached.handshake_timed_out(10) == [] and attached.state is State.ATTACHED
+
+
+def test_a_keys_roster_keeps_what_it_lists_and_the_newest_of_the_rest_within_bounds():
+    recorded = [("a", 10), ("b", 10), ("c", 10), ("d", 10)]  # oldest first
+    assert agents_to_forget(recorded, {"d": 10, "e": 10}, 3, 10_000) == ["b", "a"]
+    assert agents_to_forget(recorded, {"e": 10}, 10, 25) == ["c", "b", "a"]
+    assert agents_to_forget(recorded, {"a": 10}, 10, 10_000) == []
