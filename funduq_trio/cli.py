@@ -36,6 +36,14 @@ FLAG_HELP = {
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
     "operator_token": "the operator's bearer token (default: generated, kept in the data dir)",
     "sse_keepalive_seconds": "silence before an SSE stream sends a keepalive comment (0 = never)",
+    "max_queued_input_bytes": "input bytes held by waiting runs; past it new runs are refused",
+    "max_queued_runs": "runs waiting in funduq (queued or offering); past it new runs are refused",
+    "max_queued_runs_per_agent": "runs waiting for one agent; past it its new runs are refused",
+    "max_feed_events": "events a live run keeps in memory (a follower behind reads the record)",
+    "max_agents_per_provider": "agents one provider key may publish (and have recorded)",
+    "handshake_timeout_seconds": "a provider link that has not said 'connect' by then is closed",
+    "max_unauthenticated_links": "provider links waiting for 'connect' at once; more are refused",
+    "body_timeout_seconds": "a request body not fully received by then is answered 408 and cut",
 }
 
 

@@ -15,6 +15,9 @@ MiB = 1024 * 1024
 
 #: What an operator token may look like: it rides a header, a query and a cookie.
 OPERATOR_TOKEN = re.compile(r"[A-Za-z0-9._-]{16,256}")
+#: The bounds of docs/limits.md that count something: each at least 1.
+LIMITS_AT_LEAST_ONE = ("max_queued_input_bytes", "max_queued_runs", "max_queued_runs_per_agent",
+                       "max_feed_events", "max_agents_per_provider", "max_unauthenticated_links")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,15 @@ class Settings:
     provider_keys: frozenset[str] | None = field(default=None)
     operator_token: str | None = None
     sse_keepalive_seconds: float = 15.0
+    # Bounds on what callers and providers can make funduq hold (docs/limits.md).
+    max_queued_input_bytes: int = 256 * MiB
+    max_queued_runs: int = 10_000
+    max_queued_runs_per_agent: int = 1000
+    max_feed_events: int = 1000
+    max_agents_per_provider: int = 100
+    handshake_timeout_seconds: float = 10.0
+    max_unauthenticated_links: int = 256
+    body_timeout_seconds: float = 30.0
 
     @property
     def database_path(self) -> Path:
@@ -64,9 +76,13 @@ class Settings:
                          "must be a finite number of seconds, at least 0 (0 = no keepalive)")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
                         "max_body_bytes")
+        at_least_one += LIMITS_AT_LEAST_ONE
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")
+        for name in ("handshake_timeout_seconds", "body_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                found.append(f"{env_name(name)}={getattr(self, name)}: must be more than 0")
         for key in self.provider_keys or ():
             if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
                 found.append(

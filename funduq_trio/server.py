@@ -17,6 +17,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 from urllib.parse import urlsplit
 
 import hypercorn.trio
@@ -26,6 +27,12 @@ from hypercorn.config import Config as HypercornConfig
 from .broker.funduq import Funduq
 from .config import Settings
 from .web.app import create_app
+
+#: How long an idle connection is kept (between requests, or before its
+#: headers are complete); FUNDUQ_BODY_TIMEOUT_SECONDS lowers it.
+KEEP_ALIVE_SECONDS = 5.0
+#: Request line plus headers (hypercorn's h11 bound, its default made explicit).
+MAX_HEADER_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,43 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     # its reason); hypercorn's own bound sits above it so the link's check is
     # the one a provider meets, while a runaway message is still cut (1009).
     config.websocket_max_message_size = 2 * settings.max_frame_bytes
+    # A connection between requests, or one whose request line and headers
+    # have not all come, is idle: hypercorn closes it after keep_alive_timeout
+    # (never longer than a body may take). Headers are bounded in size too.
+    # A request's body is bounded by FUNDUQ_BODY_TIMEOUT_SECONDS (the app's).
+    # (hypercorn's read_timeout is not used: it would cut quiet SSE streams
+    # and provider links, which are idle by design.)
+    config.keep_alive_timeout = min(KEEP_ALIVE_SECONDS, settings.body_timeout_seconds)
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
     return config
+
+
+def shield_last_send(app: Any) -> Any:
+    """The ASGI app, with the last message of each HTTP response sent shielded.
+
+    When a response ends a connection (``Connection: close``, or a request
+    body not all read, as after a 408), hypercorn closes the socket inside
+    that last send. quart-trio cancels the request's tasks the moment the
+    connection reports closing, which cancelled that close half-way: the
+    socket then stayed open, answered and unused, for as long as the client
+    kept it. Shielded, the close completes. (Hypercorn shields its own socket
+    writes already; this adds only the close.)"""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_last_shielded(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await app(scope, receive, send_last_shielded)
+
+    return asgi
 
 
 async def serve(
@@ -72,7 +115,8 @@ async def serve(
         app = create_app(funduq)
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(
-                partial(hypercorn.trio.serve, app, hypercorn_config(settings), mode="asgi")
+                partial(hypercorn.trio.serve, shield_last_send(app), hypercorn_config(settings),
+                        mode="asgi")
             )
             url = binds[0]
             port = urlsplit(url).port

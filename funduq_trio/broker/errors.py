@@ -37,3 +37,41 @@ class RunNotPaused(FunduqError):
 class NotAuthorized(FunduqError):
     """The request lacks the authority a bound thread demands. Deliberately
     says nothing about the run's state."""
+
+
+class QueueLimitReached(FunduqError):
+    """funduq already holds as many waiting runs (or bytes of their input) as
+    it is configured to; nothing was recorded, retry later (docs/limits.md)."""
+
+    #: The setting whose bound was reached, and the caller-visible code.
+    setting = ""
+    code = "queue_limit_reached"
+
+    def __init__(self, message: str, *, limit: int) -> None:
+        super().__init__(message)
+        self.details = {"setting": self.setting, "limit": limit}
+
+
+class QueuedRunsLimit(QueueLimitReached):
+    """The runs waiting in funduq in all reached FUNDUQ_MAX_QUEUED_RUNS."""
+
+    setting = "FUNDUQ_MAX_QUEUED_RUNS"
+    code = "queued_runs_limit"
+
+
+class AgentQueuedRunsLimit(QueueLimitReached):
+    """The runs waiting for this agent reached FUNDUQ_MAX_QUEUED_RUNS_PER_AGENT."""
+
+    setting = "FUNDUQ_MAX_QUEUED_RUNS_PER_AGENT"
+    code = "agent_queued_runs_limit"
+
+
+class QueuedInputLimit(QueueLimitReached):
+    """The input held by waiting runs would pass FUNDUQ_MAX_QUEUED_INPUT_BYTES."""
+
+    setting = "FUNDUQ_MAX_QUEUED_INPUT_BYTES"
+    code = "queued_input_bytes_limit"
+
+
+class TooManyAgents(FunduqError):
+    """A register lists more agents than FUNDUQ_MAX_AGENTS_PER_PROVIDER."""

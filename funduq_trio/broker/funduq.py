@@ -26,10 +26,12 @@ from ..protocol import agui, reasons
 from ..protocol import statuses as st
 from ..secret_file import load_or_create
 from . import authority
+from .admission import WaitingRuns
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
     NotAuthorized,
+    QueueLimitReached,
     RunNotCancellable,
     RunNotFound,
     RunNotPaused,
@@ -95,6 +97,11 @@ class Funduq:
         self.lanes: dict[str, Lane] = {}
         self.threads: dict[str, ThreadLanes] = {}
         self.metrics = Metrics()
+        #: Runs waiting in funduq and their input, bounded (docs/limits.md).
+        self.waiting = WaitingRuns(
+            max_runs=settings.max_queued_runs,
+            max_runs_per_agent=settings.max_queued_runs_per_agent,
+            max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
         self._answering: dict[str, int] = {}
@@ -119,7 +126,9 @@ class Funduq:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
             self.providers = Providers(self.record, self.settings.quality_allowance,
-                                       self._provider_thread_messages, self.metrics)
+                                       self._provider_thread_messages, self.metrics,
+                                       max_agents=self.settings.max_agents_per_provider,
+                                       max_roster_bytes=self.settings.max_frame_bytes)
             self.providers.load()
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
@@ -183,6 +192,8 @@ class Funduq:
                                    stamp=("completed_at", time.time()))
         for row in queued:
             row = _run_row(row)
+            self.waiting.charge(row["id"], (row["provider_key"], row["agent_name"]),
+                                _input_size(row), force=True)
             await self._thread(row["thread_id"])  # its history, for the replies it will add
             self._start_lane(row, arriving=False)
         if orphans or queued:
@@ -199,6 +210,7 @@ class Funduq:
 
     def _start_lane_here(self, row: dict[str, Any], arriving: bool) -> Lane:
         lane = Lane(self, row, arriving=arriving)
+        lane.feed.keep = self.settings.max_feed_events
         self.lanes[lane.run_id] = lane
         thread = self.threads.get(lane.thread_id)
         if thread is None:
@@ -215,6 +227,7 @@ class Funduq:
     def _lane_ended(self, lane: Lane) -> None:
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
+            self.waiting.release(lane.run_id)
         thread = lane.thread
         if thread is not None and thread.ended(lane) and self.threads.get(thread.id) is thread:
             del self.threads[thread.id]
@@ -317,7 +330,16 @@ class Funduq:
                    "status": st.QUEUED, "input": dumps(run_input),
                    "caller_metadata": dumps(metadata), "metadata": {}, "next_seq": 1,
                    "arrival": self._arrival, "created_at": time.time()}
-            await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+            try:
+                self.waiting.charge(run_id, (key, agent), _input_size(row))
+            except QueueLimitReached:
+                self._unsee(info, messages, new=new_thread is not None)
+                raise
+            try:
+                await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+            except BaseException:
+                self.waiting.release(run_id)
+                raise
         finally:
             self._reserved[tid] -= 1
             if not self._reserved[tid]:
@@ -325,6 +347,23 @@ class Funduq:
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
         return RunTicket(run_id, tid)
+
+    def _still_waiting(self, run_id: str) -> bool:
+        """Whether a charged run still waits in funduq (see WaitingRuns): not
+        yet started (being recorded), or queued or offering."""
+        lane = self.lanes.get(run_id)
+        return lane is None or lane.status in (st.QUEUED, st.OFFERING)
+
+    def _unsee(self, info: ThreadInfo, messages: list[tuple[Any, ...]], *, new: bool) -> None:
+        """Forget what ``_new_messages`` noted for a run that is not recorded
+        after all (no await came between, so nothing else noted anything since)."""
+        if new:
+            if self._thread_info.get(info.id) is info:
+                del self._thread_info[info.id]
+            return
+        for row in messages:
+            info.message_ids.discard(row[2])
+        info.message_count -= len(messages)
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -381,23 +420,36 @@ class Funduq:
         together -- so a stream can write a burst as one chunk: a provider's
         batch of a dozen events is then one socket write, not a dozen."""
         lane = self.lanes.get(run_id)
+        page = self.settings.max_feed_events
         if lane is None:
             if not await self._run_exists(run_id):
                 raise RunNotFound(run_id)
-            recorded = await self._events(run_id, after_seq)
-            if recorded:
+            while recorded := await self._events(run_id, after_seq, limit=page):
+                after_seq = recorded[-1][0]
                 yield recorded
+                if len(recorded) < page:
+                    return
             return
         feed = lane.feed
-        if after_seq < feed.first_seq - 1:
-            recorded = await self._events(run_id, after_seq, feed.first_seq)
-            if recorded:
-                yield recorded
-        index = bisect.bisect_right(feed.events, after_seq, key=lambda item: item[0])
+        last = after_seq  # the last seq yielded
         while True:
-            if index < len(feed.events):
-                burst = feed.events[index:]
-                index += len(burst)
+            if last < feed.first_seq - 1:
+                # Behind what the feed holds in memory (it keeps only the
+                # latest events, or the run was reopened after a pause): the
+                # record has these, since an event reaches the feed only once
+                # recorded. A page at a time; the feed may move on meanwhile.
+                recorded = await self._events(run_id, last, feed.first_seq, limit=page)
+                if not recorded:  # pragma: no cover -- the record holds every published seq
+                    last = feed.first_seq - 1
+                    continue
+                last = recorded[-1][0]
+                yield recorded
+                continue
+            events = feed.events
+            index = bisect.bisect_right(events, last, key=lambda item: item[0])
+            if index < len(events):
+                burst = events[index:]
+                last = burst[-1][0]
                 yield burst
                 continue  # more may have come (and the feed closed) meanwhile
             if feed.closed:
@@ -538,6 +590,13 @@ class Funduq:
         info = await self._thread(tid)
         messages = self._new_messages(info, run_input, run_id) if info else []
         row["input"], row["caller_metadata"] = dumps(run_input), caller
+        try:
+            self.waiting.charge(run_id, (row["provider_key"], row["agent_name"]),
+                                _input_size(row))
+        except QueueLimitReached:
+            if info:
+                self._unsee(info, messages, new=False)
+            raise
         self._arrival += 1
         arrival = self._arrival
         self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
@@ -557,6 +616,10 @@ class Funduq:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = st.QUEUED
             self._start_lane(row, arriving=False)
+        except BaseException:
+            if run_id not in self.lanes:
+                self.waiting.release(run_id)
+            raise
         finally:
             self._answering[tid] -= 1
             if not self._answering[tid]:
@@ -658,12 +721,13 @@ class Funduq:
 
         return [json.loads(m) for (m,) in await self.record.read(read)]
 
-    async def _events(self, run_id: str, after: int, before: int | None = None
-                      ) -> list[tuple[int, dict[str, Any]]]:
+    async def _events(self, run_id: str, after: int, before: int | None = None, *,
+                      limit: int = -1) -> list[tuple[int, dict[str, Any]]]:
         def read(conn: Any) -> list[Any]:
             return conn.execute(
-                "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq",
-                (run_id, after, before if before is not None else 2**62)).fetchall()
+                "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq "
+                "LIMIT ?", (run_id, after, before if before is not None else 2**62, limit)
+            ).fetchall()
 
         return [(s, json.loads(e)) for s, e in await self.record.read(read)]
 
@@ -700,6 +764,12 @@ def _run_row(row: Any) -> dict[str, Any]:
             "status": status, "input": run_input,
             "caller_metadata": caller, "metadata": json.loads(metadata),
             "arrival": arrival, "next_seq": next_seq}
+
+
+def _input_size(row: dict[str, Any]) -> int:
+    """The bytes a waiting run holds: its input and its caller's metadata, as
+    the record's JSON text (ASCII-escaped, so characters are bytes)."""
+    return len(row["input"]) + len(row["caller_metadata"])
 
 
 def _run_json(row: Any) -> dict[str, Any]:

@@ -52,14 +52,20 @@ REPORT_BURST = 256
 
 class Feed:
     """A live run's events for its followers, in seq order. Events land here
-    only after the record has them (persisted before relayed)."""
+    only after the record has them (persisted before relayed).
 
-    __slots__ = ("first_seq", "events", "closed", "_changed")
+    It keeps the latest ``keep`` events (FUNDUQ_MAX_FEED_EVENTS; None: all).
+    Older ones leave memory and ``first_seq`` moves past them: a follower
+    behind that reads them from the record (``Funduq.follow``)."""
 
-    def __init__(self, first_seq: int) -> None:
+    __slots__ = ("first_seq", "events", "closed", "_changed", "keep")
+
+    def __init__(self, first_seq: int, keep: int | None = None) -> None:
+        #: The seq of the first event held (or of the next one, while none is).
         self.first_seq = first_seq
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.closed = False
+        self.keep = keep
         # Made by the first follower to wait: a run nobody follows has none.
         self._changed: trio.Event | None = None
 
@@ -69,7 +75,11 @@ class Feed:
             self._changed = None
 
     def publish(self, seq: int, event: dict[str, Any]) -> None:
-        self.events.append((seq, event))
+        events = self.events
+        events.append((seq, event))
+        if self.keep is not None and len(events) > self.keep:
+            del events[: len(events) - self.keep]
+            self.first_seq = events[0][0]
         self._wake()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from ..identity import fingerprint_of
+from .errors import TooManyAgents
 from .inbox import Finish, Gone, Report, Wake
 from .metrics import Metrics
 from .record import COUNTERS, Record, dumps
@@ -147,8 +148,13 @@ class ProviderSession:
     # -- what the provider says --------------------------------------------
 
     async def register(self, agents: list[dict[str, Any]]) -> None:
-        """Publish (replace) the agents this link serves."""
+        """Publish (replace) the agents this link serves. More than the
+        registry's ``max_agents`` is refused (TooManyAgents), changing nothing."""
         published = {a["name"]: a for a in agents}
+        if len(published) > self.registry.max_agents:
+            raise TooManyAgents(
+                f"a provider may publish at most {self.registry.max_agents} agents "
+                f"(FUNDUQ_MAX_AGENTS_PER_PROVIDER); this register lists {len(published)}")
         await self.registry.record_agents(self.key, list(published.values()))
         if not self.live:
             return
@@ -207,7 +213,12 @@ class Providers:
 
     def __init__(self, record: Record, allowance: int,
                  messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]],
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, *, max_agents: int = 100,
+                 max_roster_bytes: int = 1024 * 1024) -> None:
+        #: A key's recorded roster: at most this many agents, and agents it no
+        #: longer serves are kept only within max_roster_bytes (docs/limits.md).
+        self.max_agents = max_agents
+        self.max_roster_bytes = max_roster_bytes
         self.messages_of = messages_of  # the facade's: (provider key, thread id, limit)
         self.metrics = metrics
         self.record = record
@@ -285,16 +296,28 @@ class Providers:
         fp = fingerprint_of(key)
         rows = [(key, a["name"], a.get("description") or "", dumps(a.get("card") or {}),
                  dumps(a.get("metadata") or {})) for a in agents]
+        listed = {row[1]: sum(map(len, row[1:])) for row in rows}
 
-        def write(conn: Any) -> None:
+        def write(conn: Any) -> list[str]:
             conn.execute("INSERT OR IGNORE INTO providers (key, fingerprint) VALUES (?, ?)",
                          (key, fp))
+            recorded = conn.execute(
+                "SELECT name, length(name) + length(description) + length(card) + "
+                "length(metadata) FROM agents WHERE provider_key=? ORDER BY rowid",
+                (key,)).fetchall()
+            forget = agents_to_forget(recorded, listed, self.max_agents, self.max_roster_bytes)
+            conn.executemany("DELETE FROM agents WHERE provider_key=? AND name=?",
+                             [(key, name) for name in forget])
             conn.executemany(
                 "INSERT INTO agents (provider_key, name, description, card, metadata) "
                 "VALUES (?,?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
                 "description=excluded.description, card=excluded.card, "
                 "metadata=excluded.metadata", rows)
-        await self.record.write(write)
+            return forget
+        forgotten = await self.record.write(write)
+        for name in forgotten:
+            self.agents.pop((key, name), None)
+            self.unserved.pop((key, name), None)
         for a in agents:
             self.agents[(key, a["name"])] = {k: a.get(k) for k in
                                              ("name", "description", "card", "metadata")}
@@ -375,3 +398,26 @@ class Providers:
                               limit: int | None) -> list[dict[str, Any]]:
         return await self.messages_of(key, thread_id, limit)
 
+
+
+def agents_to_forget(recorded: list[tuple[str, int]], listed: dict[str, int],
+                     max_agents: int, max_bytes: int) -> list[str]:
+    """Which of a key's recorded agents (``(name, size)``, oldest first) a
+    register listing ``listed`` ({name: size}) makes funduq forget. The listed
+    ones are all kept (there are at most ``max_agents``, in one frame); of the
+    others -- no longer served, shown offline -- the most recently first
+    recorded are kept while the key's roster stays within ``max_agents``
+    agents and ``max_bytes`` bytes. So one key can never grow the roster
+    (and ``GET /agents``) past that, however many registers it sends."""
+    room = max_agents - len(listed)
+    budget = max_bytes - sum(listed.values())
+    forget = []
+    for name, size in reversed(recorded):
+        if name in listed:
+            continue
+        if room > 0 and size <= budget:
+            room -= 1
+            budget -= size
+        else:
+            forget.append(name)
+    return forget

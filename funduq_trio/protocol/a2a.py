@@ -1101,6 +1101,7 @@ def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
         "AgentNotFound",
         "InvalidRunInput",
         "ThreadQueueFull",
+        "QueueLimitReached",
         "NotAuthorized",
         "InvalidActorChain",
     )
@@ -1129,6 +1130,13 @@ def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
             or "This conversation already holds as many pending messages as it may; "
             "send again once one has been taken up",
             data={"reason": "thread_queue_full"},
+        )
+    if name == "QueueLimitReached":
+        # funduq itself is full (docs/limits.md); like a full thread, "not now".
+        return UnsupportedOperationError(
+            message=detail or "funduq holds as many waiting tasks as it may; retry later",
+            data={"reason": getattr(exc, "code", "queue_limit_reached"),
+                  **{k: str(v) for k, v in (getattr(exc, "details", None) or {}).items()}},
         )
     if name == "NotAuthorized":
         # Deliberately the same answer whatever state the run is in.

@@ -40,6 +40,10 @@ copy and `_move` refuses anything not in it):
     AWAIT_CONNECT --anything else (bad proof, key not allowed, another kind,
                     undecodable, oversized)--> CLOSED
         send connect.err {reason}, Close
+    AWAIT_CONNECT --no connect within the handshake deadline--> CLOSED
+        send connect.err {reason}, Close (1008)
+    AWAIT_CONNECT --too many links already waiting for connect--> CLOSED
+        send connect.err {reason}, Close (1013, try again later)
     AWAIT_CONNECT --connection lost--> CLOSED   (nothing to detach)
     ATTACHED --register/ok/err/report/finish/query/batch--> ATTACHED (see below)
     ATTACHED --protocol violation--> CLOSED     Close, Detach
@@ -102,6 +106,7 @@ __all__ = [
     "CLOSE_NORMAL",
     "CLOSE_POLICY",
     "CLOSE_TOO_BIG",
+    "CLOSE_TRY_LATER",
     "TRANSITIONS",
     "Action",
     "Answer",
@@ -121,6 +126,7 @@ __all__ = [
 CLOSE_NORMAL = 1000  # funduq closed the link (replaced, withdrawn, shutting down)
 CLOSE_POLICY = 1008  # the provider broke the protocol or failed the handshake
 CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
+CLOSE_TRY_LATER = 1013  # funduq is full of links waiting for connect
 
 #: How many answered offer ids the machine remembers, to tell "a second
 #: answer" from "an answer to an offer never made" in the close reason.
@@ -138,6 +144,8 @@ class State(enum.Enum):
 TRANSITIONS: dict[tuple[State, str], State] = {
     (State.AWAIT_CONNECT, "connect accepted"): State.ATTACHED,
     (State.AWAIT_CONNECT, "connect rejected"): State.CLOSED,
+    (State.AWAIT_CONNECT, "handshake timed out"): State.CLOSED,
+    (State.AWAIT_CONNECT, "no room to wait for connect"): State.CLOSED,
     (State.AWAIT_CONNECT, "connection lost"): State.CLOSED,
     (State.AWAIT_CONNECT, "funduq closes"): State.CLOSED,
     (State.ATTACHED, "protocol violation"): State.CLOSED,
@@ -273,8 +281,9 @@ class LinkMachine:
         self.close_reason = reason
         return [Close(reason, code), *self._detach()]
 
-    def _reject_connect(self, reason: str, code: int = CLOSE_POLICY) -> list[Action]:
-        self._move("connect rejected")
+    def _reject_connect(self, reason: str, code: int = CLOSE_POLICY,
+                        event: str = "connect rejected") -> list[Action]:
+        self._move(event)
         self.close_reason = reason
         return [Send(f.ConnectErr(reason=reason)), Close(reason, code)]
 
@@ -450,6 +459,23 @@ class LinkMachine:
         if error is not None:
             return [Send(f.Err(id=request_id, reason=error))]
         return [Send(f.Ok(id=request_id, payload={"messages": messages or []}))]
+
+    def handshake_timed_out(self, seconds: float) -> list[Action]:
+        """The shell's handshake deadline passed. Closes a link still waiting
+        for `connect`; nothing for one that attached (or closed) meanwhile."""
+        if self.state is not State.AWAIT_CONNECT:
+            return []
+        return self._reject_connect(
+            f"no 'connect' within {seconds:g} s of the hello (FUNDUQ_HANDSHAKE_TIMEOUT_SECONDS)",
+            event="handshake timed out")
+
+    def no_room_to_wait(self, limit: int) -> list[Action]:
+        """Refuse a new link at once: `limit` links already wait for `connect`."""
+        if self.state is not State.AWAIT_CONNECT:
+            return []
+        return self._reject_connect(
+            f"{limit} links already wait for 'connect' (FUNDUQ_MAX_UNAUTHENTICATED_LINKS); "
+            "retry later", CLOSE_TRY_LATER, event="no room to wait for connect")
 
     def connection_lost(self) -> list[Action]:
         """The socket is gone (either side closed it, or it broke)."""

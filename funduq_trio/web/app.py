@@ -8,7 +8,8 @@ page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
   exception's ``error_code`` attribute if it has one, else its snake-cased name.
 - A broker error (`FunduqError`) escaping a handler maps by class, see
   `BROKER_ERROR_STATUS`: unknown ids 404, refused input 400, full thread 429,
-  missing authority 403, a run in the wrong state 409.
+  missing authority 403, a run in the wrong state 409, funduq's own queue
+  bounds reached 503 (docs/limits.md).
 - Anything else is logged and answered 500.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from quart import Response, jsonify
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
 
 from ..broker import errors
 from ..broker.funduq import Funduq
@@ -41,6 +42,10 @@ BROKER_ERROR_STATUS: dict[str, tuple[int, str]] = {
     "InvalidActorChain": (403, "invalid_actor_chain"),
     "RunNotCancellable": (409, "run_not_cancellable"),
     "RunNotPaused": (409, "run_not_paused"),
+    # funduq is full (docs/limits.md): nothing was recorded, retry later.
+    "QueuedRunsLimit": (503, "queued_runs_limit"),
+    "AgentQueuedRunsLimit": (503, "agent_queued_runs_limit"),
+    "QueuedInputLimit": (503, "queued_input_bytes_limit"),
     "FunduqError": (400, "bad_request"),
 }
 
@@ -72,6 +77,8 @@ def create_app(funduq: Funduq) -> QuartTrio:
         # Bodies over the limit are refused 413 as soon as a handler reads them
         # (at once when Content-Length says so, else when the limit is passed).
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        # A body not all received by then is cut: 408 (docs/limits.md).
+        BODY_TIMEOUT=settings.body_timeout_seconds,
         # Streams (SSE) last as long as the run they follow: no response timeout.
         RESPONSE_TIMEOUT=None,
         PROPAGATE_EXCEPTIONS=False,
@@ -92,10 +99,19 @@ def create_app(funduq: Funduq) -> QuartTrio:
                 f"request body exceeds the limit of {settings.max_body_bytes} bytes "
                 "(FUNDUQ_MAX_BODY_BYTES)"
             )
+        elif isinstance(exc, RequestTimeout):
+            code = "body_timeout"
+            message = (
+                f"request body not received within {settings.body_timeout_seconds:g} s "
+                "(FUNDUQ_BODY_TIMEOUT_SECONDS)"
+            )
         else:
             code = getattr(exc, "error_code", None) or _snake(exc.name)
             message = exc.description or exc.name
         response = json_error(status, code, message, getattr(exc, "details", None))
+        if isinstance(exc, RequestTimeout):
+            # The rest of the body may still trickle in: the connection is done.
+            response.headers["Connection"] = "close"
         for name, value in exc.get_headers():
             if name.lower() != "content-type":
                 response.headers[name] = value

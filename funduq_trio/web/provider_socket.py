@@ -21,11 +21,18 @@ from typing import Any
 import trio
 from quart import websocket
 
+from funduq_trio.broker.errors import FunduqError
 from funduq_trio.identity import new_nonce
 from funduq_trio.protocol import link as L
 from funduq_trio.protocol.frames import Outgoing, encode_frame
 
-__all__ = ["OUTBOX_FRAMES", "ProviderSocket", "mount_provider_socket", "register_provider_socket"]
+__all__ = [
+    "OUTBOX_FRAMES",
+    "ProviderSocket",
+    "WaitingLinks",
+    "mount_provider_socket",
+    "register_provider_socket",
+]
 
 log = logging.getLogger("funduq_trio.provider_socket")
 
@@ -45,13 +52,33 @@ def _close_reason(reason: str) -> str:
     return data[: _CLOSE_REASON_BYTES - 3].decode("utf-8", "ignore") + "..."
 
 
+class WaitingLinks:
+    """The links of one server that have not said `connect` yet: at most
+    FUNDUQ_MAX_UNAUTHENTICATED_LINKS of them, each for at most
+    FUNDUQ_HANDSHAKE_TIMEOUT_SECONDS, so strangers cannot hold sockets open."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def enter(self, limit: int) -> bool:
+        if self.count >= limit:
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count -= 1
+
+
 class ProviderSocket:
     """One provider connection; implements the broker's `ProviderLink` port."""
 
-    def __init__(self, ws: Any, funduq: Any) -> None:
+    def __init__(self, ws: Any, funduq: Any, waiting: WaitingLinks | None = None) -> None:
         settings = funduq.settings
         self._ws = ws
         self._funduq = funduq
+        self._waiting = waiting if waiting is not None else WaitingLinks()
+        self._counted = False  # this link is one of self._waiting's
         self.machine = L.LinkMachine(
             funduq.identity,
             new_nonce(),
@@ -103,6 +130,7 @@ class ProviderSocket:
                 if self._session is not None:
                     self._session.answer(action.offer_id, action.verdict, action.reason)
             elif isinstance(action, L.Attach):
+                self._stop_waiting()
                 self._session = self._funduq.attach_provider(
                     action.public_key, action.max_concurrent_runs, self
                 )
@@ -144,11 +172,20 @@ class ProviderSocket:
     async def run(self) -> None:
         """Serve the connection until either side closes it."""
         await self._ws.accept()
+        settings = self._funduq.settings
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
-                self._perform([self.machine.hello()])
+                if self._waiting.enter(settings.max_unauthenticated_links):
+                    self._counted = True
+                    self._perform([self.machine.hello()])
+                    nursery.start_soon(self._handshake_deadline,
+                                       settings.handshake_timeout_seconds)
+                else:
+                    log.warning("provider link refused: %d links already wait for 'connect'",
+                                self._waiting.count)
+                    self._perform(self.machine.no_room_to_wait(settings.max_unauthenticated_links))
                 await self._reader(nursery)
                 nursery.cancel_scope.cancel()
             if self._close is not None:
@@ -163,10 +200,21 @@ class ProviderSocket:
             log.exception("provider link failed")
             raise
         finally:
+            self._stop_waiting()
             self._perform(self.machine.connection_lost())
             log.info(
                 "provider link %s closed: %s", self.machine.public_key, self.machine.close_reason
             )
+
+    def _stop_waiting(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._waiting.leave()
+
+    async def _handshake_deadline(self, seconds: float) -> None:
+        """A link still waiting for `connect` after `seconds` is refused."""
+        await trio.sleep(seconds)
+        self._perform(self.machine.handshake_timed_out(seconds))
 
     async def _writer(self) -> None:
         """Write queued frames in order. To a provider that takes batches,
@@ -225,6 +273,9 @@ class ProviderSocket:
         error: str | None = None
         try:
             await self._session.register(action.agents)
+        except FunduqError as exc:  # refused on purpose (e.g. past a bound): the provider's to fix
+            log.info("register from provider %s refused: %s", self.machine.public_key, exc)
+            error = str(exc)
         except Exception as exc:
             log.exception("register from provider %s failed", self.machine.public_key)
             error = f"funduq could not register these agents: {exc}"
@@ -240,18 +291,19 @@ class ProviderSocket:
         self._perform(self.machine.query_done(action.request_id, messages))
 
 
-async def serve_provider_link(ws: Any, funduq: Any) -> None:
+async def serve_provider_link(ws: Any, funduq: Any, waiting: WaitingLinks | None = None) -> None:
     """Serve one accepted-or-not websocket as a provider link."""
-    await ProviderSocket(ws, funduq).run()
+    await ProviderSocket(ws, funduq, waiting).run()
 
 
 def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None:
     """Add `WS /ws/provider` to a quart-trio app; `funduq_getter()` returns the
     `Funduq` facade when a connection arrives."""
+    waiting = WaitingLinks()  # this app's links that have not said connect yet
 
     @app.websocket("/ws/provider")
     async def provider_socket() -> None:
-        await serve_provider_link(websocket._get_current_object(), funduq_getter())
+        await serve_provider_link(websocket._get_current_object(), funduq_getter(), waiting)
 
 
 def mount_provider_socket(app: Any, funduq: Any) -> None:
