@@ -37,3 +37,8 @@ class RunNotPaused(FunduqError):
 class NotAuthorized(FunduqError):
     """The request lacks the authority a bound thread demands. Deliberately
     says nothing about the run's state."""
+
+
+class RecordUnavailable(FunduqError):
+    """The record cannot take writes right now (a full disk, an I/O error):
+    no new run is taken until it can. Retry later."""

@@ -29,6 +29,7 @@ from .errors import (
     AgentNotFound,
     InvalidRunInput,
     NotAuthorized,
+    RecordUnavailable,
     RunNotCancellable,
     RunNotFound,
     RunNotPaused,
@@ -39,7 +40,8 @@ from .inbox import Cancel
 from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
-from .record import Record, dumps, iso, open_record
+from .record import Record, dumps, iso, open_record, record_trouble
+from .run_machine import Input, Move, RunMachine, Settle
 
 log = logging.getLogger("funduq")
 
@@ -143,7 +145,7 @@ class Funduq:
             arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
             marks = ",".join("?" * len(orphaned))
             orphans = conn.execute(
-                f"SELECT id, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
                 f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
                 f"AND json_extract(e.event, '$.type') = 'RUN_ERROR') "
                 f"FROM runs r WHERE status IN ({marks})", orphaned).fetchall()
@@ -153,13 +155,12 @@ class Funduq:
             return arrival, orphans, queued
 
         self._arrival, orphans, queued = await self.record.read(read)
-        for run_id, metadata, last_seq, reported in orphans:
-            metadata = json.loads(metadata)
-            metadata["failureReason"] = reasons.ORPHANED_BY_RESTART
-            error = agui.run_error(reasons.ORPHANED_BY_RESTART)
-            events = [] if reported else [(last_seq + 1, error)]
-            await self.record.move(run_id, st.FAILED, metadata=metadata, events=events,
-                                   stamp=("completed_at", time.time()))
+        for run_id, status, metadata, last_seq, reported in orphans:
+            machine = RunMachine(status)
+            machine.reported_error = bool(reported)
+            for action in machine.handle(Input.RESTARTED):
+                assert isinstance(action, Settle), action
+                await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
         for row in queued:
             row = _run_row(row)
             await self._thread(row["thread_id"])  # its history, for the replies it will add
@@ -187,6 +188,27 @@ class Funduq:
         thread.enqueue(lane)
         thread.start(lane)
         return lane
+
+    async def _settle_unlaned(self, run_id: str, metadata: dict[str, Any], next_seq: int,
+                              settle: Settle) -> None:
+        """Carry out a machine's Settle for a run no lane owns (restart, arrival)."""
+        metadata["failureReason"] = settle.reason
+        events = [(next_seq, agui.run_error(settle.reason or "failed"))] \
+            if settle.error_event else []
+        await self.record.move(run_id, settle.to, metadata=metadata, events=events,
+                               stamp=("completed_at", time.time()))
+        self.metrics.run_ended(settle.to)
+
+    # -- the port lanes use (lanes.LaneHost) -----------------------------------------
+
+    def offer_payload(self, lane: Lane) -> dict[str, Any]:
+        return self._offer_payload(lane)
+
+    def replies_writer(self, lane: Lane) -> Any:
+        return self._replies_writer(lane)
+
+    def lane_ended(self, lane: Lane) -> None:
+        self._lane_ended(lane)
 
     def _lane_ended(self, lane: Lane) -> None:
         if self.lanes.get(lane.run_id) is lane:
@@ -258,6 +280,8 @@ class Funduq:
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
+        if self.record.failing and not await self.record.probe():
+            raise RecordUnavailable("the record cannot take writes right now; retry later")
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -293,7 +317,21 @@ class Funduq:
                    "status": st.QUEUED, "input": dumps(run_input),
                    "caller_metadata": dumps(metadata), "metadata": {}, "next_seq": 1,
                    "arrival": self._arrival, "created_at": time.time()}
-            await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+            try:
+                await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+            except Exception as exc:
+                if record_trouble(exc):
+                    raise RecordUnavailable(f"the record cannot take the run: {exc}") from None
+                raise
+            if not view.online:
+                # Nobody serves the agent: the run fails before the door
+                # answers, so every answer (returnImmediately too) reads FAILED.
+                machine = RunMachine(st.QUEUED)
+                for action in machine.handle(Input.ARRIVED_UNSERVED):
+                    assert isinstance(action, Settle), action
+                    await self._settle_unlaned(run_id, row["metadata"], 1, action)
+                self.metrics.runs_started += 1
+                return RunTicket(run_id, tid)
         finally:
             self._reserved[tid] -= 1
             if not self._reserved[tid]:
@@ -478,20 +516,20 @@ class Funduq:
         arrival = self._arrival
         self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
 
-        def reopen(conn: Any) -> bool:
-            moved = conn.execute(
-                "UPDATE runs SET status=?, input=?, metadata=?, caller_metadata=?, arrival=?, "
-                "completed_at=NULL WHERE id=? AND status=?",
-                (st.QUEUED, row["input"], dumps(row["metadata"]), caller, arrival,
-                 run_id, st.INPUT_REQUIRED)).rowcount == 1
-            if moved and messages:
+        def add_messages(conn: Any) -> None:
+            if messages:
                 conn.executemany(_INSERT_MESSAGE, messages)
-            return moved
 
         try:
-            if not await self.record.write(reopen) or run_id in self.lanes:
+            (move,) = RunMachine(st.INPUT_REQUIRED).handle(Input.PAUSE_ANSWERED)
+            assert isinstance(move, Move), move
+            moved = await self.record.move(
+                run_id, move.to, metadata=row["metadata"], run_input=run_input,
+                caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
+                then=add_messages)
+            if not moved or run_id in self.lanes:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
-            row["status"] = st.QUEUED
+            row["status"] = move.to
             self._start_lane(row, arriving=False)
         finally:
             self._answering[tid] -= 1
@@ -554,6 +592,9 @@ class Funduq:
         """Readiness: the broker runs and the record answers."""
         if not self.running:
             return False
+        if self.record.failing:
+            # Writes fail (a full disk, an I/O error): not ready until one goes through.
+            return await self.record.probe()
         try:
             await self.record.read(lambda c: c.execute("SELECT 1").fetchone())
         except Exception:  # noqa: BLE001 -- any failure means not ready

@@ -14,21 +14,19 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
 from ..identity import fingerprint_of
-from .inbox import Finish, Gone, Report, Wake
+from .inbox import Finish, Gone, Message, Report, Wake
 from .metrics import Metrics
 from .record import COUNTERS, Record, dumps
-
-if TYPE_CHECKING:
-    from .lanes import Lane
+from .run_machine import Verdict
 
 log = logging.getLogger("funduq.providers")
 
-ACCEPTED, DECLINED, REFUSED = "accepted", "declined", "refused"
+ACCEPTED, DECLINED, REFUSED = Verdict.ACCEPTED, Verdict.DECLINED, Verdict.REFUSED
 #: How many expired offers a session remembers, to answer a late acceptance.
 EXPIRED_OFFERS_KEPT = 1024
 VERDICTS = frozenset({ACCEPTED, DECLINED, REFUSED})
@@ -41,6 +39,15 @@ class ProviderLink(Protocol):
     def send_offer(self, offer_id: str, run: dict[str, Any]) -> None: ...
     def send_cancel(self, run_id: str) -> None: ...
     def close(self, reason: str) -> None: ...
+
+
+class Lane(Protocol):
+    """A run's lane as the registry sees it: an id and an inbox to tell."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    def tell(self, message: Message) -> None: ...
 
 
 @dataclass(eq=False)
