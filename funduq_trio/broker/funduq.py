@@ -22,7 +22,7 @@ import trio
 
 from ..config import Settings
 from ..identity import Identity, dispatch_hop
-from ..protocol import agui, reasons
+from ..protocol import agui
 from ..protocol import statuses as st
 from . import authority
 from .errors import (

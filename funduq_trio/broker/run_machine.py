@@ -54,16 +54,19 @@ ends the lane):
                                              count unanswered
   OFFERED   LINK_GONE            WAITING     move queued, give the place back
   OFFERED   CANCEL               -           deferred: read again after the answer
-  OFFERED   FAULT                SETTLED     withdraw, give the place back, settle failed funduq_error
+  OFFERED   FAULT                SETTLED     withdraw, give the place back,
+                                             settle failed funduq_error
   HELD      REPORT               -           relay (persist, then publish)
   HELD      MALFORMED            SETTLED     relay the valid ones, ask to stop, give the place
                                              back, settle failed <malformed>
   HELD      FINISH               (funnel)    give the place back, then FUNNEL below
-  HELD      CANCEL               STOPPING    note the cancel, move cancelling, ask to stop, answer it
+  HELD      CANCEL               STOPPING    note the cancel, move cancelling, ask to stop,
+                                             answer it
   HELD      LINK_GONE            SETTLED     give the place back, settle failed
                                              provider_left_holding_it, count abandoned
   HELD      UNDELIVERED_WINDOW_OVER  -       count undelivered (once; the run is left alone)
-  HELD      FAULT                SETTLED     ask to stop, give the place back, settle failed funduq_error
+  HELD      FAULT                SETTLED     ask to stop, give the place back,
+                                             settle failed funduq_error
   STOPPING  (as HELD, except)    CANCEL      answer it (already stopping)
   PAUSED    PAUSE_ANSWERED       WAITING     move queued
   PAUSED/SETTLED  CANCEL         -           answer it: refused (nothing to stop)
@@ -82,7 +85,8 @@ FUNNEL (how a stream that ended settles; first match wins):
   RUN_FINISHED outcome cancelled, a cancel was asked -> SETTLED  cancelled
   any RUN_FINISHED                                   -> SETTLED  completed
   no RUN_FINISHED, a cancel was asked                -> SETTLED  cancelled
-  no RUN_FINISHED                                    -> SETTLED  failed stream ended without finishing
+  no RUN_FINISHED                                    -> SETTLED  failed (stream ended
+                                                                 without finishing)
 
 Every status a row writes is a legal move of ``statuses.MOVES`` (a test
 checks each row), so the record's guard can only refuse a write the machine
