@@ -213,3 +213,30 @@ async def test_a_run_for_an_agent_nobody_serves_has_failed_when_start_run_return
         run = await record_of(funduq, t.run_id)
         assert run["metadata"]["failureReason"] == reasons.AGENT_OFFLINE
         assert [e["code"] for e in run_errors(run)] == [reasons.AGENT_OFFLINE]
+
+
+# -- 4, at the doors: not ready, and new runs refused 503, while writes fail ----------------
+
+
+async def test_while_writes_fail_readyz_is_503_and_the_doors_refuse_new_runs(tmp_path, disk_full):
+    from support import http_client, post_sse, running_server, sdk_provider
+    from support import user_input as agui_input
+
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        sdk_provider(info) as provider,
+    ):
+        url = info.agui_url(provider.identity.fingerprint, "echo")
+        disk_full["full"] = True
+        refused = await http.post(url, json=agui_input("hello"))
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "record_unavailable"
+        assert (await http.get("/readyz")).status_code == 503
+        again = await http.post(url, json=agui_input("hello"))
+        assert again.status_code == 503
+        disk_full["full"] = False
+        assert (await http.get("/readyz")).status_code == 200
+        response, events = await post_sse(http, url, agui_input("hello"))
+        assert response.status_code == 200
+        assert events[-1]["type"] == "RUN_FINISHED"
