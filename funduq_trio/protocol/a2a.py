@@ -66,7 +66,6 @@ from jsonrpc.jsonrpc2 import JSONRPC20Request, JSONRPC20Response
 from packaging.version import InvalidVersion, Version
 
 from . import statuses
-from .door_errors import a2a_error
 
 __all__ = [
     "AGUI_EVENT_KEY",
@@ -1070,7 +1069,4 @@ def list_tasks_response(
 
 # ---------------------------------------------------------------- broker errors
 
-def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
-    """The A2A error a broker exception reads as (``door_errors.DOOR_ANSWERS``)."""
-    return a2a_error(exc, task_id=task_id)
 

@@ -7,7 +7,7 @@ page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
   ``max_body_bytes`` 413, a door's own 400s) keep their status; ``code`` is the
   exception's ``error_code`` attribute if it has one, else its snake-cased name.
 - A broker error (`FunduqError`) escaping a handler maps by class, see
-  `protocol/door_errors.py` `DOOR_ANSWERS`: unknown ids 404, refused input 400,
+  `web/door_errors.py` `DOOR_ANSWERS`: unknown ids 404, refused input 400,
   full thread 429, missing authority 403, a run in the wrong state 409, a
   record that cannot write 503.
 - Anything else is logged and answered 500.
@@ -25,9 +25,9 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from ..broker import errors
 from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
-from ..protocol.door_errors import door_answer
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .door_errors import door_answer
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
