@@ -13,6 +13,7 @@ import contextvars
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -183,6 +184,7 @@ class Funduq:
         thread = self.threads.get(lane.thread_id)
         if thread is None:
             thread = self.threads[lane.thread_id] = ThreadLanes(lane.thread_id)
+            assert self._nursery is not None
             self._nursery.start_soon(thread.hold, name=f"thread {lane.thread_id}")
         lane.thread = thread
         thread.enqueue(lane)
@@ -242,6 +244,7 @@ class Funduq:
         if isinstance(chain, list) and chain:
             # The chain as funduq dispatched it: the caller's hops verbatim plus
             # one hop of funduq's naming where it went.
+            assert self.identity is not None
             hop = dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)
             forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
             forwarded["actorChain"] = [*chain, hop]
@@ -313,6 +316,7 @@ class Funduq:
             # The input and the caller's metadata are kept as the record's JSON
             # text (read again only for the offer): a waiting run holds one
             # string each, not a tree of dicts.
+            row: dict[str, Any]
             row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
                    "status": st.QUEUED, "input": dumps(run_input),
                    "caller_metadata": dumps(metadata), "metadata": {}, "next_seq": 1,
@@ -579,7 +583,7 @@ class Funduq:
         if info is None:
             return None
 
-        def read(conn: Any) -> list[Any]:
+        def read(conn: sqlite3.Connection) -> list[Any]:
             return conn.execute("SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
                                 (thread_id,)).fetchall()
 
@@ -625,7 +629,7 @@ class Funduq:
         return info
 
     async def _messages(self, thread_id: str, limit: int | None = None) -> list[dict[str, Any]]:
-        def read(conn: Any) -> list[Any]:
+        def read(conn: sqlite3.Connection) -> list[Any]:
             if limit is None:
                 return conn.execute("SELECT message FROM messages WHERE thread_id=? ORDER BY idx",
                                     (thread_id,)).fetchall()
@@ -637,7 +641,7 @@ class Funduq:
 
     async def _events(self, run_id: str, after: int, before: int | None = None
                       ) -> list[tuple[int, dict[str, Any]]]:
-        def read(conn: Any) -> list[Any]:
+        def read(conn: sqlite3.Connection) -> list[Any]:
             return conn.execute(
                 "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq",
                 (run_id, after, before if before is not None else 2**62)).fetchall()

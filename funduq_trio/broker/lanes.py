@@ -169,6 +169,7 @@ class ThreadLanes:
         ``ended``), and a later run of it gets a new ThreadLanes."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            assert self._starting is not None
             for lane in self._starting:
                 nursery.start_soon(lane.run)
             self._starting = None
@@ -176,6 +177,7 @@ class ThreadLanes:
     def start(self, lane: Lane) -> None:
         self.lanes += 1
         if self._nursery is None:
+            assert self._starting is not None
             self._starting.append(lane)
         else:
             self._nursery.start_soon(lane.run)
@@ -486,7 +488,7 @@ class Lane:
             return
         offer = self._offer
         await self._do(m.handle(Input.OFFER_READY))
-        if m.phase is not Phase.OFFERED:
+        if m.phase in (Phase.SETTLED,):
             return  # the offer could not leave
         self.awaiting_answer = True
         try:
@@ -629,10 +631,10 @@ class Lane:
             # event persisted (and relayed) later lands after this status; its
             # verdict is read before the next write (_confirm).
             self._unconfirmed = record.move_soon(self.run_id, to, metadata=self.metadata,
-                                                 stamp=stamp and (stamp, when))
+                                                 stamp=(stamp, when) if stamp else None)
         elif not await self._retrying(lambda: record.move(
                 self.run_id, to, metadata=self.metadata, events=events or (),
-                stamp=stamp and (stamp, when), then=then)):
+                stamp=(stamp, when) if stamp else None, then=then)):
             raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
         if stamp:
             self.stamps[stamp] = when

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import trio
 
@@ -211,7 +211,7 @@ class Record:
         self._note(op)
         if op.error is not None:
             raise op.error
-        return op.result
+        return cast(T, op.result)
 
     def _note(self, op: _Write) -> None:
         if op.error is None:
@@ -382,7 +382,8 @@ class Record:
         then: Callable[[sqlite3.Connection], Any] | None = None,
     ) -> Callable[[sqlite3.Connection], bool]:
         src = tuple(statuses.sources(to))
-        sets, args = ["status=?"], [to]
+        sets: list[str] = ["status=?"]
+        args: list[Any] = [to]
         if metadata is not None:
             sets.append("metadata=?")
             args.append(dumps(metadata))
