@@ -126,11 +126,13 @@ async def test_a_cancel_during_the_offering_write_cancels_before_anything_leaves
 # -- 4. a record that cannot write for a while ---------------------------------------------
 
 
-@pytest.fixture
-def disk_full(monkeypatch):
-    """While ``state["full"]``, every write fails as SQLite fails on a full disk."""
+@pytest.fixture(params=["in the transaction", "at BEGIN"])
+def disk_full(request, monkeypatch):
+    """While ``state["full"]``, every write fails as SQLite fails on a full
+    disk: inside the transaction (each write's statement fails), or before it
+    (the group commit's BEGIN itself fails, as on an I/O error)."""
     state = {"full": False}
-    apply = Record._apply
+    apply, begin = Record._apply, Record._begin_now
 
     def failing_apply(self, ops, *, begun=False):
         if not state["full"]:
@@ -140,7 +142,15 @@ def disk_full(monkeypatch):
         for op in ops:
             op.error = sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(Record, "_apply", failing_apply)
+    def failing_begin(self):
+        if state["full"]:
+            raise sqlite3.OperationalError("disk I/O error")
+        return begin(self)
+
+    if request.param == "at BEGIN":
+        monkeypatch.setattr(Record, "_begin_now", failing_begin)
+    else:
+        monkeypatch.setattr(Record, "_apply", failing_apply)
     return state
 
 

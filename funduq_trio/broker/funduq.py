@@ -283,8 +283,7 @@ class Funduq:
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
-        if self.record.failing and not await self.record.probe():
-            raise RecordUnavailable("the record cannot take writes right now; retry later")
+        await self._writable()
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -343,6 +342,12 @@ class Funduq:
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
         return RunTicket(run_id, tid)
+
+    async def _writable(self) -> None:
+        """Refuse new work while the record cannot write (a full disk, an I/O
+        error): runs already taken finish first. One probe write decides."""
+        if self.record.failing and not await self.record.probe():
+            raise RecordUnavailable("the record cannot take writes right now; retry later")
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -501,6 +506,7 @@ class Funduq:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
             raise InvalidRunInput(str(exc)) from None
+        await self._writable()
         row = await self.record.read(lambda c: c.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
         row = _run_row(row)
@@ -527,10 +533,15 @@ class Funduq:
         try:
             (move,) = RunMachine(st.INPUT_REQUIRED).handle(Input.PAUSE_ANSWERED)
             assert isinstance(move, Move), move
-            moved = await self.record.move(
-                run_id, move.to, metadata=row["metadata"], run_input=run_input,
-                caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
-                then=add_messages)
+            try:
+                moved = await self.record.move(
+                    run_id, move.to, metadata=row["metadata"], run_input=run_input,
+                    caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
+                    then=add_messages)
+            except Exception as exc:
+                if record_trouble(exc):
+                    raise RecordUnavailable(f"the record cannot take the answer: {exc}") from None
+                raise
             if not moved or run_id in self.lanes:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = move.to

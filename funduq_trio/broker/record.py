@@ -329,6 +329,13 @@ class Record:
                 self._apply(ops, begun=True)  # on the trio thread: see the module docstring
             else:
                 await trio.to_thread.run_sync(self._apply_waiting, ops)
+        except sqlite3.Error as exc:
+            # The file failed before any write could start (an I/O error at
+            # BEGIN): each write of the batch fails with it, and the writer
+            # lives on for the next batch -- a dead writer would wedge every run.
+            log.warning("group commit failed: %s", exc)
+            for op in ops:
+                op.error = op.error or exc
         except BaseException as exc:
             for op in ops:
                 op.error = op.error or exc
