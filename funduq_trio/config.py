@@ -25,6 +25,7 @@ class Settings:
     undelivered_window_seconds: float = 1800.0
     quality_allowance: int = 3
     thread_queue_limit: int = 8
+    lane_inbox_reports: int = 4096
     max_frame_bytes: int = MiB
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
@@ -54,7 +55,7 @@ class Settings:
             if getattr(self, name) < 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
-                        "max_body_bytes")
+                        "max_body_bytes", "lane_inbox_reports")
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")

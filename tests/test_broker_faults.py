@@ -250,3 +250,67 @@ async def test_while_writes_fail_readyz_is_503_and_the_doors_refuse_new_runs(tmp
         response, events = await post_sse(http, url, agui_input("hello"))
         assert response.status_code == 200
         assert events[-1]["type"] == "RUN_FINISHED"
+
+
+# -- 5. backpressure: a run's inbox is bounded, its link waits ----------------------------
+
+
+async def test_a_link_waits_while_funduq_is_behind_recording_its_reports(tmp_path, mock_clock):
+    async with broker(tmp_path, lane_inbox_reports=4) as funduq:
+        p = await Provider(funduq).attach()
+        t = await accepted(funduq, p)
+        append = funduq.record.append_events
+        gate = trio.Event()
+
+        async def slow_append(run_id, events):
+            await gate.wait()  # the disk is slow
+            await append(run_id, events)
+
+        funduq.record.append_events = slow_append
+        events = reply(t.run_id, t.thread_id, deltas=5)  # 9 events
+        p.stream(t.run_id, events[0], finish=False)
+        await quiet()  # the lane took it and is writing it
+        p.stream(t.run_id, *events[1:], finish=False)
+        lane = funduq.lanes[t.run_id]
+        assert lane.unread_reports == 8 and lane.full
+        readable = trio.Event()
+
+        async def reader() -> None:
+            await p.session.can_read()
+            readable.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await quiet()
+            assert not readable.is_set()  # the link's reader would wait here
+            gate.set()
+            await quiet()
+            assert readable.is_set()
+        assert p.session.finish(t.run_id)
+        run = await record_of(funduq, t.run_id)
+        assert run["status"] == "completed"
+        assert events_of(run) == events
+
+
+async def test_a_flood_of_reports_over_a_small_inbox_all_arrive_in_order(tmp_path):
+    from support import http_client, post_sse, raw_provider, running_server
+    from support import user_input as agui_input
+
+    async with (
+        running_server(tmp_path, lane_inbox_reports=2) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        got: list = []
+
+        async def caller() -> None:
+            url = info.agui_url(provider.fingerprint, "echo")
+            got.extend((await post_sse(http, url, agui_input("flood")))[1])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            events = reply(run["runId"], run["threadId"], deltas=200)
+            await provider.play(run, events)
+    assert got == events

@@ -210,7 +210,7 @@ class Lane:
                  "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
                  "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_place",
                  "_offer", "_backlog", "awaiting_answer", "_baton", "_burst", "_unconfirmed",
-                 "_undelivered_at")
+                 "_undelivered_at", "unread_reports", "_room")
 
     def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
         self.f = host
@@ -248,6 +248,9 @@ class Lane:
         # A move queued without waiting, whose verdict is not read yet.
         self._unconfirmed: PendingWrite | None = None
         self._undelivered_at = math.inf
+        #: Reports told and not yet taken up for recording (see ``full``).
+        self.unread_reports = 0
+        self._room: trio.Event | None = None
 
     @property
     def status(self) -> Status:
@@ -266,6 +269,30 @@ class Lane:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if isinstance(message, Cancel):
                 message.refuse()  # the run ended before it could be read
+            return
+        if isinstance(message, Report):
+            self.unread_reports += 1
+
+    # -- backpressure: the inbox holds at most lane_inbox_reports reports ----------
+
+    @property
+    def full(self) -> bool:
+        """Funduq is behind recording this run's reports: whoever reports for
+        it should stop reading until ``room()`` (its link's reader does)."""
+        return self.unread_reports >= self.f.settings.lane_inbox_reports
+
+    async def room(self) -> None:
+        """Wait until the run is no longer ``full`` (or its lane ended)."""
+        while self.full:
+            if self._room is None:
+                self._room = trio.Event()
+            await self._room.wait()
+
+    def _took_reports(self, count: int) -> None:
+        self.unread_reports = max(0, self.unread_reports - count)
+        if self._room is not None and not self.full:
+            self._room.set()
+            self._room = None
 
     async def _receive(self, deadline: float = math.inf) -> Message | None:
         if self._backlog:
@@ -329,6 +356,7 @@ class Lane:
                     message.refuse()  # the run ended (or paused) first
                 elif isinstance(message, Wake):
                     self._baton = self._baton or message.baton
+            self._took_reports(self.unread_reports)  # dropped: nobody waits on them
             for cancel in self._cancels:
                 cancel.refuse()
             self._cancels.clear()
@@ -381,6 +409,7 @@ class Lane:
             await self._do(m.handle(Input.CANCEL))
         elif isinstance(message, Report):
             raws = self._more_reports(message)
+            self._took_reports(len(raws))
             if m.phase not in (Phase.HELD, Phase.STOPPING):
                 await self._do(m.handle(Input.REPORT))  # a run nobody holds: nothing
                 return

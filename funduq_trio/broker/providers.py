@@ -49,6 +49,11 @@ class Lane(Protocol):
 
     def tell(self, message: Message) -> None: ...
 
+    @property
+    def full(self) -> bool: ...
+
+    async def room(self) -> None: ...
+
 
 @dataclass(eq=False)
 class Offer:
@@ -102,6 +107,8 @@ class ProviderSession:
         self.expired: dict[str, str] = {}
         #: When the link last delivered anything (trio clock): see Lane._offer.
         self.last_heard = trio.current_time()
+        #: Lanes this link reported to that are behind (see ``can_read``).
+        self.behind: dict[int, Lane] = {}
 
     # -- places ------------------------------------------------------------
 
@@ -188,7 +195,24 @@ class ProviderSession:
         if lane is None:
             return False
         lane.tell(Report(event))
+        if lane.full:
+            self.behind[id(lane)] = lane
         return True
+
+    async def can_read(self) -> None:
+        """Return once every run this link reported to has room again: the
+        link's reader awaits this before it reads the next message, so when
+        funduq falls behind recording a provider's reports, it stops reading
+        that provider (hypercorn's ``can_read``) instead of queueing without
+        bound. The time spent waiting is funduq's, not the provider's silence."""
+        waited = False
+        while self.behind:
+            _, lane = self.behind.popitem()
+            if lane.full:
+                waited = True
+                await lane.room()
+        if waited:
+            self.last_heard = trio.current_time()
 
     def finish(self, run_id: str) -> bool:
         self.last_heard = trio.current_time()
