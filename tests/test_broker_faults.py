@@ -314,3 +314,24 @@ async def test_a_flood_of_reports_over_a_small_inbox_all_arrive_in_order(tmp_pat
             events = reply(run["runId"], run["threadId"], deltas=200)
             await provider.play(run, events)
     assert got == events
+
+
+async def test_a_settling_write_that_raises_still_ends_the_run(tmp_path, mock_clock):
+    """The fault is in the very write that was to end the run: the run fails
+    from where the record has it (running), not left there."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await accepted(funduq, p)
+
+        def broken_replies(conn):
+            raise RuntimeError("a bug in the thread's history write")
+
+        funduq.replies_writer = lambda lane: broken_replies
+        p.stream(t.run_id, *reply(t.run_id, t.thread_id))
+        run = await record_of(funduq, t.run_id)
+        assert run["status"] == "failed"
+        assert run["metadata"]["failureReason"] == reasons.FUNDUQ_ERROR
+        assert [e["type"] for e in events_of(run)][-2:] == ["RUN_FINISHED", "RUN_ERROR"]
+        assert t.run_id not in funduq.lanes
+        u = await start(funduq, p)  # the place came back
+        assert offered_runs(p.link)[-1] == u.run_id

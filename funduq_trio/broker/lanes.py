@@ -210,7 +210,7 @@ class Lane:
                  "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
                  "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_place",
                  "_offer", "_backlog", "awaiting_answer", "_baton", "_burst", "_unconfirmed",
-                 "_undelivered_at", "unread_reports", "_room")
+                 "_undelivered_at", "unread_reports", "_room", "_recorded", "_faulted")
 
     def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
         self.f = host
@@ -219,6 +219,10 @@ class Lane:
         self.key: str = row["provider_key"]
         self.agent: str = row["agent_name"]
         self.machine = RunMachine(row["status"])
+        # The status the record has (as far as the lane knows): the machine's
+        # runs ahead of it while a write is being made.
+        self._recorded = self.machine.status
+        self._faulted = False
         # As JSON text: read only to make the offer (LaneHost.offer_payload).
         self.run_input_json: str = row["input"]
         self.caller_metadata_json: str = row["caller_metadata"]
@@ -370,6 +374,13 @@ class Lane:
             self.f.lane_ended(self)
 
     async def _fault(self) -> None:
+        self._faulted = True
+        m = self.machine
+        if m.over and self._recorded != m.status:
+            # The write that was to end the run is what failed: fail the run
+            # from where the record has it.
+            self.machine = RunMachine(self._recorded)
+            self.machine.reported_error = m.reported_error
         try:
             await self._do(self.machine.handle(Input.FAULT))
         except Exception:
@@ -665,6 +676,7 @@ class Lane:
                 self.run_id, to, metadata=self.metadata, events=events or (),
                 stamp=(stamp, when) if stamp else None, then=then)):
             raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
+        self._recorded = to
         if stamp:
             self.stamps[stamp] = when
         self.f.metrics.events_recorded += len(events or ())
@@ -691,8 +703,9 @@ class Lane:
             self.metadata["failureReason"] = settle.reason
         if settle.error_event:
             events.append((self.next_seq, agui.run_error(settle.reason or "failed")))
-        await self._move(settle.to, stamp="completed_at", events=events,
-                         then=self.f.replies_writer(self))
+        # After a fault, the least that ends the run: no replies for its thread.
+        then = None if self._faulted else self.f.replies_writer(self)
+        await self._move(settle.to, stamp="completed_at", events=events, then=then)
         self.next_seq += len(events)
         for seq, event in events:
             self.feed.publish(seq, event)
