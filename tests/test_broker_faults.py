@@ -335,3 +335,24 @@ async def test_a_settling_write_that_raises_still_ends_the_run(tmp_path, mock_cl
         assert t.run_id not in funduq.lanes
         u = await start(funduq, p)  # the place came back
         assert offered_runs(p.link)[-1] == u.run_id
+
+
+async def test_an_offer_the_link_cannot_encode_fails_its_run_alone(tmp_path, mock_clock):
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        send_offer = p.link.send_offer
+
+        def picky_send_offer(offer_id, run):
+            if run["runInput"]["messages"][-1]["content"] == "unsendable":
+                raise ValueError("this offer does not encode as a frame")
+            send_offer(offer_id, run)
+
+        p.link.send_offer = picky_send_offer
+        bad = await start(funduq, p, text="unsendable")
+        good = await start(funduq, p, thread_id=bad.thread_id, text="fine")
+        run = await record_of(funduq, bad.run_id)
+        assert run["status"] == "failed"
+        assert run["metadata"]["failureReason"] == reasons.OFFER_NOT_ENCODABLE
+        assert [e["code"] for e in run_errors(run)] == [reasons.OFFER_NOT_ENCODABLE]
+        assert p.link.closed is None  # the link stays up
+        assert offered_runs(p.link) == [good.run_id]  # the place came back, the thread moved on
