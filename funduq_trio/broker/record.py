@@ -358,21 +358,13 @@ class Record:
 
     # -- the writes the broker makes -----------------------------------------
 
-    async def move(
-        self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
-        events: Iterable[tuple[int, dict[str, Any]]] = (),
-        stamp: tuple[str, float | None] | None = None,
-        run_input: dict[str, Any] | None = None, arrival: int | None = None,
-        caller_metadata: str | None = None,
-        then: Callable[[sqlite3.Connection], Any] | None = None,
-    ) -> bool:
+    async def move(self, run_id: str, to: str, **changes: Any) -> bool:
         """Guarded status write, with any events and metadata that go with it,
-        in one transaction, and ``then`` after it when it moved. Returns False
-        (and writes nothing) when the run is not in a status the move starts
-        from. ``move_soon`` queues the same write without waiting for it."""
-        return await self.write(self._move_write(
-            run_id, to, metadata=metadata, events=events, stamp=stamp, run_input=run_input,
-            arrival=arrival, caller_metadata=caller_metadata, then=then))
+        in one transaction, and ``then`` after it when it moved (the changes
+        are ``_move_write``'s). Returns False (and writes nothing) when the run
+        is not in a status the move starts from. ``move_soon`` queues the same
+        write without waiting for it."""
+        return await self.write(self._move_write(run_id, to, **changes))
 
     def move_soon(self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
                   stamp: tuple[str, float] | None = None) -> PendingWrite:
