@@ -31,6 +31,8 @@ FLAG_HELP = {
     "undelivered_window_seconds": "after this long an unended claimed run counts 'undelivered'",
     "quality_allowance": "a provider is withdrawn when a quality counter reaches this",
     "thread_queue_limit": "pending runs a thread may hold",
+    "lane_inbox_reports": "reports one run may have waiting to be recorded before its "
+    "provider's link stops reading",
     "max_frame_bytes": "largest provider-link frame",
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",

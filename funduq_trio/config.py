@@ -32,6 +32,7 @@ class Settings:
     undelivered_window_seconds: float = 1800.0
     quality_allowance: int = 3
     thread_queue_limit: int = 8
+    lane_inbox_reports: int = 4096
     max_frame_bytes: int = MiB
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
@@ -75,7 +76,7 @@ class Settings:
             found.append(f"{env_name('sse_keepalive_seconds')}={self.sse_keepalive_seconds}: "
                          "must be a finite number of seconds, at least 0 (0 = no keepalive)")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
-                        "max_body_bytes")
+                        "max_body_bytes", "lane_inbox_reports")
         at_least_one += LIMITS_AT_LEAST_ONE
         for name in at_least_one:
             if getattr(self, name) < 1:

@@ -26,6 +26,7 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 
 from funduq_trio.broker import errors as broker_errors
 from funduq_trio.protocol import a2a
+from funduq_trio.web.door_errors import a2a_error
 
 S = pb.TaskState
 
@@ -542,18 +543,18 @@ def test_errors_render_as_each_dialect_builds_them() -> None:
 
 
 def test_broker_errors_map_to_sdk_errors() -> None:
-    assert isinstance(a2a.broker_error(broker_errors.RunNotFound("x")), TaskNotFoundError)
+    assert isinstance(a2a_error(broker_errors.RunNotFound("x")), TaskNotFoundError)
     assert isinstance(
-        a2a.broker_error(broker_errors.RunNotCancellable("x")), TaskNotCancelableError
+        a2a_error(broker_errors.RunNotCancellable("x")), TaskNotCancelableError
     )
-    unknown = a2a.broker_error(broker_errors.UnknownThread("no such thread"))
+    unknown = a2a_error(broker_errors.UnknownThread("no such thread"))
     assert isinstance(unknown, InvalidParamsError)
-    full = a2a.broker_error(broker_errors.ThreadQueueFull("thread t holds 8 pending runs"))
+    full = a2a_error(broker_errors.ThreadQueueFull("thread t holds 8 pending runs"))
     assert isinstance(full, UnsupportedOperationError)
     assert "8 pending" in full.message
     # Not authorized says the same thing whatever it was about.
-    one = a2a.broker_error(broker_errors.NotAuthorized("bad signature for a running run"))
-    two = a2a.broker_error(broker_errors.NotAuthorized("no proof on a paused run"))
+    one = a2a_error(broker_errors.NotAuthorized("bad signature for a running run"))
+    two = a2a_error(broker_errors.NotAuthorized("no proof on a paused run"))
     assert isinstance(one, InvalidParamsError)
     assert (one.message, one.data) == (two.message, two.data)
     assert "running" not in one.message and "paused" not in one.message

@@ -36,6 +36,7 @@ def test_flags_override_the_environment():
         (["--port", "eighty"], {}, "--port"),
         ([], {"FUNDUQ_PORT": "99999"}, "FUNDUQ_PORT"),
         (["--thread-queue-limit", "0"], {}, "FUNDUQ_THREAD_QUEUE_LIMIT"),
+        (["--lane-inbox-reports", "0"], {}, "FUNDUQ_LANE_INBOX_REPORTS"),
         (["--provider-keys", "abc"], {}, "FUNDUQ_PROVIDER_KEYS"),
         (["--database-url", "postgres://x"], {}, "FUNDUQ_DATABASE_URL"),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),

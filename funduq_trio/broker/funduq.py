@@ -13,6 +13,7 @@ import contextvars
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import trio
 
 from ..config import OPERATOR_TOKEN, Settings
 from ..identity import Identity, dispatch_hop
-from ..protocol import agui, reasons
+from ..protocol import agui
 from ..protocol import statuses as st
 from ..secret_file import load_or_create
 from . import authority
@@ -32,6 +33,7 @@ from .errors import (
     InvalidRunInput,
     NotAuthorized,
     QueueLimitReached,
+    RecordUnavailable,
     RunNotCancellable,
     RunNotFound,
     RunNotPaused,
@@ -42,7 +44,8 @@ from .inbox import Cancel
 from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
-from .record import Record, dumps, iso, open_record
+from .record import Record, dumps, iso, open_record, record_trouble
+from .run_machine import Input, Move, RunMachine, Settle
 
 log = logging.getLogger("funduq")
 
@@ -173,7 +176,7 @@ class Funduq:
             arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
             marks = ",".join("?" * len(orphaned))
             orphans = conn.execute(
-                f"SELECT id, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
                 f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
                 f"AND json_extract(e.event, '$.type') = 'RUN_ERROR') "
                 f"FROM runs r WHERE status IN ({marks})", orphaned).fetchall()
@@ -183,13 +186,12 @@ class Funduq:
             return arrival, orphans, queued
 
         self._arrival, orphans, queued = await self.record.read(read)
-        for run_id, metadata, last_seq, reported in orphans:
-            metadata = json.loads(metadata)
-            metadata["failureReason"] = reasons.ORPHANED_BY_RESTART
-            error = agui.run_error(reasons.ORPHANED_BY_RESTART)
-            events = [] if reported else [(last_seq + 1, error)]
-            await self.record.move(run_id, st.FAILED, metadata=metadata, events=events,
-                                   stamp=("completed_at", time.time()))
+        for run_id, status, metadata, last_seq, reported in orphans:
+            machine = RunMachine(status)
+            machine.reported_error = bool(reported)
+            for action in machine.handle(Input.RESTARTED):
+                assert isinstance(action, Settle), action
+                await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
         for row in queued:
             row = _run_row(row)
             self.waiting.charge(row["id"], (row["provider_key"], row["agent_name"]),
@@ -215,6 +217,7 @@ class Funduq:
         thread = self.threads.get(lane.thread_id)
         if thread is None:
             thread = self.threads[lane.thread_id] = ThreadLanes(lane.thread_id)
+            assert self._nursery is not None
             self._nursery.start_soon(thread.hold, name=f"thread {lane.thread_id}")
         lane.thread = thread
         thread.enqueue(lane)
@@ -223,6 +226,27 @@ class Funduq:
         if reopen is not None:
             reopen[0].set()
         return lane
+
+    async def _settle_unlaned(self, run_id: str, metadata: dict[str, Any], next_seq: int,
+                              settle: Settle) -> None:
+        """Carry out a machine's Settle for a run no lane owns (restart, arrival)."""
+        metadata["failureReason"] = settle.reason
+        events = [(next_seq, agui.run_error(settle.reason or "failed"))] \
+            if settle.error_event else []
+        await self.record.move(run_id, settle.to, metadata=metadata, events=events,
+                               stamp=("completed_at", time.time()))
+        self.metrics.run_ended(settle.to)
+
+    # -- the port lanes use (lanes.LaneHost) -----------------------------------------
+
+    def offer_payload(self, lane: Lane) -> dict[str, Any]:
+        return self._offer_payload(lane)
+
+    def replies_writer(self, lane: Lane) -> Any:
+        return self._replies_writer(lane)
+
+    def lane_ended(self, lane: Lane) -> None:
+        self._lane_ended(lane)
 
     def _lane_ended(self, lane: Lane) -> None:
         if self.lanes.get(lane.run_id) is lane:
@@ -257,6 +281,7 @@ class Funduq:
         if isinstance(chain, list) and chain:
             # The chain as funduq dispatched it: the caller's hops verbatim plus
             # one hop of funduq's naming where it went.
+            assert self.identity is not None
             hop = dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)
             forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
             forwarded["actorChain"] = [*chain, hop]
@@ -295,6 +320,7 @@ class Funduq:
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
+        await self._writable()
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -326,6 +352,7 @@ class Funduq:
             # The input and the caller's metadata are kept as the record's JSON
             # text (read again only for the offer): a waiting run holds one
             # string each, not a tree of dicts.
+            row: dict[str, Any]
             row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
                    "status": st.QUEUED, "input": dumps(run_input),
                    "caller_metadata": dumps(metadata), "metadata": {}, "next_seq": 1,
@@ -337,9 +364,21 @@ class Funduq:
                 raise
             try:
                 await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
-            except BaseException:
+            except BaseException as exc:
                 self.waiting.release(run_id)
+                if isinstance(exc, Exception) and record_trouble(exc):
+                    raise RecordUnavailable(f"the record cannot take the run: {exc}") from None
                 raise
+            if not view.online:
+                # Nobody serves the agent: the run fails before the door
+                # answers, so every answer (returnImmediately too) reads FAILED.
+                self.waiting.release(run_id)
+                machine = RunMachine(st.QUEUED)
+                for action in machine.handle(Input.ARRIVED_UNSERVED):
+                    assert isinstance(action, Settle), action
+                    await self._settle_unlaned(run_id, row["metadata"], 1, action)
+                self.metrics.runs_started += 1
+                return RunTicket(run_id, tid)
         finally:
             self._reserved[tid] -= 1
             if not self._reserved[tid]:
@@ -364,6 +403,11 @@ class Funduq:
         for row in messages:
             info.message_ids.discard(row[2])
         info.message_count -= len(messages)
+    async def _writable(self) -> None:
+        """Refuse new work while the record cannot write (a full disk, an I/O
+        error): runs already taken finish first. One probe write decides."""
+        if self.record.failing and not await self.record.probe():
+            raise RecordUnavailable("the record cannot take writes right now; retry later")
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -575,6 +619,7 @@ class Funduq:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
             raise InvalidRunInput(str(exc)) from None
+        await self._writable()
         row = await self.record.read(lambda c: c.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
         row = _run_row(row)
@@ -601,20 +646,25 @@ class Funduq:
         arrival = self._arrival
         self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
 
-        def reopen(conn: Any) -> bool:
-            moved = conn.execute(
-                "UPDATE runs SET status=?, input=?, metadata=?, caller_metadata=?, arrival=?, "
-                "completed_at=NULL WHERE id=? AND status=?",
-                (st.QUEUED, row["input"], dumps(row["metadata"]), caller, arrival,
-                 run_id, st.INPUT_REQUIRED)).rowcount == 1
-            if moved and messages:
+        def add_messages(conn: Any) -> None:
+            if messages:
                 conn.executemany(_INSERT_MESSAGE, messages)
-            return moved
 
         try:
-            if not await self.record.write(reopen) or run_id in self.lanes:
+            (move,) = RunMachine(st.INPUT_REQUIRED).handle(Input.PAUSE_ANSWERED)
+            assert isinstance(move, Move), move
+            try:
+                moved = await self.record.move(
+                    run_id, move.to, metadata=row["metadata"], run_input=run_input,
+                    caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
+                    then=add_messages)
+            except Exception as exc:
+                if record_trouble(exc):
+                    raise RecordUnavailable(f"the record cannot take the answer: {exc}") from None
+                raise
+            if not moved or run_id in self.lanes:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
-            row["status"] = st.QUEUED
+            row["status"] = move.to
             self._start_lane(row, arriving=False)
         except BaseException:
             if run_id not in self.lanes:
@@ -668,7 +718,7 @@ class Funduq:
         if info is None:
             return None
 
-        def read(conn: Any) -> list[Any]:
+        def read(conn: sqlite3.Connection) -> list[Any]:
             return conn.execute("SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
                                 (thread_id,)).fetchall()
 
@@ -681,6 +731,9 @@ class Funduq:
         """Readiness: the broker runs and the record answers."""
         if not self.running:
             return False
+        if self.record.failing:
+            # Writes fail (a full disk, an I/O error): not ready until one goes through.
+            return await self.record.probe()
         try:
             await self.record.read(lambda c: c.execute("SELECT 1").fetchone())
         except Exception:  # noqa: BLE001 -- any failure means not ready
@@ -711,7 +764,7 @@ class Funduq:
         return info
 
     async def _messages(self, thread_id: str, limit: int | None = None) -> list[dict[str, Any]]:
-        def read(conn: Any) -> list[Any]:
+        def read(conn: sqlite3.Connection) -> list[Any]:
             if limit is None:
                 return conn.execute("SELECT message FROM messages WHERE thread_id=? ORDER BY idx",
                                     (thread_id,)).fetchall()
@@ -723,7 +776,7 @@ class Funduq:
 
     async def _events(self, run_id: str, after: int, before: int | None = None, *,
                       limit: int = -1) -> list[tuple[int, dict[str, Any]]]:
-        def read(conn: Any) -> list[Any]:
+        def read(conn: sqlite3.Connection) -> list[Any]:
             return conn.execute(
                 "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq "
                 "LIMIT ?", (run_id, after, before if before is not None else 2**62, limit)

@@ -3,18 +3,36 @@
 Theory of operation
 -------------------
 Every run gets one task (its *lane*) from the moment it is queued until it
-settles or pauses. The lane's only input is a memory channel (see
-``inbox.py``); the provider link, the doors, the thread queue and the
-provider registry only *send it what happened*. The lane applies those facts
-one at a time, so the order things happen to a run is channel order, not
-whoever touched it last.
+settles or pauses. The lane is the shell of the run's machine
+(``run_machine.py``): what happens to the run is decided there, in one
+table; the lane only gathers the inputs and carries out the actions.
+
+Inputs come from the lane's memory channel (see ``inbox.py``: the provider
+link, the doors, the thread queue and the provider registry only *send it
+what happened*), from the offer's answer slot and from its clocks. The lane
+applies them one at a time, so the order things happen to a run is channel
+order, not whoever touched it last.
 
 The wait for an offer's answer is the lane's own await: it offers, awaits
 the answer (inside the delivery timeout's cancel scope) and only then reads
 its inbox again -- so a cancel that arrived meanwhile is read *after* the
-answer. Accepted: the run is running and is then asked to stop like any
-running run. Declined or unanswered: it is back in the queue and the cancel
-ends it here. Never both.
+answer (the machine applies it in the phase the answer led to). The one
+exception: a cancel that arrives while the ``queued -> offering`` write is
+being made is read right after that write and before the offer leaves, so a
+run nothing was offered for is cancelled at once.
+
+The delivery timeout counts the *link's* silence (an answer travels behind
+the provider's reports, so while the link keeps delivering a late answer may
+be funduq's own backlog): the clock restarts from the last frame heard. It is
+bounded all the same: an offer unanswered for ``DELIVERY_BOUND`` times the
+timeout since it left is unanswered, however much the link chatters.
+
+A lane never dies with its run half-done. A record write that fails for the
+medium's sake (disk full, I/O error) is retried, backing off up to
+``RETRY_MAX_SECONDS``, while ``/readyz`` says not ready and the doors refuse
+new runs; anything else that goes wrong in a lane is the machine's ``FAULT``:
+the run fails alone (``funduq_error``, one RUN_ERROR), its provider is asked
+to stop, its place comes back and its thread moves on.
 
 A thread's lanes live in the thread's own nursery, held open by one task
 while the thread has active runs. Only the head of a thread's pending queue
@@ -24,6 +42,12 @@ is offered; the next becomes head the moment the head *leaves the queue*
 Clocks are cancel scopes inside the lane that waits: the grace window of an
 unserved agent, the delivery timeout of an offer, the undelivered window of a
 held run. No sweeper polls timestamps.
+
+The port
+--------
+A lane reaches the broker only through ``LaneHost`` (the facade implements
+it): its settings, record, registry and metrics, and three calls. Nothing
+here imports the facade.
 """
 
 from __future__ import annotations
@@ -31,23 +55,62 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from ..protocol import agui, reasons
-from ..protocol import statuses as st
+from ..protocol import agui
+from ..protocol.statuses import Status
+from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
-from .providers import ACCEPTED, DECLINED, REFUSED, ProviderSession
-from .record import iso
+from .record import PendingWrite, Record, iso, record_trouble
+from .run_machine import Input, Phase, RunMachine, Verdict
 
 if TYPE_CHECKING:
-    from .funduq import Funduq
+    import sqlite3
+
+    from ..config import Settings
+    from .metrics import Metrics
+    from .providers import Offer, Providers, ProviderSession
 
 log = logging.getLogger("funduq.lanes")
 
 #: At most this many queued reports share one write.
 REPORT_BURST = 256
+#: An offer is unanswered after this many delivery timeouts since it left,
+#: even while the link keeps delivering other frames.
+DELIVERY_BOUND = 5
+#: A record write that failed for the medium's sake is retried after this
+#: long, doubling up to RETRY_MAX_SECONDS.
+RETRY_SECONDS = 0.5
+RETRY_MAX_SECONDS = 8.0
+
+
+class MoveRefused(Exception):
+    """The record's guard refused a move the machine made: someone moved the
+    run behind its lane's back."""
+
+
+class LaneHost(Protocol):
+    """What a lane needs of the broker (``Funduq`` implements it)."""
+
+    settings: Settings
+    record: Record
+    providers: Providers
+    metrics: Metrics
+
+    def offer_payload(self, lane: Lane) -> dict[str, Any]:
+        """The ``run`` of the offer frame for this run."""
+        ...
+
+    def replies_writer(self, lane: Lane) -> Callable[[sqlite3.Connection], Any] | None:
+        """The write adding the run's replies to its thread (with its settling)."""
+        ...
+
+    def lane_ended(self, lane: Lane) -> None:
+        """The lane ended (settled or paused): forget it."""
+        ...
 
 
 class Feed:
@@ -116,6 +179,7 @@ class ThreadLanes:
         ``ended``), and a later run of it gets a new ThreadLanes."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            assert self._starting is not None
             for lane in self._starting:
                 nursery.start_soon(lane.run)
             self._starting = None
@@ -123,6 +187,7 @@ class ThreadLanes:
     def start(self, lane: Lane) -> None:
         self.lanes += 1
         if self._nursery is None:
+            assert self._starting is not None
             self._starting.append(lane)
         else:
             self._nursery.start_soon(lane.run)
@@ -148,23 +213,27 @@ class ThreadLanes:
 
 
 class Lane:
-    """The one task that owns a run from queued until it settles or pauses."""
+    """The shell of one run's machine, from queued until it settles or pauses."""
 
     # Slots: a broker holding ten thousand waiting runs holds ten thousand of these.
-    __slots__ = ("f", "run_id", "thread_id", "key", "agent", "status", "run_input_json",
+    __slots__ = ("f", "run_id", "thread_id", "key", "agent", "machine", "run_input_json",
                  "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
-                 "thread", "_send", "_inbox", "_finished", "_reported_error",
-                 "_cancel_requested", "_texts", "_session", "_backlog", "awaiting_answer",
-                 "_baton")
+                 "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_place",
+                 "_offer", "_backlog", "awaiting_answer", "_baton", "_burst", "_unconfirmed",
+                 "_undelivered_at", "unread_reports", "_room", "_recorded", "_faulted")
 
-    def __init__(self, funduq: Funduq, row: dict[str, Any], *, arriving: bool) -> None:
-        self.f = funduq
+    def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
+        self.f = host
         self.run_id: str = row["id"]
         self.thread_id: str = row["thread_id"]
         self.key: str = row["provider_key"]
         self.agent: str = row["agent_name"]
-        self.status: str = row["status"]
-        # As JSON text: read only to make the offer (Funduq._offer_payload).
+        self.machine = RunMachine(row["status"])
+        # The status the record has (as far as the lane knows): the machine's
+        # runs ahead of it while a write is being made.
+        self._recorded = self.machine.status
+        self._faulted = False
+        # As JSON text: read only to make the offer (LaneHost.offer_payload).
         self.run_input_json: str = row["input"]
         self.caller_metadata_json: str = row["caller_metadata"]
         self.metadata: dict[str, Any] = row["metadata"]
@@ -175,18 +244,31 @@ class Lane:
         self.feed = Feed(self.next_seq)
         self.thread: ThreadLanes | None = None
         self._send, self._inbox = trio.open_memory_channel[Message](math.inf)
-        # What the stream said so far (the funnel reads these).
+        # The RUN_FINISHED the stream carried (its interrupts, on a pause).
         self._finished: dict[str, Any] | None = None
-        self._reported_error = False
-        self._cancel_requested = False
+        # Cancels read and not answered yet, oldest first (AnswerCancel answers them).
+        self._cancels: list[Cancel] = []
         self._texts: dict[str, dict[str, Any]] = {}
-        self._session: ProviderSession | None = None
+        # The session whose place the run holds (offer out, or held), if any.
+        self._place: ProviderSession | None = None
+        self._offer: Offer | None = None
         # Messages read early and not yet applied; rarely any (a list: an
         # empty deque costs a waiting run most of a kilobyte).
         self._backlog: list[Message] = []
-        #: An offer is out (or about to leave): a cancel now is read after the answer.
+        #: An offer is out: a cancel now is read after the answer.
         self.awaiting_answer = False
         self._baton = False
+        self._burst: list[dict[str, Any]] = []
+        # A move queued without waiting, whose verdict is not read yet.
+        self._unconfirmed: PendingWrite | None = None
+        self._undelivered_at = math.inf
+        #: Reports told and not yet taken up for recording (see ``full``).
+        self.unread_reports = 0
+        self._room: trio.Event | None = None
+
+    @property
+    def status(self) -> Status:
+        return self.machine.status
 
     async def ended(self) -> None:
         """Wait until the lane has ended (the run settled or paused)."""
@@ -201,6 +283,30 @@ class Lane:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if isinstance(message, Cancel):
                 message.refuse()  # the run ended before it could be read
+            return
+        if isinstance(message, Report):
+            self.unread_reports += 1
+
+    # -- backpressure: the inbox holds at most lane_inbox_reports reports ----------
+
+    @property
+    def full(self) -> bool:
+        """Funduq is behind recording this run's reports: whoever reports for
+        it should stop reading until ``room()`` (its link's reader does)."""
+        return self.unread_reports >= self.f.settings.lane_inbox_reports
+
+    async def room(self) -> None:
+        """Wait until the run is no longer ``full`` (or its lane ended)."""
+        while self.full:
+            if self._room is None:
+                self._room = trio.Event()
+            await self._room.wait()
+
+    def _took_reports(self, count: int) -> None:
+        self.unread_reports = max(0, self.unread_reports - count)
+        if self._room is not None and not self.full:
+            self._room.set()
+            self._room = None
 
     async def _receive(self, deadline: float = math.inf) -> Message | None:
         if self._backlog:
@@ -210,6 +316,14 @@ class Lane:
         with trio.move_on_at(deadline):
             return await self._inbox.receive()
         return None
+
+    def _receive_nowait(self) -> Message | None:
+        if self._backlog:
+            return self._backlog.pop(0)
+        try:
+            return self._inbox.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
 
     def _more_reports(self, first: Report) -> list[Any]:
         """The report just read plus any that queue right behind it, so one
@@ -226,19 +340,26 @@ class Lane:
                 self._backlog.append(message)
         return raws
 
+    def _drain(self) -> list[Message]:
+        out = list(self._backlog)
+        self._backlog.clear()
+        while True:
+            try:
+                out.append(self._inbox.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return out
+
     # -- the task ----------------------------------------------------------------
 
     async def run(self) -> None:
         try:
-            if self.arriving and self.f.providers.serving(self.key, self.agent) is None:
-                await self._settle(st.FAILED, reasons.AGENT_OFFLINE)
-                return
-            if await self._until_accepted():
-                await self._while_held()
+            await self._live()
         except Exception:
-            # A bug in one run must not end every other conversation: the run
-            # stays as recorded (a restart settles it) and the fault is logged.
-            log.exception("run %s: lane failed; the run is left as recorded", self.run_id)
+            # A bug in one run must not end every other conversation, nor
+            # leave this one wedged: it fails alone.
+            log.exception("run %s: lane failed; the run fails (%s)", self.run_id,
+                          "funduq_error")
+            await self._fault()
         finally:
             # What is still unread gets its due: a cancel an answer, a baton
             # its next holder. Drain before closing -- a closed inbox is empty.
@@ -249,84 +370,131 @@ class Lane:
                     message.refuse()  # the run ended (or paused) first
                 elif isinstance(message, Wake):
                     self._baton = self._baton or message.baton
+            self._took_reports(self.unread_reports)  # dropped: nobody waits on them
+            for cancel in self._cancels:
+                cancel.refuse()
+            self._cancels.clear()
+            if self._place is not None:
+                self._release_place(wake=True)  # the fault could not settle: still free it
             self.f.providers.stop_waiting(self.key, self)
             self._pass_baton()
             if self.thread is not None:
                 self.thread.leave(self)
             self.feed.close()
-            self.f._lane_ended(self)
+            self.f.lane_ended(self)
 
-    def _drain(self) -> list[Message]:
-        out = list(self._backlog)
-        self._backlog.clear()
-        while True:
+    async def _fault(self) -> None:
+        self._faulted = True
+        m = self.machine
+        if m.over and self._recorded != m.status:
+            # The write that was to end the run is what failed: fail the run
+            # from where the record has it.
+            self.machine = RunMachine(self._recorded)
+            self.machine.reported_error = m.reported_error
+        try:
+            await self._do(self.machine.handle(Input.FAULT))
+        except Exception:
+            log.exception("run %s: could not settle it after a fault", self.run_id)
+
+    async def _live(self) -> None:
+        m = self.machine
+        if self.arriving and self.f.providers.serving(self.key, self.agent) is None:
+            # Served when the door took it, gone by the lane's first step.
+            await self._do(m.handle(Input.ARRIVED_UNSERVED))
+        while not m.over:
+            if m.phase is Phase.WAITING:
+                message = await self._pending_wait()
+                if message is None:
+                    continue
+            elif m.phase in (Phase.HELD, Phase.STOPPING):
+                message = await self._receive(self._undelivered_at)
+                if message is None:
+                    # Silence is not a verdict: counted against the provider,
+                    # once, and the run is left alone.
+                    self._undelivered_at = math.inf
+                    await self._do(m.handle(Input.UNDELIVERED_WINDOW_OVER))
+                    continue
+            else:
+                raise rm.RunProtocolError(f"lane idle in phase {m.phase.value!r}")
+            await self._on_message(message)
+
+    async def _on_message(self, message: Message) -> None:
+        m = self.machine
+        if isinstance(message, Turn):
+            await self._do(m.handle(Input.TURN))
+        elif isinstance(message, Wake):
+            self._baton = self._baton or message.baton
+            await self._do(m.handle(Input.WAKE))
+        elif isinstance(message, Cancel):
+            self._cancels.append(message)
+            await self._do(m.handle(Input.CANCEL))
+        elif isinstance(message, Report):
+            raws = self._more_reports(message)
+            self._took_reports(len(raws))
+            if m.phase not in (Phase.HELD, Phase.STOPPING):
+                await self._do(m.handle(Input.REPORT))  # a run nobody holds: nothing
+                return
+            await self._report(raws)
+        elif isinstance(message, Finish):
+            await self._do(m.handle(Input.FINISH))
+        elif isinstance(message, Gone):
+            await self._do(m.handle(Input.LINK_GONE))
+
+    async def _report(self, raws: list[Any]) -> None:
+        """Validate a burst; the machine relays it (persist, then publish) or,
+        for a malformed event, relays the valid ones before it and fails the run."""
+        events: list[dict[str, Any]] = []
+        finished: str | None = None
+        errored = False
+        for raw in raws:
             try:
-                out.append(self._inbox.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return out
+                event = agui.read_event(raw)
+            except agui.MalformedEvent as exc:
+                log.info("run %s: malformed event from provider: %s", self.run_id, exc)
+                self._burst = events
+                await self._do(self.machine.handle(Input.MALFORMED, reason=agui.MALFORMED,
+                                                   finished=finished, errored=errored))
+                return
+            kind = event["type"]
+            if kind == agui.RUN_FINISHED:
+                self._finished = event
+                finished = agui.outcome_of(event)
+            elif kind == agui.RUN_ERROR:
+                errored = True
+            self._note_text(event)
+            events.append(event)
+        self._burst = events
+        await self._do(self.machine.handle(Input.REPORT, finished=finished, errored=errored))
 
     # -- pending: waiting for a turn, a place, an answer --------------------------
 
-    async def _until_accepted(self) -> bool:
-        """Returns True once a provider holds the run, False once it settled."""
-        head = False
-        declined = False
-        while True:
-            drained = self._drain()
-            for i, message in enumerate(drained):
-                outcome = await self._pending_message(message)
-                if outcome == "settled":
-                    self._backlog.extend(drained[i + 1:])
-                    return False
-                head = head or outcome == "turn"
-                declined = declined and outcome != "wake"
-            if not head:
-                message = await self._receive()
-            else:
-                session = self.f.providers.serving(self.key, self.agent)
-                if session is None:
-                    self._pass_baton()
-                    grace = self.f.settings.unserved_grace_seconds
-                    deadline = self.f.providers.unserved_since(self.key, self.agent) + grace
-                    self.f.providers.wait(self.key, self, for_room=False)
-                    message = await self._receive(deadline)
-                    if message is None:
-                        await self._settle(st.FAILED, reasons.NO_PROVIDER_TOOK_IT)
-                        return False
-                elif declined or not session.has_room():
-                    self._pass_baton()
-                    self.f.providers.wait(self.key, self, for_room=True)
-                    message = await self._receive()
-                else:
-                    answer = await self._offer(session)
-                    if answer == "accepted":
-                        return True
-                    if answer == "settled":
-                        return False
-                    declined = answer == "declined"
-                    continue
-            self.f.providers.stop_waiting(self.key, self)
-            outcome = await self._pending_message(message)
-            if outcome == "settled":
-                return False
-            head = head or outcome == "turn"
-            declined = declined and outcome != "wake"
-
-    async def _pending_message(self, message: Message | None) -> str:
-        if isinstance(message, Turn):
-            return "turn"
-        if isinstance(message, Wake):
-            self._baton = self._baton or message.baton
-            return "wake"
-        if isinstance(message, Cancel):
-            self._cancel_requested = True
-            self._note_cancel(message.by)
-            await self._settle(st.CANCELLED)
-            message.applied(self.snapshot())
-            return "settled"
-        # Reports, finishes and "gone" for a run nobody holds: nothing to apply.
-        log.debug("run %s ignored %r while pending", self.run_id, message)
-        return "ignored"
+    async def _pending_wait(self) -> Message | None:
+        """The next message for a queued run; None when the lane acted instead
+        (offered, or its unserved window ran out)."""
+        message = self._receive_nowait()
+        if message is not None or not self.machine.wants_place:
+            return message if message is not None else await self._receive()
+        providers = self.f.providers
+        session = providers.serving(self.key, self.agent)
+        if session is None:
+            self._pass_baton()
+            grace = self.f.settings.unserved_grace_seconds
+            deadline = providers.unserved_since(self.key, self.agent) + grace
+            providers.wait(self.key, self, for_room=False)
+            message = await self._receive(deadline)
+            if message is None:
+                providers.stop_waiting(self.key, self)
+                await self._do(self.machine.handle(Input.UNSERVED_WINDOW_OVER))
+                return None
+        elif self.machine.declined or not session.has_room():
+            self._pass_baton()
+            providers.wait(self.key, self, for_room=True)
+            message = await self._receive()
+        else:
+            await self._offer_to(session)
+            return None
+        providers.stop_waiting(self.key, self)
+        return message
 
     def _pass_baton(self) -> None:
         """A lane woken for a freed place that will not use it hands the
@@ -337,159 +505,193 @@ class Lane:
             if session is not None and session.live and session.has_room():
                 self.f.providers.wake_for_room(self.key)
 
-    async def _await_answer(self, offer: Any, session: ProviderSession) -> None:
-        """Wait for the answer within the delivery timeout -- of the *link's*
-        silence. An answer travels behind the provider's reports on the same
-        link, so while the link keeps delivering, a late answer may be
-        funduq's own backlog, not the provider's fault: the clock restarts
-        from the last frame heard, and only a whole timeout of silence counts."""
+    async def _await_answer(self, offer: Offer, session: ProviderSession) -> None:
+        """Wait for the answer within the delivery timeout of the link's
+        silence, and at most DELIVERY_BOUND timeouts in all (module docstring)."""
         timeout = self.f.settings.deliver_timeout_seconds
         sent = trio.current_time()
+        bound = sent + DELIVERY_BOUND * timeout
         while True:
-            deadline = max(sent, session.last_heard) + timeout
+            deadline = min(max(sent, session.last_heard) + timeout, bound)
             with trio.move_on_at(deadline):
                 await offer.answered.wait()
                 return
-            if not session.live or max(sent, session.last_heard) + timeout <= deadline:
+            if not session.live or deadline >= bound \
+                    or max(sent, session.last_heard) + timeout <= deadline:
                 return
 
-    async def _offer(self, session: ProviderSession) -> str:
-        offer = session.reserve(self)
+    async def _offer_to(self, session: ProviderSession) -> None:
+        m = self.machine
+        self._offer = session.reserve(self)
+        self._place = session
         self._baton = False
+        await self._do(m.handle(Input.PLACE_FOUND))
+        # A cancel that came while the offering write was made: nothing has
+        # left yet, so it is applied now ("queued: cancelled at once").
+        for message in self._drain():
+            if isinstance(message, Cancel) and m.phase is Phase.RESERVED:
+                self._cancels.append(message)
+                await self._do(m.handle(Input.CANCEL))
+            else:
+                self._backlog.append(message)
+        if m.phase is not Phase.RESERVED:
+            return
+        offer = self._offer
+        await self._do(m.handle(Input.OFFER_READY))
+        if m.phase in (Phase.SETTLED,):
+            return  # the offer could not leave
         self.awaiting_answer = True
         try:
-            if not await self._move(st.OFFERING):
-                session.give_back()
-                return "settled"
-            session.send(offer, self.f._offer_payload(self))
             await self._await_answer(offer, session)
-            session.withdraw(offer)
         finally:
             self.awaiting_answer = False
-        verdict, reason = offer.verdict, offer.reason
-        if verdict == ACCEPTED:
-            # Not awaited: the record's writer is first-in first-out, so every
-            # event persisted (and relayed) later lands after this status.
-            await self._move(st.RUNNING, stamp="started_at", wait=False)
-            self.thread.leave(self)
-            self._session = session
-            return "accepted"
-        if verdict == REFUSED:
-            session.give_back()
-            # A refusal is permanent and the reason is the provider's, verbatim.
-            await self._settle(st.FAILED, reason or "refused")
-            return "settled"
-        await self._move(st.QUEUED)
-        if verdict == DECLINED:
-            session.give_back(wake=False)
-            await self.f.providers.count(self.key, "misdeclared")
-            return "declined"
-        session.give_back()
-        if offer.answered.is_set():  # resolved with no verdict: the link went away
-            return "gone"
-        await self.f.providers.count(self.key, "unanswered")
-        return "unanswered"
-
-    # -- held: relaying until the stream ends --------------------------------------
-
-    async def _while_held(self) -> None:
-        session = self._session
-        deadline = trio.current_time() + self.f.settings.undelivered_window_seconds
-        while True:
-            message = await self._receive(deadline)
-            if message is None:
-                # Silence is not a verdict: count it against the provider, once,
-                # and leave the run alone.
-                deadline = math.inf
-                await self.f.providers.count(self.key, "undelivered")
-                continue
-            if isinstance(message, Report):
-                if not await self._relay(self._more_reports(message), session):
-                    return
-            elif isinstance(message, Finish):
-                await self._funnel(session)
-                return
-            elif isinstance(message, Cancel):
-                if self.status == st.RUNNING:
-                    self._cancel_requested = True
-                    self._note_cancel(message.by)
-                    if await self._move(st.CANCELLING):
-                        session.cancel(self.run_id)
-                message.applied(self.snapshot())
-            elif isinstance(message, Gone):
-                session.release(self.run_id)
-                await self._settle(st.FAILED, reasons.PROVIDER_LEFT_HOLDING_IT)
-                await self.f.providers.count(self.key, "abandoned")
-                return
-
-    async def _relay(self, raws: list[Any], session: ProviderSession) -> bool:
-        """Validate, persist, then relay a burst of reported events. A
-        malformed one fails the run; the valid ones before it are kept."""
-        events = []
-        for raw in raws:
-            try:
-                event = agui.read_event(raw)
-            except agui.MalformedEvent as exc:
-                log.info("run %s: malformed event from provider: %s", self.run_id, exc)
-                await self._append(events)
-                session.cancel(self.run_id)  # please stop: the run is over for us
-                session.release(self.run_id)
-                await self._settle(st.FAILED, agui.MALFORMED)
-                return False
-            kind = event["type"]
-            if kind == agui.RUN_FINISHED:
-                self._finished = event
-            elif kind == agui.RUN_ERROR:
-                self._reported_error = True
-            self._note_text(event)
-            events.append(event)
-        await self._append(events)
-        return True
-
-    async def _funnel(self, session: ProviderSession) -> None:
-        """How a run that reached a provider settles: first match wins."""
-        session.release(self.run_id)
-        outcome = agui.outcome_of(self._finished) if self._finished else None
-        if outcome == "interrupt":
-            self.metadata["interrupts"] = agui.interrupts_of(self._finished)
-            await self._move(st.INPUT_REQUIRED, stamp="completed_at",
-                             then=self.f._replies_writer(self))
-        elif outcome == "cancelled" and self._cancel_requested:
-            # AG-UI 1.0's own word that the run stopped as asked.
-            await self._settle(st.CANCELLED)
-        elif outcome is not None:
-            await self._settle(st.COMPLETED)
-        elif self._cancel_requested:
-            await self._settle(st.CANCELLED)
+        if offer.verdict is not None:
+            await self._do(m.handle(Input(Verdict(offer.verdict).value),
+                                    reason=offer.reason or "refused"))
+            if m.phase in (Phase.HELD, Phase.STOPPING):
+                self._undelivered_at = (trio.current_time()
+                                        + self.f.settings.undelivered_window_seconds)
+        elif offer.answered.is_set():  # resolved with no verdict: the link went away
+            await self._do(m.handle(Input.LINK_GONE))
         else:
-            await self._settle(st.FAILED, reasons.STREAM_ENDED_WITHOUT_FINISHING)
+            await self._do(m.handle(Input.UNANSWERED))
+
+    # -- carrying out the machine's actions ------------------------------------------
+
+    async def _do(self, actions: list[rm.Action]) -> None:
+        for action in actions:
+            if isinstance(action, rm.Move):
+                await self._move(action.to, stamp=action.stamp, soon=action.soon)
+            elif isinstance(action, rm.Settle):
+                await self._settle(action)
+            elif isinstance(action, rm.Pause):
+                self.metadata["interrupts"] = agui.interrupts_of(self._finished or {})
+                await self._move(Status.INPUT_REQUIRED, stamp="completed_at",
+                                 then=self.f.replies_writer(self))
+            elif isinstance(action, rm.SendOffer):
+                await self._send_offer()
+            elif isinstance(action, rm.Withdraw):
+                if self._place is not None and self._offer is not None:
+                    self._place.withdraw(self._offer)
+            elif isinstance(action, rm.ReleasePlace):
+                self._release_place(wake=action.wake)
+            elif isinstance(action, rm.Relay):
+                burst, self._burst = self._burst, []
+                await self._append(burst)
+            elif isinstance(action, rm.AskToStop):
+                if self._place is not None:
+                    self._place.cancel(self.run_id)
+            elif isinstance(action, rm.Count):
+                try:
+                    await self.f.providers.count(self.key, action.counter)
+                except Exception as exc:
+                    if not record_trouble(exc):
+                        raise
+                    log.warning("run %s: could not record a %s strike: %s", self.run_id,
+                                action.counter, exc)
+            elif isinstance(action, rm.NoteCancel):
+                by = self._cancels[0].by if self._cancels else None
+                self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by
+            elif isinstance(action, rm.AnswerCancel):
+                if self._cancels:
+                    cancel = self._cancels.pop(0)
+                    if action.applied:
+                        cancel.applied(self.snapshot())
+                    else:
+                        cancel.refuse()
+            elif isinstance(action, rm.LeaveQueue):
+                if self.thread is not None:
+                    self.thread.leave(self)
+
+    async def _send_offer(self) -> None:
+        session, offer = self._place, self._offer
+        assert session is not None and offer is not None
+        try:
+            session.send(offer, self.f.offer_payload(self))
+        except (ValueError, TypeError) as exc:
+            # The link could not encode this offer: the run fails alone, the
+            # link stays up for the others.
+            log.warning("run %s: offer not encodable: %s", self.run_id, exc)
+            await self._do(self.machine.handle(Input.OFFER_NOT_ENCODABLE))
+
+    def _release_place(self, *, wake: bool) -> None:
+        session, self._place = self._place, None
+        offer, self._offer = self._offer, None
+        if session is None:
+            return
+        if session.held.get(self.run_id) is self:
+            session.release(self.run_id)
+        elif offer is not None:
+            session.give_back(wake=wake)
 
     # -- writing -------------------------------------------------------------------
+
+    async def _retrying(self, write: Callable[[], Any]) -> Any:
+        """``await write()`` until the record takes it. Only the medium's
+        troubles are retried (while they last the broker is not ready); any
+        other error is the lane's fault and propagates."""
+        pause = RETRY_SECONDS
+        while True:
+            try:
+                return await write()
+            except Exception as exc:
+                if not record_trouble(exc):
+                    raise
+                log.warning("run %s: record write failed (%s); retrying in %.1fs",
+                            self.run_id, exc, pause)
+            await trio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_SECONDS)
+
+    async def _confirm(self) -> None:
+        """Read the verdict of a move queued without waiting, before writing
+        anything after it: a move the record refused is not believed."""
+        pending, self._unconfirmed = self._unconfirmed, None
+        if pending is None:
+            return
+        try:
+            moved = await pending.result()
+        except Exception as exc:
+            if not record_trouble(exc):
+                raise
+            moved = await self._retrying(lambda: self.f.record.move(
+                self.run_id, Status.RUNNING, metadata=self.metadata,
+                stamp=("started_at", self.stamps.get("started_at") or time.time())))
+        if not moved:
+            raise MoveRefused(f"run {self.run_id}: the record refused the move to running")
 
     async def _append(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
+        await self._confirm()
         numbered = list(enumerate(events, start=self.next_seq))
+        await self._retrying(lambda: self.f.record.append_events(self.run_id, numbered))
         self.next_seq += len(events)
-        await self.f.record.append_events(self.run_id, numbered)
         self.f.metrics.events_recorded += len(numbered)
         for seq, event in numbered:
             self.feed.publish(seq, event)
 
-    async def _move(self, to: str, *, stamp: str | None = None,
-                    events: list[tuple[int, dict[str, Any]]] = (), then: Any = None,
-                    wait: bool = True) -> bool:
+    async def _move(self, to: Status, *, stamp: str | None = None,
+                    events: list[tuple[int, dict[str, Any]]] | None = None,
+                    then: Any = None, soon: bool = False) -> None:
+        await self._confirm()
         when = time.time()
-        moved = await self.f.record.move(self.run_id, to, metadata=self.metadata, events=events,
-                                         stamp=stamp and (stamp, when), then=then, wait=wait)
-        if moved:
-            self.status = to
-            if stamp:
-                self.stamps[stamp] = when
-            self.f.metrics.events_recorded += len(events)
-            if to in st.TERMINAL or to == st.INPUT_REQUIRED:
-                self.f.metrics.run_ended(to)
-        return moved
+        record = self.f.record
+        if soon:
+            # Not awaited: the record's writer is first-in first-out, so every
+            # event persisted (and relayed) later lands after this status; its
+            # verdict is read before the next write (_confirm).
+            self._unconfirmed = record.move_soon(self.run_id, to, metadata=self.metadata,
+                                                 stamp=(stamp, when) if stamp else None)
+        elif not await self._retrying(lambda: record.move(
+                self.run_id, to, metadata=self.metadata, events=events or (),
+                stamp=(stamp, when) if stamp else None, then=then)):
+            raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
+        self._recorded = to
+        if stamp:
+            self.stamps[stamp] = when
+        self.f.metrics.events_recorded += len(events or ())
+        if to in (Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED):
+            self.f.metrics.run_ended(to)
 
     def snapshot(self) -> dict[str, Any] | None:
         """The run's record as the lane knows it, when the lane saw all of its
@@ -504,21 +706,19 @@ class Lane:
                 "completedAt": iso(self.stamps.get("completed_at")),
                 "events": [{"seq": seq, "event": event} for seq, event in self.feed.events]}
 
-    async def _settle(self, to: str, reason: str | None = None) -> None:
+    async def _settle(self, settle: rm.Settle) -> None:
         """Write a terminal status; a failure nobody reported gets a RUN_ERROR."""
         events = []
-        if to == st.FAILED:
-            self.metadata["failureReason"] = reason
-            if not self._reported_error:
-                events.append((self.next_seq, agui.run_error(reason)))
-                self.next_seq += 1
-        if await self._move(to, stamp="completed_at", events=events,
-                            then=self.f._replies_writer(self)):
-            for seq, event in events:
-                self.feed.publish(seq, event)
-
-    def _note_cancel(self, by: str | None) -> None:
-        self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by
+        if settle.to is Status.FAILED:
+            self.metadata["failureReason"] = settle.reason
+        if settle.error_event:
+            events.append((self.next_seq, agui.run_error(settle.reason or "failed")))
+        # After a fault, the least that ends the run: no replies for its thread.
+        then = None if self._faulted else self.f.replies_writer(self)
+        await self._move(settle.to, stamp="completed_at", events=events, then=then)
+        self.next_seq += len(events)
+        for seq, event in events:
+            self.feed.publish(seq, event)
 
     def _note_text(self, event: dict[str, Any]) -> None:
         """Collect the assistant's text so the thread's history has replies."""

@@ -14,22 +14,20 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
 from ..identity import fingerprint_of
 from .errors import TooManyAgents
-from .inbox import Finish, Gone, Report, Wake
+from .inbox import Finish, Gone, Message, Report, Wake
 from .metrics import Metrics
 from .record import COUNTERS, Record, dumps
-
-if TYPE_CHECKING:
-    from .lanes import Lane
+from .run_machine import Verdict
 
 log = logging.getLogger("funduq.providers")
 
-ACCEPTED, DECLINED, REFUSED = "accepted", "declined", "refused"
+ACCEPTED, DECLINED, REFUSED = Verdict.ACCEPTED, Verdict.DECLINED, Verdict.REFUSED
 #: How many expired offers a session remembers, to answer a late acceptance.
 EXPIRED_OFFERS_KEPT = 1024
 VERDICTS = frozenset({ACCEPTED, DECLINED, REFUSED})
@@ -42,6 +40,20 @@ class ProviderLink(Protocol):
     def send_offer(self, offer_id: str, run: dict[str, Any]) -> None: ...
     def send_cancel(self, run_id: str) -> None: ...
     def close(self, reason: str) -> None: ...
+
+
+class Lane(Protocol):
+    """A run's lane as the registry sees it: an id and an inbox to tell."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    def tell(self, message: Message) -> None: ...
+
+    @property
+    def full(self) -> bool: ...
+
+    async def room(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -96,6 +108,8 @@ class ProviderSession:
         self.expired: dict[str, str] = {}
         #: When the link last delivered anything (trio clock): see Lane._offer.
         self.last_heard = trio.current_time()
+        #: Lanes this link reported to that are behind (see ``can_read``).
+        self.behind: dict[int, Lane] = {}
 
     # -- places ------------------------------------------------------------
 
@@ -187,7 +201,24 @@ class ProviderSession:
         if lane is None:
             return False
         lane.tell(Report(event))
+        if lane.full:
+            self.behind[id(lane)] = lane
         return True
+
+    async def can_read(self) -> None:
+        """Return once every run this link reported to has room again: the
+        link's reader awaits this before it reads the next message, so when
+        funduq falls behind recording a provider's reports, it stops reading
+        that provider (hypercorn's ``can_read``) instead of queueing without
+        bound. The time spent waiting is funduq's, not the provider's silence."""
+        waited = False
+        while self.behind:
+            _, lane = self.behind.popitem()
+            if lane.full:
+                waited = True
+                await lane.room()
+        if waited:
+            self.last_heard = trio.current_time()
 
     def finish(self, run_id: str) -> bool:
         self.last_heard = trio.current_time()

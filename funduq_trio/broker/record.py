@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import trio
 
@@ -127,6 +127,28 @@ class _Write:
     error: BaseException | None = None
 
 
+def record_trouble(exc: BaseException) -> bool:
+    """A write failed because of the record's medium (disk full, I/O error,
+    a lock held too long), not because of what it wrote: worth retrying."""
+    return isinstance(exc, sqlite3.OperationalError)
+
+
+class PendingWrite:
+    """A write queued with ``write_soon``: its result, once its batch committed."""
+
+    __slots__ = ("_op", "_done", "_record")
+
+    def __init__(self, record: Record, op: _Write, done: trio.Event) -> None:
+        self._record, self._op, self._done = record, op, done
+
+    async def result(self) -> Any:
+        await self._done.wait()
+        self._record._note(self._op)
+        if self._op.error is not None:
+            raise self._op.error
+        return self._op.result
+
+
 class Record:
     """The SQLite record. Use ``async with open_record(path) as record``."""
 
@@ -139,6 +161,9 @@ class Record:
         self._idle_readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
         self._writer_conn: sqlite3.Connection | None = None
+        #: The last write failed for the medium's sake (see ``record_trouble``):
+        #: funduq is not ready and takes no new runs until a write succeeds.
+        self.failing = False
         self.commits = 0  # group commits done (for benchmarks)
         self.writes = 0
 
@@ -183,16 +208,38 @@ class Record:
         done = self._batch_done
         self._wake.set()
         await done.wait()
+        self._note(op)
         if op.error is not None:
             raise op.error
-        return op.result
+        return cast(T, op.result)
 
-    def write_soon(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
+    def _note(self, op: _Write) -> None:
+        if op.error is None:
+            self.failing = False
+        elif record_trouble(op.error):
+            self.failing = True
+
+    def write_soon(self, fn: Callable[[sqlite3.Connection], Any]) -> PendingWrite:
         """Queue ``fn`` for the next group commit without waiting for it. The
         writer is first-in first-out, so anything written (and awaited) after
-        it is durable only once this is too."""
-        self._pending.append(_Write(fn))
+        it is durable only once this is too. Its result (or error) is the
+        returned handle's, once that commit is done."""
+        op = _Write(fn)
+        self._pending.append(op)
         self._wake.set()
+        return PendingWrite(self, op, self._batch_done)
+
+    async def probe(self) -> bool:
+        """Try a write that touches the file (the header's user_version, set
+        to itself); True when it went through. Clears ``failing`` then."""
+        def touch(conn: sqlite3.Connection) -> None:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            conn.execute(f"PRAGMA user_version={int(version)}")
+        try:
+            await self.write(touch)
+        except sqlite3.Error:
+            return False
+        return True
 
     def _begin_now(self) -> bool:
         """Take the write lock without waiting; False when someone else holds
@@ -282,6 +329,13 @@ class Record:
                 self._apply(ops, begun=True)  # on the trio thread: see the module docstring
             else:
                 await trio.to_thread.run_sync(self._apply_waiting, ops)
+        except sqlite3.Error as exc:
+            # The file failed before any write could start (an I/O error at
+            # BEGIN): each write of the batch fails with it, and the writer
+            # lives on for the next batch -- a dead writer would wedge every run.
+            log.warning("group commit failed: %s", exc)
+            for op in ops:
+                op.error = op.error or exc
         except BaseException as exc:
             for op in ops:
                 op.error = op.error or exc
@@ -304,19 +358,31 @@ class Record:
 
     # -- the writes the broker makes -----------------------------------------
 
-    async def move(
+    async def move(self, run_id: str, to: str, **changes: Any) -> bool:
+        """Guarded status write, with any events and metadata that go with it,
+        in one transaction, and ``then`` after it when it moved (the changes
+        are ``_move_write``'s). Returns False (and writes nothing) when the run
+        is not in a status the move starts from. ``move_soon`` queues the same
+        write without waiting for it."""
+        return await self.write(self._move_write(run_id, to, **changes))
+
+    def move_soon(self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
+                  stamp: tuple[str, float] | None = None) -> PendingWrite:
+        """``move`` queued without waiting (first-in first-out): whatever is
+        written after it lands after it. Its verdict is the handle's result."""
+        return self.write_soon(self._move_write(run_id, to, metadata=metadata, stamp=stamp))
+
+    def _move_write(
         self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
         events: Iterable[tuple[int, dict[str, Any]]] = (),
-        stamp: tuple[str, float] | None = None,
+        stamp: tuple[str, float | None] | None = None,
         run_input: dict[str, Any] | None = None, arrival: int | None = None,
-        then: Callable[[sqlite3.Connection], Any] | None = None, wait: bool = True,
-    ) -> bool:
-        """Guarded status write, with any events and metadata that go with it,
-        in one transaction, and ``then`` after it when it moved. Returns False
-        (and writes nothing) when the run is not in a status the move starts
-        from. ``wait=False`` queues it without waiting (first-in first-out)."""
+        caller_metadata: str | None = None,
+        then: Callable[[sqlite3.Connection], Any] | None = None,
+    ) -> Callable[[sqlite3.Connection], bool]:
         src = tuple(statuses.sources(to))
-        sets, args = ["status=?"], [to]
+        sets: list[str] = ["status=?"]
+        args: list[Any] = [to]
         if metadata is not None:
             sets.append("metadata=?")
             args.append(dumps(metadata))
@@ -330,6 +396,9 @@ class Record:
         if arrival is not None:
             sets.append("arrival=?")
             args.append(arrival)
+        if caller_metadata is not None:
+            sets.append("caller_metadata=?")
+            args.append(caller_metadata)
         sql = (f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
                f"({','.join('?' * len(src))})")
         rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
@@ -344,10 +413,7 @@ class Record:
                 log.error("run %s: guarded write to %r refused", run_id, to)
             return moved
 
-        if not wait:
-            self.write_soon(apply)
-            return True
-        return await self.write(apply)
+        return apply
 
     async def append_events(self, run_id: str, events: list[tuple[int, dict[str, Any]]]) -> None:
         rows = [(run_id, seq, dumps(event)) for seq, event in events]

@@ -52,13 +52,9 @@ from a2a.utils.errors import (
     JSON_RPC_ERROR_CODE_MAP,
     A2AError,
     ExtendedAgentCardNotConfiguredError,
-    InternalError,
     InvalidParamsError,
     InvalidRequestError,
     PushNotificationNotSupportedError,
-    TaskNotCancelableError,
-    TaskNotFoundError,
-    UnsupportedOperationError,
     VersionNotSupportedError,
 )
 from a2a.utils.proto_utils import parse_lenient, validate_proto_required_fields
@@ -1077,74 +1073,4 @@ def list_tasks_response(
 
 # ---------------------------------------------------------------- broker errors
 
-NOT_AUTHORIZED_MESSAGE = (
-    "Not authorized: this thread is bound, so the request must carry a signature "
-    "(params.metadata.cancel for a cancel, params.metadata.resolution for an answer) "
-    "by its segment head or the agent's own provider"
-)
-
-
-def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
-    """The A2A error a broker exception reads as (by class name, along the MRO,
-    so the door needs no import of error classes the broker may add)."""
-    names = [cls.__name__ for cls in type(exc).__mro__]
-    detail = str(exc)
-
-    def first(*candidates: str) -> str | None:
-        return next((n for n in names if n in candidates), None)
-
-    name = first(
-        "RunNotFound",
-        "RunNotCancellable",
-        "RunNotPaused",
-        "UnknownThread",
-        "AgentNotFound",
-        "InvalidRunInput",
-        "ThreadQueueFull",
-        "QueueLimitReached",
-        "NotAuthorized",
-        "InvalidActorChain",
-    )
-    if name == "RunNotFound":
-        return TaskNotFoundError(data={"taskId": task_id} if task_id else None)
-    if name == "RunNotCancellable":
-        return TaskNotCancelableError(data={"taskId": task_id} if task_id else None)
-    if name == "RunNotPaused":
-        return InvalidParamsError(
-            message=f"Task {task_id} is not waiting for input" if task_id else detail
-        )
-    if name == "UnknownThread":
-        return InvalidParamsError(
-            message=detail or "contextId names no conversation with this agent",
-            data={"reason": "unknown_context"},
-        )
-    if name == "AgentNotFound":
-        return InvalidRequestError(
-            message=detail or "No such agent at this endpoint", data={"reason": "agent_not_found"}
-        )
-    if name == "InvalidRunInput":
-        return InvalidParamsError(message=detail or "invalid run input")
-    if name == "ThreadQueueFull":
-        return UnsupportedOperationError(
-            message=detail
-            or "This conversation already holds as many pending messages as it may; "
-            "send again once one has been taken up",
-            data={"reason": "thread_queue_full"},
-        )
-    if name == "QueueLimitReached":
-        # funduq itself is full (docs/limits.md); like a full thread, "not now".
-        return UnsupportedOperationError(
-            message=detail or "funduq holds as many waiting tasks as it may; retry later",
-            data={"reason": getattr(exc, "code", "queue_limit_reached"),
-                  **{k: str(v) for k, v in (getattr(exc, "details", None) or {}).items()}},
-        )
-    if name == "NotAuthorized":
-        # Deliberately the same answer whatever state the run is in.
-        return InvalidParamsError(message=NOT_AUTHORIZED_MESSAGE, data={"reason": "not_authorized"})
-    if name == "InvalidActorChain":
-        return InvalidParamsError(
-            message=f"Invalid actorChain: {detail}" if detail else "Invalid actorChain",
-            data={"reason": "invalid_actor_chain"},
-        )
-    return InternalError(message=detail or type(exc).__name__)
 

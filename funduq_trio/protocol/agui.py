@@ -8,7 +8,7 @@ import functools
 from typing import Any
 
 from ag_ui.core import Event, EventType, RunAgentInput
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .reasons import INVALID_INPUT_PREFIX, MALFORMED_EVENT
 
@@ -52,7 +52,7 @@ def read_event(raw: Any) -> dict[str, Any]:
 
 
 @functools.cache
-def _omittable(model: type) -> frozenset[str]:
+def _omittable(model: type[BaseModel]) -> frozenset[str]:
     names: set[str] = set()
     for name, f in model.model_fields.items():
         if not f.is_required() and f.default is None:

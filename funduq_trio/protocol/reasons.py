@@ -11,3 +11,8 @@ MALFORMED_EVENT = "provider sent a malformed AG-UI event"
 INVALID_INPUT_PREFIX = "input does not validate as RunAgentInput: "
 # Reserved and never produced: a pause has no deadline of funduq's.
 PAUSED_NO_RESUME = "paused_no_resume"
+#: funduq itself failed while handling the run (a bug, or a record write it
+#: could not make): the run fails alone and its provider is asked to stop.
+FUNDUQ_ERROR = "funduq_error"
+#: The run's offer frame could not be encoded for the link: the run fails alone.
+OFFER_NOT_ENCODABLE = "offer_not_encodable"

@@ -22,19 +22,35 @@ status or a move is a one-line change here and nowhere else.
 
 from __future__ import annotations
 
+import enum
 from typing import Final
 
-QUEUED: Final = "queued"
-OFFERING: Final = "offering"
-RUNNING: Final = "running"
-CANCELLING: Final = "cancelling"
-INPUT_REQUIRED: Final = "input-required"
-COMPLETED: Final = "completed"
-FAILED: Final = "failed"
-CANCELLED: Final = "cancelled"
+
+class Status(enum.StrEnum):
+    """A run's recorded status. A ``str``: ``Status.QUEUED == "queued"``, and the
+    record's text column holds exactly these values."""
+
+    QUEUED = "queued"
+    OFFERING = "offering"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    INPUT_REQUIRED = "input-required"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+QUEUED: Final = Status.QUEUED
+OFFERING: Final = Status.OFFERING
+RUNNING: Final = Status.RUNNING
+CANCELLING: Final = Status.CANCELLING
+INPUT_REQUIRED: Final = Status.INPUT_REQUIRED
+COMPLETED: Final = Status.COMPLETED
+FAILED: Final = Status.FAILED
+CANCELLED: Final = Status.CANCELLED
 
 #: to-status -> the statuses a run may be in for the move to apply.
-MOVES: Final[dict[str, frozenset[str]]] = {
+MOVES: Final[dict[Status, frozenset[Status]]] = {
     OFFERING: frozenset({QUEUED}),
     RUNNING: frozenset({OFFERING}),
     QUEUED: frozenset({OFFERING, INPUT_REQUIRED}),
@@ -45,7 +61,7 @@ MOVES: Final[dict[str, frozenset[str]]] = {
     FAILED: frozenset({QUEUED, OFFERING, RUNNING, CANCELLING}),
 }
 
-ALL: Final = frozenset(MOVES) | frozenset().union(*MOVES.values())
+ALL: Final[frozenset[Status]] = frozenset(Status)
 #: A terminal status is one nothing moves out of.
 TERMINAL: Final = frozenset(s for s in ALL if not any(s in src for src in MOVES.values()))
 ACTIVE: Final = ALL - TERMINAL
@@ -57,6 +73,6 @@ HELD: Final = MOVES[COMPLETED]
 ORPHANED_BY_RESTART: Final = frozenset({OFFERING}) | HELD
 
 
-def sources(to: str) -> frozenset[str]:
+def sources(to: str) -> frozenset[Status]:
     """The from-statuses a guarded write to ``to`` names."""
-    return MOVES[to]
+    return MOVES[Status(to)]

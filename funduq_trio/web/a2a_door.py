@@ -50,6 +50,7 @@ from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 from ..broker.errors import FunduqError, RunNotPaused
 from ..identity import InvalidActorChain
 from ..protocol import a2a, statuses
+from .door_errors import a2a_error
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 CARD_PATH = "/.well-known/agent-card.json"
@@ -131,7 +132,7 @@ class A2ADoor:
         except A2AError as exc:
             return _json(a2a.error_response(call, exc))
         except CALLER_ERRORS as exc:
-            return _json(a2a.error_response(call, a2a.broker_error(exc, task_id=_task_id(call))))
+            return _json(a2a.error_response(call, a2a_error(exc, task_id=_task_id(call))))
         except Exception as exc:
             log.exception("A2A %s failed", call.method)
             return _json(a2a.error_response(call, InternalError(message=str(exc) or None)))
@@ -346,7 +347,7 @@ class A2ADoor:
         except A2AError as exc:
             yield [a2a.error_response(call, exc)]
         except CALLER_ERRORS as exc:
-            yield [a2a.error_response(call, a2a.broker_error(exc, task_id=run_id))]
+            yield [a2a.error_response(call, a2a_error(exc, task_id=run_id))]
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
             yield [a2a.error_response(call, InternalError(message=str(exc) or None))]

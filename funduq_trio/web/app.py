@@ -7,9 +7,10 @@ page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
   ``max_body_bytes`` 413, a door's own 400s) keep their status; ``code`` is the
   exception's ``error_code`` attribute if it has one, else its snake-cased name.
 - A broker error (`FunduqError`) escaping a handler maps by class, see
-  `BROKER_ERROR_STATUS`: unknown ids 404, refused input 400, full thread 429,
-  missing authority 403, a run in the wrong state 409, funduq's own queue
-  bounds reached 503 (docs/limits.md).
+  `web/door_errors.py` `DOOR_ANSWERS`: unknown ids 404, refused input 400,
+  full thread 429, missing authority 403, a run in the wrong state 409, a
+  record that cannot write or funduq's own queue bounds reached 503
+  (docs/limits.md).
 - Anything else is logged and answered 500.
 """
 
@@ -27,27 +28,9 @@ from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .door_errors import door_answer
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
-
-# Broker error class name -> (HTTP status, error code). Looked up along the
-# exception's MRO, so a subclass the broker adds later inherits its parent's.
-BROKER_ERROR_STATUS: dict[str, tuple[int, str]] = {
-    "AgentNotFound": (404, "agent_not_found"),
-    "UnknownThread": (404, "thread_not_found"),
-    "RunNotFound": (404, "run_not_found"),
-    "InvalidRunInput": (400, "invalid_run_input"),
-    "ThreadQueueFull": (429, "thread_queue_full"),
-    "NotAuthorized": (403, "not_authorized"),
-    "InvalidActorChain": (403, "invalid_actor_chain"),
-    "RunNotCancellable": (409, "run_not_cancellable"),
-    "RunNotPaused": (409, "run_not_paused"),
-    # funduq is full (docs/limits.md): nothing was recorded, retry later.
-    "QueuedRunsLimit": (503, "queued_runs_limit"),
-    "AgentQueuedRunsLimit": (503, "agent_queued_runs_limit"),
-    "QueuedInputLimit": (503, "queued_input_bytes_limit"),
-    "FunduqError": (400, "bad_request"),
-}
 
 
 def error_body(
@@ -118,18 +101,12 @@ def create_app(funduq: Funduq) -> QuartTrio:
         return response
 
     @app.errorhandler(errors.FunduqError)
-    async def broker_error(exc: errors.FunduqError) -> Response:
-        status, code = 400, "bad_request"
-        for cls in type(exc).__mro__:
-            if cls.__name__ in BROKER_ERROR_STATUS:
-                status, code = BROKER_ERROR_STATUS[cls.__name__]
-                break
-        message = str(exc) or (type(exc).__doc__ or code).strip()
-        return json_error(status, code, message, getattr(exc, "details", None))
-
     @app.errorhandler(InvalidActorChain)
-    async def bad_actor_chain(exc: InvalidActorChain) -> Response:
-        return json_error(403, "invalid_actor_chain", str(exc))
+    async def broker_error(exc: Exception) -> Response:
+        answer = door_answer(exc)
+        message = str(exc) or (type(exc).__doc__ or answer.code).strip()
+        return json_error(answer.http_status, answer.code, message,
+                          getattr(exc, "details", None))
 
     mount_reads(app, funduq)
     mount_a2a_door(app, funduq)

@@ -260,6 +260,10 @@ class ProviderSocket:
                     nursery.start_soon(self._query, action)
                 else:
                     self._perform([action])
+            if self._session is not None:
+                # Backpressure: funduq is behind recording this provider's
+                # reports; read no more from it until it has caught up.
+                await self._session.can_read()
         # Closing: the writer sends what is queued, then the close. Meanwhile
         # keep reading (and dropping) what the provider still sends, so its
         # frames never back up into the server's queues and wedge the close.
