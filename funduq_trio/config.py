@@ -49,6 +49,11 @@ class Settings:
     body_timeout_seconds: float = 30.0
 
     @property
+    def database_is_postgres(self) -> bool:
+        """FUNDUQ_DATABASE_URL names a PostgreSQL database (postgresql://...)."""
+        return (self.database_url or "").startswith(POSTGRES_SCHEMES)
+
+    @property
     def database_path(self) -> Path:
         """The SQLite file: FUNDUQ_DATABASE_URL (sqlite:///path) or the data dir's."""
         url = self.database_url
@@ -57,7 +62,7 @@ class Settings:
         if url.startswith("sqlite:///"):
             return Path(url[len("sqlite:///") :])
         raise ValueError(
-            f"FUNDUQ_DATABASE_URL {url!r}: only sqlite:///path is supported by this build"
+            f"FUNDUQ_DATABASE_URL {url!r}: not a SQLite URL (sqlite:///path)"
         )
 
     def problems(self) -> list[str]:
@@ -92,11 +97,11 @@ class Settings:
         if self.operator_token is not None and not OPERATOR_TOKEN.fullmatch(self.operator_token):
             found.append(f"{env_name('operator_token')}: must be 16 to 256 characters of "
                          "letters, digits, '-', '_' or '.'")
-        if self.database_url is not None:
-            try:
-                _ = self.database_path
-            except ValueError as exc:
-                found.append(str(exc))
+        if self.database_is_postgres:
+            found += _postgres_problems(self.database_url or "")
+        elif self.database_url is not None and not self.database_url.startswith("sqlite:///"):
+            found.append(f"FUNDUQ_DATABASE_URL {self.database_url!r}: give sqlite:///path or "
+                         "postgresql://user@host:port/database")
         return found
 
     def replace(self, **changes: Any) -> Settings:
@@ -113,6 +118,25 @@ class Settings:
                 values[f.name] = parse_value(f.name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+#: The URL schemes of the PostgreSQL store.
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def _postgres_problems(url: str) -> list[str]:
+    """A PostgreSQL URL's problems found without connecting: the driver
+    missing, or a URL libpq cannot parse."""
+    try:
+        from psycopg import conninfo
+    except ImportError:
+        return [f"FUNDUQ_DATABASE_URL {url!r}: the PostgreSQL store needs psycopg; "
+                "install funduq-trio[postgres]"]
+    try:
+        conninfo.conninfo_to_dict(url)
+    except Exception as exc:  # noqa: BLE001 -- whatever libpq objects to
+        return [f"FUNDUQ_DATABASE_URL: not a PostgreSQL URL libpq accepts ({exc})"]
+    return []
 
 
 def env_name(field_name: str) -> str:

@@ -323,10 +323,8 @@ async def test_a_settling_write_that_raises_still_ends_the_run(tmp_path, mock_cl
         p = await Provider(funduq).attach()
         t = await accepted(funduq, p)
 
-        def broken_replies(conn):
-            raise RuntimeError("a bug in the thread's history write")
-
-        funduq.replies_writer = lambda lane: broken_replies
+        # A bug in the thread's history write: a message row short of columns.
+        funduq.reply_messages = lambda lane: [(lane.thread_id, 0, "m")]
         p.stream(t.run_id, *reply(t.run_id, t.thread_id))
         run = await record_of(funduq, t.run_id)
         assert run["status"] == "failed"

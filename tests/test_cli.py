@@ -38,7 +38,8 @@ def test_flags_override_the_environment():
         (["--thread-queue-limit", "0"], {}, "FUNDUQ_THREAD_QUEUE_LIMIT"),
         (["--lane-inbox-reports", "0"], {}, "FUNDUQ_LANE_INBOX_REPORTS"),
         (["--provider-keys", "abc"], {}, "FUNDUQ_PROVIDER_KEYS"),
-        (["--database-url", "postgres://x"], {}, "FUNDUQ_DATABASE_URL"),
+        (["--database-url", "mysql://x"], {}, "FUNDUQ_DATABASE_URL"),
+        (["--database-url", "postgresql://x/db?bogus=1"], {}, "FUNDUQ_DATABASE_URL"),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
     ],
 )

@@ -13,7 +13,6 @@ import contextvars
 import json
 import logging
 import secrets
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -44,8 +43,8 @@ from .inbox import Cancel
 from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
-from .record import Record, dumps, iso, open_record, record_trouble
 from .run_machine import Input, Move, RunMachine, Settle
+from .store import Store, dumps, iso, open_store, record_trouble
 
 log = logging.getLogger("funduq")
 
@@ -95,7 +94,7 @@ class Funduq:
         self.identity = identity
         #: The operator's bearer token (see _load_operator_token).
         self.operator_token = ""
-        self.record: Record
+        self.record: Store
         self.providers: Providers
         self.lanes: dict[str, Lane] = {}
         self.threads: dict[str, ThreadLanes] = {}
@@ -123,8 +122,7 @@ class Funduq:
     async def __aenter__(self) -> Funduq:
         await self._stack.__aenter__()
         try:
-            self.record = await self._stack.enter_async_context(
-                open_record(self.settings.database_path))
+            self.record = await self._stack.enter_async_context(open_store(self.settings))
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
@@ -132,7 +130,7 @@ class Funduq:
                                        self._provider_thread_messages, self.metrics,
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
-            self.providers.load()
+            await self.providers.load()
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
@@ -170,30 +168,16 @@ class Funduq:
         """After a restart: what nobody can still be holding fails
         ``orphaned_by_restart``; queued runs queue again in arrival order;
         paused runs stay answerable."""
-        orphaned = tuple(st.ORPHANED_BY_RESTART)
-
-        def read(conn: Any) -> tuple[int, list[Any], list[Any]]:
-            arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
-            marks = ",".join("?" * len(orphaned))
-            orphans = conn.execute(
-                f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
-                f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
-                f"AND json_extract(e.event, '$.type') = 'RUN_ERROR') "
-                f"FROM runs r WHERE status IN ({marks})", orphaned).fetchall()
-            queued = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ? ORDER BY arrival",
-                (st.QUEUED,)).fetchall()
-            return arrival, orphans, queued
-
-        self._arrival, orphans, queued = await self.record.read(read)
+        self._arrival, orphans, queued = await self.record.restore_reads(
+            tuple(st.ORPHANED_BY_RESTART))
         for run_id, status, metadata, last_seq, reported in orphans:
             machine = RunMachine(status)
             machine.reported_error = bool(reported)
             for action in machine.handle(Input.RESTARTED):
                 assert isinstance(action, Settle), action
                 await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
-        for row in queued:
-            row = _run_row(row)
+        for found in queued:
+            row = _run_row(found)
             self.waiting.charge(row["id"], (row["provider_key"], row["agent_name"]),
                                 _input_size(row), force=True)
             await self._thread(row["thread_id"])  # its history, for the replies it will add
@@ -242,8 +226,8 @@ class Funduq:
     def offer_payload(self, lane: Lane) -> dict[str, Any]:
         return self._offer_payload(lane)
 
-    def replies_writer(self, lane: Lane) -> Any:
-        return self._replies_writer(lane)
+    def reply_messages(self, lane: Lane) -> list[tuple[Any, ...]] | None:
+        return self._reply_messages(lane)
 
     def lane_ended(self, lane: Lane) -> None:
         self._lane_ended(lane)
@@ -363,7 +347,7 @@ class Funduq:
                 self._unsee(info, messages, new=new_thread is not None)
                 raise
             try:
-                await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+                await self.record.insert_run(row, new_thread, messages)
             except BaseException as exc:
                 self.waiting.release(run_id)
                 if isinstance(exc, Exception) and record_trouble(exc):
@@ -439,9 +423,9 @@ class Funduq:
             info.message_count += 1
         return rows
 
-    def _replies_writer(self, lane: Lane) -> Any:
-        """The write that appends a run's assistant replies to its thread's
-        history, done in the same transaction as the run's settling."""
+    def _reply_messages(self, lane: Lane) -> list[tuple[Any, ...]] | None:
+        """The messages that append a run's assistant replies to its thread's
+        history, written in the same transaction as the run's settling."""
         info = self._thread_info.get(lane.thread_id)
         replies = lane.replies()
         if not replies or info is None:
@@ -453,7 +437,7 @@ class Funduq:
             rows.append((info.id, info.message_count, message["id"], lane.run_id, dumps(message)))
             info.message_ids.add(message["id"])
             info.message_count += 1
-        return lambda conn: conn.executemany(_INSERT_MESSAGE, rows)
+        return rows
 
     async def follow(self, run_id: str, after_seq: int = 0
                      ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
@@ -525,12 +509,7 @@ class Funduq:
             if run_id in self.lanes:
                 return
 
-            def read(conn: Any) -> Any:
-                return conn.execute(
-                    "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
-                    "WHERE e.run_id = r.id) FROM runs r WHERE id=?", (run_id,)).fetchone()
-
-            found = await self.record.read(read)
+            found = await self.record.run_progress(run_id)
             if found is None:
                 raise RunNotFound(run_id)
             status, last_seq = found
@@ -598,9 +577,7 @@ class Funduq:
         return run
 
     async def paused_run(self, thread_id: str) -> str | None:
-        return await self.record.read(lambda c: _scalar(c.execute(
-            "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
-            (thread_id, st.INPUT_REQUIRED))))
+        return await self.record.paused_run(thread_id, st.INPUT_REQUIRED)
 
     async def answer_pause(self, run_id: str, run_input: Any, *,
                            metadata: dict[str, Any] | None = None) -> RunTicket:
@@ -620,9 +597,10 @@ class Funduq:
         except agui.InvalidInput as exc:
             raise InvalidRunInput(str(exc)) from None
         await self._writable()
-        row = await self.record.read(lambda c: c.execute(
-            f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
-        row = _run_row(row)
+        found = await self.record.run_row(run_id)
+        if found is None:
+            raise RunNotFound(run_id)
+        row = _run_row(found)
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
@@ -646,10 +624,6 @@ class Funduq:
         arrival = self._arrival
         self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
 
-        def add_messages(conn: Any) -> None:
-            if messages:
-                conn.executemany(_INSERT_MESSAGE, messages)
-
         try:
             (move,) = RunMachine(st.INPUT_REQUIRED).handle(Input.PAUSE_ANSWERED)
             assert isinstance(move, Move), move
@@ -657,7 +631,7 @@ class Funduq:
                 moved = await self.record.move(
                     run_id, move.to, metadata=row["metadata"], run_input=run_input,
                     caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
-                    then=add_messages)
+                    messages=messages)
             except Exception as exc:
                 if record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the answer: {exc}") from None
@@ -679,17 +653,7 @@ class Funduq:
     # -- reading the record ------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> dict[str, Any] | None:
-        def read(conn: Any) -> Any:
-            row = conn.execute(
-                "SELECT id, thread_id, provider_key, agent_name, status, metadata, created_at, "
-                "started_at, completed_at FROM runs WHERE id=?", (run_id,)).fetchone()
-            if row is None:
-                return None
-            events = conn.execute("SELECT seq, event FROM events WHERE run_id=? ORDER BY seq",
-                                  (run_id,)).fetchall()
-            return row, events
-
-        found = await self.record.read(read)
+        found = await self.record.get_run(run_id)
         if found is None:
             return None
         row, events = found
@@ -697,20 +661,9 @@ class Funduq:
 
     async def list_runs(self, *, thread_id: str | None = None, provider: str | None = None,
                         agent: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-        where, args = [], []
-        if thread_id is not None:
-            where.append("thread_id=?")
-            args.append(thread_id)
-        if provider is not None:
-            where.append("provider_key=?")
-            args.append(self.providers.resolve_key(provider) or provider)
-        if agent is not None:
-            where.append("agent_name=?")
-            args.append(agent)
-        sql = ("SELECT id, thread_id, provider_key, agent_name, status, metadata, created_at, "
-               "started_at, completed_at FROM runs" + (" WHERE " + " AND ".join(where) if where
-                                                       else "") + " ORDER BY arrival DESC LIMIT ?")
-        rows = await self.record.read(lambda c: c.execute(sql, (*args, limit)).fetchall())
+        key = None if provider is None else self.providers.resolve_key(provider) or provider
+        rows = await self.record.list_runs(thread_id=thread_id, provider_key=key, agent=agent,
+                                           limit=limit)
         return [_run_json(r) for r in rows]
 
     async def get_thread(self, thread_id: str) -> dict[str, Any] | None:
@@ -718,11 +671,7 @@ class Funduq:
         if info is None:
             return None
 
-        def read(conn: sqlite3.Connection) -> list[Any]:
-            return conn.execute("SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
-                                (thread_id,)).fetchall()
-
-        runs = await self.record.read(read)
+        runs = await self.record.thread_runs(thread_id)
         return {"threadId": thread_id, "agent": {"provider": info.key, "name": info.agent},
                 "segmentHead": info.segment_head, "messages": await self._messages(thread_id),
                 "runs": [{"runId": r, "status": s} for r, s in runs]}
@@ -735,7 +684,7 @@ class Funduq:
             # Writes fail (a full disk, an I/O error): not ready until one goes through.
             return await self.record.probe()
         try:
-            await self.record.read(lambda c: c.execute("SELECT 1").fetchone())
+            await self.record.ping()
         except Exception:  # noqa: BLE001 -- any failure means not ready
             return False
         return True
@@ -746,16 +695,7 @@ class Funduq:
             self._thread_info[thread_id] = info  # most recently used last
             return info
 
-        def read(conn: Any) -> Any:
-            row = conn.execute("SELECT provider_key, agent_name, segment_head FROM threads "
-                               "WHERE id=?", (thread_id,)).fetchone()
-            if row is None:
-                return None
-            ids = [r[0] for r in conn.execute(
-                "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,))]
-            return row, ids
-
-        found = await self.record.read(read)
+        found = await self.record.thread(thread_id)
         if found is None:
             return None
         (key, agent, head), ids = found
@@ -764,29 +704,15 @@ class Funduq:
         return info
 
     async def _messages(self, thread_id: str, limit: int | None = None) -> list[dict[str, Any]]:
-        def read(conn: sqlite3.Connection) -> list[Any]:
-            if limit is None:
-                return conn.execute("SELECT message FROM messages WHERE thread_id=? ORDER BY idx",
-                                    (thread_id,)).fetchall()
-            rows = conn.execute("SELECT message FROM messages WHERE thread_id=? "
-                                "ORDER BY idx DESC LIMIT ?", (thread_id, limit)).fetchall()
-            return rows[::-1]
-
-        return [json.loads(m) for (m,) in await self.record.read(read)]
+        return [json.loads(m) for m in await self.record.messages(thread_id, limit)]
 
     async def _events(self, run_id: str, after: int, before: int | None = None, *,
-                      limit: int = -1) -> list[tuple[int, dict[str, Any]]]:
-        def read(conn: sqlite3.Connection) -> list[Any]:
-            return conn.execute(
-                "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq "
-                "LIMIT ?", (run_id, after, before if before is not None else 2**62, limit)
-            ).fetchall()
-
-        return [(s, json.loads(e)) for s, e in await self.record.read(read)]
+                      limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+        return [(s, json.loads(e))
+                for s, e in await self.record.events_after(run_id, after, before, limit)]
 
     async def _run_exists(self, run_id: str) -> bool:
-        return await self.record.read(lambda c: c.execute(
-            "SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None)
+        return await self.record.run_exists(run_id)
 
     async def _run_facts(self, run_id: str) -> tuple[str | None, str] | None:
         """(segment head of its thread, its provider key), or None."""
@@ -794,18 +720,10 @@ class Funduq:
         if lane is not None:
             info = await self._thread(lane.thread_id)
             return (info.segment_head if info else None), lane.key
-        return await self.record.read(lambda c: c.execute(
-            "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
-            "ON t.id = r.thread_id WHERE r.id=?", (run_id,)).fetchone())
+        return await self.record.run_facts(run_id)
 
 
-# -- SQL helpers -----------------------------------------------------------------------
-
-_RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
-                "metadata, arrival, created_at, started_at, "
-                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)")
-_INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
-                   "VALUES (?,?,?,?,?)")
+# -- rows ------------------------------------------------------------------------------
 
 
 def _run_row(row: Any) -> dict[str, Any]:
@@ -832,28 +750,8 @@ def _run_json(row: Any) -> dict[str, Any]:
             "startedAt": iso(started), "completedAt": iso(completed)}
 
 
-def _insert_run(conn: Any, row: dict[str, Any], new_thread: tuple[Any, ...] | None,
-                messages: list[tuple[Any, ...]]) -> None:
-    if new_thread is not None:
-        conn.execute("INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at)"
-                     " VALUES (?,?,?,?,?)", new_thread)
-    conn.execute(
-        "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input, "
-        "caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-        (row["arrival"], row["id"], row["thread_id"], row["provider_key"], row["agent_name"],
-         row["status"], row["input"], row["caller_metadata"],
-         dumps(row["metadata"]), row["created_at"]))
-    if messages:
-        conn.executemany(_INSERT_MESSAGE, messages)
-
-
 def _not_cancellable(run_id: str) -> RunNotCancellable:
     return RunNotCancellable(f"run {run_id} is paused or has ended; nothing to stop")
-
-
-def _scalar(cursor: Any) -> Any:
-    row = cursor.fetchone()
-    return None if row is None else row[0]
 
 
 __all__ = ["Funduq", "RunTicket", "NotAuthorized"]

@@ -1,0 +1,264 @@
+"""The PostgreSQL store: ``FUNDUQ_DATABASE_URL=postgresql://user@host:port/db``.
+
+The same record as the SQLite store (``store.py`` has the interface and the
+domain's SQL both speak), kept in the database the operator already runs.
+
+Driver: psycopg 3, its plain (synchronous) connections driven from worker
+threads (``trio.to_thread``) -- trio has no PostgreSQL driver of its own, and
+a thread per call is what the SQLite store's reads already pay. One writer
+connection takes the group commits (each batch one transaction, in a worker
+thread, first-in first-out as on SQLite); up to ``READERS`` reader
+connections serve reads, each in autocommit so every read sees the latest
+commit. A connection the server dropped is thrown away and a new one made on
+the next use; until then the failure is the medium's (``record_trouble``):
+funduq is not ready and the lanes retry, as on a full disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from .store import SqlStore, _Write
+
+T = TypeVar("T")
+log = logging.getLogger("funduq.record")
+
+#: The schema, created at start (``_open_sync``) under an advisory lock, so
+#: nodes starting together on one database do not race to create it.
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS providers (
+    key TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    misdeclared BIGINT NOT NULL DEFAULT 0,
+    unanswered BIGINT NOT NULL DEFAULT 0,
+    abandoned BIGINT NOT NULL DEFAULT 0,
+    undelivered BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS providers_fingerprint ON providers (fingerprint);
+CREATE TABLE IF NOT EXISTS agents (
+    ord BIGSERIAL,
+    provider_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    card TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (provider_key, name)
+);
+CREATE TABLE IF NOT EXISTS threads (
+    id TEXT PRIMARY KEY,
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    segment_head TEXT,
+    created_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    arrival BIGINT NOT NULL,
+    id TEXT PRIMARY KEY,
+    thread_id TEXT NOT NULL,
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    input TEXT NOT NULL,
+    caller_metadata TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    created_at DOUBLE PRECISION NOT NULL,
+    started_at DOUBLE PRECISION,
+    completed_at DOUBLE PRECISION
+);
+CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
+CREATE INDEX IF NOT EXISTS runs_arrival ON runs (arrival);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    event TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+CREATE TABLE IF NOT EXISTS messages (
+    thread_id TEXT NOT NULL,
+    idx BIGINT NOT NULL,
+    message_id TEXT NOT NULL,
+    run_id TEXT,
+    message TEXT NOT NULL,
+    PRIMARY KEY (thread_id, idx)
+);
+"""
+
+#: The advisory lock key schema creation holds (any fixed number; "funduq").
+SCHEMA_LOCK = 0x66756E647571
+#: Seconds a new connection may take before the attempt fails.
+CONNECT_TIMEOUT_SECONDS = 10
+
+_PLACEHOLDER = re.compile(r"\?")
+
+
+def to_pyformat(sql: str) -> str:
+    """The shared SQL's ``?`` placeholders as psycopg's ``%s`` (a literal
+    ``%`` doubled). The shared SQL has no ``?`` inside string literals."""
+    return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
+
+
+class PgConnection:
+    """A psycopg connection that speaks the shared SQL (``?`` placeholders),
+    with sqlite3's ``execute``/``executemany`` shape."""
+
+    __slots__ = ("raw", "_sql")
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self._sql: dict[str, str] = {}
+
+    def _convert(self, sql: str) -> str:
+        converted = self._sql.get(sql)
+        if converted is None:
+            converted = self._sql[sql] = to_pyformat(sql)
+        return converted
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        return self.raw.execute(self._convert(sql), tuple(params))
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> Any:
+        cursor = self.raw.cursor()
+        cursor.executemany(self._convert(sql), list(rows))
+        return cursor
+
+    @property
+    def usable(self) -> bool:
+        return not self.raw.closed and not self.raw.broken
+
+    @property
+    def in_transaction(self) -> bool:
+        import psycopg
+
+        return bool(self.raw.info.transaction_status != psycopg.pq.TransactionStatus.IDLE)
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class PostgresStore(SqlStore):
+    """The PostgreSQL record. Open it with ``store.open_store(settings)``."""
+
+    EVENT_TYPE = "(e.event::json ->> 'type')"
+    AGENT_ORDER = "ord"
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self._writer_conn: PgConnection | None = None
+        self._idle_readers: list[PgConnection] = []
+        self._readers_lock = threading.Lock()
+
+    # -- connections -------------------------------------------------------------------
+
+    def _connect(self) -> PgConnection:
+        import psycopg
+
+        raw = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS)
+        return PgConnection(raw)
+
+    def _open_sync(self) -> None:
+        conn = self._connect()
+        conn.execute("BEGIN")
+        try:
+            conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    conn.raw.execute(statement)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.close()
+            raise
+        self._writer_conn = conn
+
+    def _close_sync(self) -> None:
+        if self._writer_conn is not None:
+            self._writer_conn.close()
+        with self._readers_lock:
+            idle, self._idle_readers = self._idle_readers, []
+        for conn in idle:
+            conn.close()
+
+    def _medium_error(self, exc: BaseException) -> bool:
+        import psycopg
+
+        return isinstance(exc, psycopg.Error)
+
+    def _touch(self, conn: PgConnection) -> None:
+        # A transaction id makes the commit write to the server's log.
+        conn.execute("SELECT pg_current_xact_id()").fetchone()
+
+    # -- writing -----------------------------------------------------------------------
+
+    async def _commit(self, ops: list[_Write]) -> None:
+        await trio.to_thread.run_sync(self._apply, ops)
+
+    def _writer(self) -> PgConnection:
+        conn = self._writer_conn
+        if conn is None or not conn.usable:
+            if conn is not None:
+                conn.close()
+            self._writer_conn = None
+            conn = self._writer_conn = self._connect()
+        return conn
+
+    def _apply(self, ops: list[_Write]) -> None:
+        """One transaction for the whole batch. Should any write fail, the
+        batch is rolled back and replayed one write per transaction, so one
+        bad write never takes the others with it."""
+        conn = self._writer()
+        try:
+            conn.execute("BEGIN")
+            for op in ops:
+                op.result = op.fn(conn)
+            conn.execute("COMMIT")
+            return
+        except Exception:  # noqa: BLE001 -- replayed below, one by one
+            self._roll_back(conn)
+        for op in ops:
+            try:
+                conn = self._writer()
+                conn.execute("BEGIN")
+                op.result = op.fn(conn)
+                conn.execute("COMMIT")
+            except Exception as exc:  # noqa: BLE001 -- reported to that write's caller
+                self._roll_back(conn)
+                op.error = exc
+                log.warning("write failed: %s", exc)
+
+    @staticmethod
+    def _roll_back(conn: PgConnection) -> None:
+        if conn.usable and conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK")
+            except Exception:  # noqa: BLE001 -- the connection is dropped instead
+                conn.close()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def _read_sync(self, fn: Callable[[Any], T]) -> T:
+        """In a worker thread: ``fn`` on an idle reader connection (a new one
+        when none is idle; the read limiter keeps them to READERS). A
+        connection that failed is closed, not kept."""
+        with self._readers_lock:
+            conn = self._idle_readers.pop() if self._idle_readers else None
+        if conn is None or not conn.usable:
+            conn = self._connect()
+        try:
+            return fn(conn)
+        finally:
+            if conn.usable:
+                with self._readers_lock:
+                    self._idle_readers.append(conn)
+            else:
+                conn.close()
+
+    def read_now(self, fn: Callable[[Any], T]) -> T:
+        """Blocking read on the trio thread: only for start-up and tests."""
+        return self._read_sync(fn)

@@ -1,0 +1,56 @@
+"""Which store the record of the current test lives in (see conftest.py).
+
+``database_url`` is what ``running_server`` and ``broker`` pass as
+``FUNDUQ_DATABASE_URL`` unless a test names one: None for the SQLite file in
+the test's data directory, or a PostgreSQL URL whose ``search_path`` is a
+schema made for this test alone.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from urllib.parse import quote
+
+#: The PostgreSQL the tests use (their own schema per test in it).
+POSTGRES_URL = os.environ.get("FUNDUQ_TEST_POSTGRES_URL",
+                              "postgresql://postgres@127.0.0.1:5432/test")
+
+database_url: str | None = None
+
+_unavailable: list[str] = []  # why PostgreSQL does not answer (checked once)
+_checked = False
+
+
+def postgres_unavailable() -> str | None:
+    """Why the tests' PostgreSQL cannot be used, or None when it answers."""
+    global _checked
+    if not _checked:
+        _checked = True
+        try:
+            import psycopg
+
+            psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+        except Exception as exc:  # noqa: BLE001 -- any reason is the reason
+            _unavailable.append(f"no PostgreSQL answers at {POSTGRES_URL} "
+                                f"(FUNDUQ_TEST_POSTGRES_URL): {exc}".strip())
+    return _unavailable[0] if _unavailable else None
+
+
+def new_schema() -> tuple[str, str]:
+    """A fresh schema for one test: (its name, the URL that uses it)."""
+    import psycopg
+
+    name = "funduq_test_" + secrets.token_hex(6)
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+    options = quote(f"-c search_path={name}")
+    joiner = "&" if "?" in POSTGRES_URL else "?"
+    return name, f"{POSTGRES_URL}{joiner}options={options}"
+
+
+def drop_schema(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
