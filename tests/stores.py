@@ -8,8 +8,12 @@ schema made for this test alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import quote
 
 #: The PostgreSQL the tests use (their own schema per test in it).
@@ -54,3 +58,29 @@ def drop_schema(name: str) -> None:
 
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+
+
+@contextlib.contextmanager
+def writes_held(data_dir: Path) -> Iterator[None]:
+    """Another connection holds the current test's record against writes
+    until the block ends: SQLite's write lock on the file, or PostgreSQL's
+    locks on the run tables. funduq's writer waits meanwhile (well inside its
+    busy timeout)."""
+    if database_url is None:
+        blocker = sqlite3.connect(data_dir / "funduq.sqlite3", isolation_level=None, timeout=5)
+        try:
+            blocker.execute("BEGIN IMMEDIATE")
+            yield
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        return
+    import psycopg
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute("LOCK TABLE runs, events, messages IN EXCLUSIVE MODE")
+        try:
+            yield
+        finally:
+            conn.execute("ROLLBACK")
