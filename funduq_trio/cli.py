@@ -35,6 +35,8 @@ FLAG_HELP = {
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
     "operator_token": "the operator's bearer token (default: generated, kept in the data dir)",
+    "max_chain_hops": "most hops an actor chain may have (counted before any signature work)",
+    "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",
 }
 
 

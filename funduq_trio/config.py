@@ -33,6 +33,8 @@ class Settings:
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
     operator_token: str | None = None
+    max_chain_hops: int = 16
+    max_spent_proofs: int = 100_000
 
     @property
     def database_path(self) -> Path:
@@ -59,7 +61,7 @@ class Settings:
             if getattr(self, name) < 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
-                        "max_body_bytes")
+                        "max_body_bytes", "max_chain_hops", "max_spent_proofs")
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")

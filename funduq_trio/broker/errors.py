@@ -37,3 +37,8 @@ class RunNotPaused(FunduqError):
 class NotAuthorized(FunduqError):
     """The request lacks the authority a bound thread demands. Deliberately
     says nothing about the run's state."""
+
+
+class ProofsBusy(FunduqError):
+    """funduq already keeps as many fresh spent proofs as it may
+    (FUNDUQ_MAX_SPENT_PROOFS); a new proof cannot be accepted until some expire."""

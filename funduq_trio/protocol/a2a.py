@@ -1099,6 +1099,7 @@ def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
         "ThreadQueueFull",
         "NotAuthorized",
         "InvalidActorChain",
+        "ProofsBusy",
     )
     if name == "RunNotFound":
         return TaskNotFoundError(data={"taskId": task_id} if task_id else None)
@@ -1134,5 +1135,7 @@ def broker_error(exc: Exception, *, task_id: str | None = None) -> A2AError:
             message=f"Invalid actorChain: {detail}" if detail else "Invalid actorChain",
             data={"reason": "invalid_actor_chain"},
         )
+    if name == "ProofsBusy":
+        return UnsupportedOperationError(message=detail, data={"reason": "proofs_busy"})
     return InternalError(message=detail or type(exc).__name__)
 

@@ -41,6 +41,7 @@ BROKER_ERROR_STATUS: dict[str, tuple[int, str]] = {
     "InvalidActorChain": (403, "invalid_actor_chain"),
     "RunNotCancellable": (409, "run_not_cancellable"),
     "RunNotPaused": (409, "run_not_paused"),
+    "ProofsBusy": (503, "proofs_busy"),
     "FunduqError": (400, "bad_request"),
 }
 
