@@ -123,7 +123,7 @@ def last_hop_key(hops: list[str]) -> str | None:
         claims = hops[-1].split(".")[1]
         return json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))[
             "actorPublicKey"]
-    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError):
         return None
 
 
