@@ -17,6 +17,7 @@ can be compared byte for byte) and AG-UI.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -169,11 +170,14 @@ def same_as(response: httpx.Response, unknown: httpx.Response, known_id: str,
         unknown.status_code, unknown.text.replace(unknown_id, "ID"))
 
 
+_signed = itertools.count(1)
+
+
 def fresh() -> int:
-    """A timestamp for a proof signed anew: each proof is spent once, and
-    proofs signed within one second would otherwise be the same bytes."""
-    fresh.offset = getattr(fresh, "offset", 0) + 1
-    return math.floor(time.time()) - 50 + fresh.offset % 50
+    """A timestamp for a proof signed anew (well inside the window): each
+    proof is spent once, and one key's proofs for the same thing within one
+    second would otherwise be the same bytes."""
+    return math.floor(time.time()) - 50 + next(_signed) % 50
 
 
 # ================================================================== item 2: scoped listings

@@ -310,6 +310,9 @@ def check_write(segment_head: str | None, actor_chain: object, provider_key: str
     thread is bound, so the answer to a malformed chain never depends on the
     thread. On a bound thread the chain's head must be the segment head or the
     agent's provider; otherwise (no chain included) NotAuthorized.
+
+    It does not ask who presents the chain: the facade takes the head from
+    `check_presented` and asks `may_write`.
     """
     head = None if actor_chain is None else segment_head_of(actor_chain)
     if not may_write(segment_head, head, provider_key):
