@@ -196,3 +196,14 @@ def test_claims_nested_past_the_parser_are_an_invalid_chain_not_a_crash() -> Non
     with pytest.raises(InvalidActorChain) as err:
         verify_chain([f"{header_b64}.{deep}.{signature}"])
     assert err.value.reason == "hop 0 is not a compact JWT"
+
+
+def test_the_new_settings_are_refused_at_start_when_bad() -> None:
+    from funduq_trio.config import Settings
+
+    assert Settings().max_chain_hops == 16 and Settings().max_spent_proofs == 100_000
+    env = {"FUNDUQ_MAX_CHAIN_HOPS": "4", "FUNDUQ_MAX_SPENT_PROOFS": "10"}
+    assert Settings.from_env(env).max_chain_hops == 4
+    for name in ("max_chain_hops", "max_spent_proofs"):
+        (problem,) = Settings().replace(**{name: 0}).problems()
+        assert problem.startswith(f"FUNDUQ_{name.upper()}=0")
