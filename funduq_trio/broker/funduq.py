@@ -15,7 +15,7 @@ import logging
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..protocol import statuses as st
 from ..secret_file import load_or_create
 from . import authority
 from .admission import WaitingRuns
+from .authority import Reader
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
@@ -54,7 +55,11 @@ THREAD_CACHE = 16384
 
 #: Request-level metadata keys that prove something to funduq; they are not
 #: forwarded to providers.
-PROOF_KEYS = ("cancel", "resolution")
+PROOF_KEYS = ("cancel", "resolution", "presenter")
+
+#: When a run's status last changed (what A2A calls the status timestamp);
+#: the same expression as the record's index on it, so SQL can use it.
+STATUS_TIME = "COALESCE(r.completed_at, r.started_at, r.created_at)"
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class Funduq:
             max_runs=settings.max_queued_runs,
             max_runs_per_agent=settings.max_queued_runs_per_agent,
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
+        #: Proofs accepted while fresh: each works once (DESIGN §8).
+        self.spent = authority.SpentProofs(settings.max_spent_proofs)
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
         self._answering: dict[str, int] = {}
@@ -331,11 +338,9 @@ class Funduq:
             info = None
         if info is None and thread_id is not None and not create_unknown_thread:
             raise UnknownThread(f"unknown thread {thread_id!r} for this agent")
-        chain = metadata.get("actorChain")
-        if info is None:
-            head = authority.segment_head_of(chain) if chain is not None else None
-        else:
-            authority.check_write(info.segment_head, chain, key)
+        head = self._presented_head(metadata, run_input, key, agent)
+        if info is not None and not authority.may_write(info.segment_head, head, key):
+            raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
         self._reserve(tid)
         try:
@@ -403,11 +408,28 @@ class Funduq:
         for row in messages:
             info.message_ids.discard(row[2])
         info.message_count -= len(messages)
+
     async def _writable(self) -> None:
         """Refuse new work while the record cannot write (a full disk, an I/O
         error): runs already taken finish first. One probe write decides."""
         if self.record.failing and not await self.record.probe():
             raise RecordUnavailable("the record cannot take writes right now; retry later")
+
+    def _presented_head(self, metadata: dict[str, Any], run_input: dict[str, Any], key: str,
+                        agent: str) -> str | None:
+        """The head of the request's actor chain (None: no chain). A chain must
+        verify and be presented by its last hop to this agent with this
+        request's last message, whether or not the thread is bound, so the
+        refusal of a forged one says nothing about the thread."""
+        chain = metadata.get("actorChain")
+        if chain is None:
+            return None
+        messages = run_input.get("messages") or []
+        message_id = messages[-1].get("id") if messages else ""
+        return authority.check_presented(
+            chain, metadata.get("presenter"), key, agent,
+            message_id if isinstance(message_id, str) else "", time.time(),
+            max_hops=self.settings.max_chain_hops, spent=self.spent)
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -579,7 +601,8 @@ class Funduq:
         segment_head, key = facts
         by = None
         if segment_head is not None:
-            by = authority.check_cancel(proof, run_id, (segment_head, key), time.time())
+            by = authority.check_cancel(proof, run_id, (segment_head, key), time.time(),
+                                        spent=self.spent)
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
@@ -614,7 +637,7 @@ class Funduq:
         by = None
         if segment_head is not None:
             by = authority.check_resolution(metadata.get("resolution"), run_id,
-                                            (segment_head, key), time.time())
+                                            (segment_head, key), time.time(), spent=self.spent)
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -623,6 +646,9 @@ class Funduq:
         row = await self.record.read(lambda c: c.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
         row = _run_row(row)
+        # An answer's chain joins the record's metadata, so it is held to the
+        # same rule as a new utterance's: presented by its last hop.
+        self._presented_head(metadata, run_input, key, row["agent_name"])
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
@@ -696,22 +722,160 @@ class Funduq:
         return {**_run_json(row), "events": [{"seq": s, "event": json.loads(e)} for s, e in events]}
 
     async def list_runs(self, *, thread_id: str | None = None, provider: str | None = None,
-                        agent: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+                        agent: str | None = None, limit: int = 100,
+                        status: str | Collection[str] | None = None,
+                        before: str | None = None,
+                        bound_to: str | None = None) -> list[dict[str, Any]]:
+        """Run summaries (no events), newest first, filtered and paged in SQL.
+
+        Unscoped: who may see them is the caller's question (`run_page` asks
+        it). `before` is a run id: only runs that arrived before it (a cursor;
+        an unknown id lists nothing). `bound_to` keeps the threads whose
+        segment head is that key."""
         where, args = [], []
         if thread_id is not None:
-            where.append("thread_id=?")
+            where.append("r.thread_id=?")
             args.append(thread_id)
         if provider is not None:
-            where.append("provider_key=?")
+            where.append("r.provider_key=?")
             args.append(self.providers.resolve_key(provider) or provider)
         if agent is not None:
-            where.append("agent_name=?")
+            where.append("r.agent_name=?")
             args.append(agent)
-        sql = ("SELECT id, thread_id, provider_key, agent_name, status, metadata, created_at, "
-               "started_at, completed_at FROM runs" + (" WHERE " + " AND ".join(where) if where
-                                                       else "") + " ORDER BY arrival DESC LIMIT ?")
+        if status is not None:
+            wanted = [status] if isinstance(status, str) else list(status)
+            where.append(f"r.status IN ({','.join('?' * len(wanted))})")
+            args.extend(wanted)
+        if before is not None:
+            where.append("r.arrival < (SELECT arrival FROM runs WHERE id=?)")
+            args.append(before)
+        if bound_to is not None:
+            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
+            args.append(bound_to)
+        sql = ("SELECT r.id, r.thread_id, r.provider_key, r.agent_name, r.status, r.metadata, "
+               "r.created_at, r.started_at, r.completed_at FROM runs r"
+               + (" WHERE " + " AND ".join(where) if where else "")
+               + " ORDER BY r.arrival DESC LIMIT ?")
         rows = await self.record.read(lambda c: c.execute(sql, (*args, limit)).fetchall())
         return [_run_json(r) for r in rows]
+
+    # -- who may read what (DESIGN §8); the doors call these, never authority.py
+
+    async def may_read(self, thread_id: str, reader: Reader) -> bool:
+        """May `reader` read this thread and its runs? An unknown thread: no.
+        An unbound one: anyone holding its id. A bound one: the operator, or a
+        `Funduq-Proof` by its segment head or the agent's provider (spent
+        here: a request checks once). The doors answer a "no" exactly as an
+        unknown id, so a stranger learns nothing."""
+        info = await self._thread(thread_id)
+        if info is None:
+            return False
+        if info.segment_head is None or reader.operator:
+            return True
+        try:
+            authority.check_read(reader.proof, thread_id, (info.segment_head, info.key),
+                                 time.time(), self.spent)
+        except NotAuthorized:
+            return False
+        return True
+
+    async def read_run(self, run_id: str, reader: Reader) -> dict[str, Any] | None:
+        """`get_run` as `reader` may see it: None when unknown or not theirs to read."""
+        thread_id = await self._run_thread(run_id)
+        if thread_id is None or not await self.may_read(thread_id, reader):
+            return None
+        return await self.get_run(run_id)
+
+    async def read_thread(self, thread_id: str, reader: Reader) -> dict[str, Any] | None:
+        """`get_thread` as `reader` may see it: None when unknown or not theirs to read."""
+        if not await self.may_read(thread_id, reader):
+            return None
+        return await self.get_thread(thread_id)
+
+    async def listing_scope(self, reader: Reader, thread_id: str | None = None
+                            ) -> dict[str, Any] | None:
+        """What a listing by `reader` may show, as `list_runs` filters; None:
+        nothing (an empty listing). A named thread it may read; else the
+        operator's everything; else, with a listing proof (`Funduq-Proof`
+        over `funduq-read::{timestamp}`), the threads bound to its key;
+        else nothing -- nobody lists another caller's thread ids."""
+        if thread_id is not None:
+            return {"thread_id": thread_id} if await self.may_read(thread_id, reader) else None
+        if reader.operator:
+            return {}
+        if reader.proof is None:
+            return None
+        try:
+            key = authority.check_listing(reader.proof, time.time(), self.spent)
+        except NotAuthorized:
+            return None
+        return {"bound_to": key}
+
+    async def run_page(self, reader: Reader, *, thread_id: str | None = None,
+                       provider: str | None = None, agent: str | None = None,
+                       status: str | Collection[str] | None = None, limit: int = 100,
+                       cursor: str | None = None) -> dict[str, Any]:
+        """`GET /runs`: `{"runs": [summaries, newest first], "nextCursor"}` as
+        `reader` may see them (see listing_scope); the cursor is the last
+        run's id, null on the last page."""
+        scope = await self.listing_scope(reader, thread_id)
+        if scope is None:
+            return {"runs": [], "nextCursor": None}
+        runs = await self.list_runs(provider=provider, agent=agent, status=status,
+                                    limit=limit + 1, before=cursor, **scope)
+        more = len(runs) > limit
+        runs = runs[:limit]
+        return {"runs": runs, "nextCursor": runs[-1]["runId"] if more else None}
+
+    async def task_page(self, provider_key: str, agent: str, reader: Reader, *,
+                        thread_id: str | None = None, status: Collection[str] | None = None,
+                        status_after: float | None = None, page_size: int = 50,
+                        after_run: str | None = None
+                        ) -> tuple[list[dict[str, Any]], int, bool]:
+        """One page of an agent's tasks (A2A ListTasks) as `reader` may see
+        them: (full run records, how many match in all, whether more follow).
+        Newest status time first, ties by id descending; `after_run` is the
+        previous page's last run (keyset: an unknown one pages nothing).
+        Filtered, counted and paged in SQL: only the page is ever loaded."""
+        scope = await self.listing_scope(reader, thread_id)
+        if scope is None:
+            return [], 0, False
+        where, args = ["r.provider_key=?", "r.agent_name=?"], [provider_key, agent]
+        if "thread_id" in scope:
+            where.append("r.thread_id=?")
+            args.append(scope["thread_id"])
+        if "bound_to" in scope:
+            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
+            args.append(scope["bound_to"])
+        if status is not None:
+            where.append(f"r.status IN ({','.join('?' * len(status))})")
+            args.extend(status)
+        if status_after is not None:
+            where.append(f"{STATUS_TIME} >= ?")
+            args.append(status_after)
+        matching = " AND ".join(where)
+        keyset, keyset_args = "", []
+        if after_run is not None:
+            keyset = (f" AND ({STATUS_TIME}, r.id) < (SELECT {STATUS_TIME}, r.id FROM runs r "
+                      "WHERE r.id=?)")
+            keyset_args = [after_run]
+
+        def read(conn: Any) -> tuple[int, list[str]]:
+            total = conn.execute(f"SELECT COUNT(*) FROM runs r WHERE {matching}",
+                                 args).fetchone()[0]
+            ids = [r[0] for r in conn.execute(
+                f"SELECT r.id FROM runs r WHERE {matching}{keyset} "
+                f"ORDER BY {STATUS_TIME} DESC, r.id DESC LIMIT ?",
+                (*args, *keyset_args, page_size + 1))]
+            return total, ids
+
+        total, ids = await self.record.read(read)
+        records = []
+        for run_id in ids[:page_size]:
+            record = await self.get_run(run_id)
+            if record is not None:
+                records.append(record)
+        return records, total, len(ids) > page_size
 
     async def get_thread(self, thread_id: str) -> dict[str, Any] | None:
         info = await self._thread(thread_id)
@@ -783,6 +947,13 @@ class Funduq:
             ).fetchall()
 
         return [(s, json.loads(e)) for s, e in await self.record.read(read)]
+
+    async def _run_thread(self, run_id: str) -> str | None:
+        lane = self.lanes.get(run_id)
+        if lane is not None:
+            return lane.thread_id
+        return await self.record.read(lambda c: _scalar(c.execute(
+            "SELECT thread_id FROM runs WHERE id=?", (run_id,))))
 
     async def _run_exists(self, run_id: str) -> bool:
         return await self.record.read(lambda c: c.execute(
