@@ -47,6 +47,8 @@ class Settings:
     handshake_timeout_seconds: float = 10.0
     max_unauthenticated_links: int = 256
     body_timeout_seconds: float = 30.0
+    max_chain_hops: int = 16
+    max_spent_proofs: int = 100_000
 
     @property
     def database_is_postgres(self) -> bool:
@@ -81,7 +83,8 @@ class Settings:
             found.append(f"{env_name('sse_keepalive_seconds')}={self.sse_keepalive_seconds}: "
                          "must be a finite number of seconds, at least 0 (0 = no keepalive)")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
-                        "max_body_bytes", "lane_inbox_reports")
+                        "max_body_bytes", "lane_inbox_reports", "max_chain_hops",
+                        "max_spent_proofs")
         at_least_one += LIMITS_AT_LEAST_ONE
         for name in at_least_one:
             if getattr(self, name) < 1:

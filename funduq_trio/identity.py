@@ -43,7 +43,9 @@ __all__ = [
     "kyok_call_payload",
     "make_hop",
     "new_nonce",
+    "present_payload",
     "provider_connect_payload",
+    "read_payload",
     "resolve_payload",
     "timestamp_digits",
     "verify",
@@ -233,6 +235,19 @@ def resolve_payload(run_id: str, timestamp: object) -> str:
     return f"funduq-resolve:{run_id}:{timestamp_digits(timestamp)}"
 
 
+def read_payload(thread_id: str, timestamp: object) -> str:
+    """What the `Funduq-Proof` header signs to read a bound thread (DESIGN §8).
+    With an empty thread id it is a listing proof: "the threads bound to me"."""
+    return f"funduq-read:{thread_id}:{timestamp_digits(timestamp)}"
+
+
+def present_payload(provider_key: str, agent_name: str, message_id: str, timestamp: object) -> str:
+    """What a chain's last hop signs to present the chain to one agent with one
+    message (`presenter.signature`, DESIGN §8): a chain handed on cannot be reused."""
+    return (f"funduq-present:{provider_key}:{agent_name}:{message_id}:"
+            f"{timestamp_digits(timestamp)}")
+
+
 def delegation_payload(delegate_public_key: str, expires_at: object) -> str:
     return f"funduq-delegate:{delegate_public_key}:{timestamp_digits(expires_at)}"
 
@@ -329,7 +344,9 @@ def _verify_hop(index: int, token: object, prev_token: str | None) -> dict[str, 
         header = _json_object(header_b64)
         claims = _json_object(claims_b64)
         signature = _b64url_decode(sig_b64)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        # RecursionError: claims nested past the parser's depth are as
+        # malformed as any other, not a crash.
         raise InvalidActorChain(f"hop {index} is not a compact JWT") from None
     if header.get("alg") != "EdDSA" or header.get("typ", "JWT") != "JWT":
         raise InvalidActorChain(f"hop {index} is not an EdDSA JWT")
@@ -349,10 +366,15 @@ def _verify_hop(index: int, token: object, prev_token: str | None) -> dict[str, 
     return claims
 
 
-def verify_chain_claims(tokens: object) -> list[dict[str, Any]]:
-    """Verify an actor chain and return each hop's claims, hop 0 first."""
+def verify_chain_claims(tokens: object, max_hops: int | None = None) -> list[dict[str, Any]]:
+    """Verify an actor chain and return each hop's claims, hop 0 first.
+
+    `max_hops` (None: no limit) is checked before any signature work, so a
+    chain too long to be honest costs nothing to refuse."""
     if not isinstance(tokens, list) or not tokens:
         raise InvalidActorChain("an actor chain is a non-empty list of compact JWTs")
+    if max_hops is not None and len(tokens) > max_hops:
+        raise InvalidActorChain(f"an actor chain has at most {max_hops} hops")
     claims: list[dict[str, Any]] = []
     prev: str | None = None
     for index, token in enumerate(tokens):
@@ -361,6 +383,6 @@ def verify_chain_claims(tokens: object) -> list[dict[str, Any]]:
     return claims
 
 
-def verify_chain(tokens: object) -> list[str]:
+def verify_chain(tokens: object, max_hops: int | None = None) -> list[str]:
     """Verify an actor chain and return its actor keys in order (hop 0 = head)."""
-    return [c["actorPublicKey"] for c in verify_chain_claims(tokens)]
+    return [c["actorPublicKey"] for c in verify_chain_claims(tokens, max_hops)]

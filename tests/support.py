@@ -15,6 +15,13 @@ event's JSON; `post_sse` posts and reads a whole stream.
 `sdk_provider(info)` attaches the SDK's `Provider` serving the example echo
 agent (or the agents you pass), started once its agents are published.
 
+`chain(alice, bob)` makes an actor chain the test clients present: the
+clients of `http_client` (and any made with `PresentingTransport`) add the
+chain's `presenter` proof, signed by its last hop, to every request carrying a
+chain without one (DESIGN §8), unless the request has the `UNPRESENTED`
+header (which is removed before it is sent). `read_proof(signer, thread_id)`
+is a `Funduq-Proof` header value.
+
 `raw_provider(info, ["echo"])` attaches a provider that speaks the DESIGN §5
 frames directly over trio-websocket and lets a test play the provider's part
 by hand (answer each offer, report events, finish) -- for behaviour the SDK
@@ -26,8 +33,10 @@ can observe (status codes, JSON, SSE events, frames, GET /runs records).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +48,14 @@ from httpx_sse import EventSource
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from funduq_trio.config import Settings
-from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
+from funduq_trio.identity import (
+    Identity,
+    make_hop,
+    new_nonce,
+    present_payload,
+    provider_connect_payload,
+    read_payload,
+)
 from funduq_trio.provider import Provider, echo
 from funduq_trio.server import ServerInfo, serve
 
@@ -60,9 +76,126 @@ async def running_server(tmp_path: Path, **overrides: Any) -> AsyncIterator[Serv
 
 
 def http_client(info: ServerInfo, **kwargs: Any) -> httpx.AsyncClient:
-    """An httpx client whose relative URLs go to the running server."""
+    """An httpx client whose relative URLs go to the running server, and which
+    presents the chains `chain()` made (see PresentingTransport)."""
     kwargs.setdefault("timeout", HTTP_TIMEOUT)
+    kwargs.setdefault("transport", PresentingTransport())
     return httpx.AsyncClient(base_url=info.url, **kwargs)
+
+
+# -- presented chains and read proofs (DESIGN §8) -----------------------------
+
+#: Every key that signed a hop of a `chain()`, so its chain can be presented.
+_SIGNERS: dict[str, Identity] = {}
+
+#: A request header that asks PresentingTransport to leave the body alone.
+UNPRESENTED = "X-Test-Unpresented"
+
+
+def chain(*signers: Identity) -> list[str]:
+    """An actor chain of `signers`, hop 0 first, that test clients present."""
+    hops: list[str] = []
+    for signer in signers:
+        _SIGNERS[signer.public_key_hex] = signer
+        hops.append(make_hop(signer, hops[-1] if hops else None))
+    return hops
+
+
+def presenter(signer: Identity, provider_key: str, agent: str, message_id: str,
+              timestamp: Any = None) -> dict[str, Any]:
+    """`{timestamp, signature}`: `signer` presents its chain to one agent with one message."""
+    ts = int(time.time()) if timestamp is None else timestamp
+    return {"timestamp": ts,
+            "signature": signer.sign(present_payload(provider_key, agent, message_id, ts))}
+
+
+def operator_headers(info: ServerInfo) -> dict[str, str]:
+    """The operator's `Authorization` header: reads everything (DESIGN §8)."""
+    return {"Authorization": f"Bearer {info.funduq.operator_token}"}
+
+
+def read_proof(signer: Identity, thread_id: str, timestamp: Any = None) -> str:
+    """A `Funduq-Proof` header value: `signer` reads `thread_id` ("" = a listing)."""
+    ts = int(time.time()) if timestamp is None else timestamp
+    return f"{signer.public_key_hex}:{ts}:{signer.sign(read_payload(thread_id, ts))}"
+
+
+def last_hop_key(hops: list[str]) -> str | None:
+    try:
+        claims = hops[-1].split(".")[1]
+        return json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))[
+            "actorPublicKey"]
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError):
+        return None
+
+
+class PresentingTransport(httpx.AsyncBaseTransport):
+    """Plays a caller's part a test would otherwise repeat at every call: a
+    POST to a door whose request-level metadata (A2A `params.metadata`,
+    AG-UI `forwardedProps`) carries a `chain()`'s chain and no `presenter`
+    gets the presenter its last hop signs for this agent and message."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self._inner = inner or httpx.AsyncHTTPTransport()
+        self._keys: dict[str, str] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if UNPRESENTED in request.headers:
+            del request.headers[UNPRESENTED]
+        elif request.method == "POST":
+            request = await self._present(request)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def _provider_key(self, request: httpx.Request, provider: str) -> str | None:
+        if len(provider) == 64:
+            return provider
+        if provider not in self._keys:
+            roster = await self._inner.handle_async_request(
+                httpx.Request("GET", request.url.copy_with(path="/agents", query=None)))
+            await roster.aread()
+            for agent in json.loads(roster.content)["agents"]:
+                self._keys[agent["fingerprint"]] = agent["provider"]
+        return self._keys.get(provider)
+
+    async def _present(self, request: httpx.Request) -> httpx.Request:
+        parts = request.url.path.strip("/").split("/")
+        if len(parts) != 3 or parts[0] not in ("a2a", "agui"):
+            return request
+        content = await request.aread()
+        if b"actorChain" not in content:
+            return request  # bodies tests make hostile on purpose stay as they are
+        try:
+            body = json.loads(content)
+        except (ValueError, RecursionError):
+            return request
+        if not isinstance(body, dict):
+            return request
+        if parts[0] == "a2a":
+            params = body.get("params")
+            params = params if isinstance(params, dict) else {}
+            metadata = params.get("metadata")
+            message = params.get("message")
+            message_id = message.get("messageId", "") if isinstance(message, dict) else ""
+        else:
+            metadata = body.get("forwardedProps")
+            messages = body.get("messages")
+            message_id = (messages[-1].get("id", "")
+                          if isinstance(messages, list) and messages
+                          and isinstance(messages[-1], dict) else "")
+        if not isinstance(metadata, dict) or "presenter" in metadata:
+            return request
+        hops = metadata.get("actorChain")
+        signer = _SIGNERS.get(last_hop_key(hops)) if isinstance(hops, list) and hops else None
+        key = await self._provider_key(request, parts[1]) if signer else None
+        if signer is None or key is None:
+            return request
+        metadata["presenter"] = presenter(signer, key, parts[2], message_id)
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
+        return httpx.Request(request.method, request.url, headers=headers,
+                             content=json.dumps(body).encode(), extensions=request.extensions)
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -34,10 +34,19 @@ from a2a.utils.errors import (
 )
 from ag_ui.core import RunAgentInput
 from google.protobuf.json_format import MessageToDict, ParseDict
-from support import HTTP_TIMEOUT, RawProvider, http_client, raw_provider, running_server
+from support import (
+    HTTP_TIMEOUT,
+    PresentingTransport,
+    RawProvider,
+    chain,
+    http_client,
+    operator_headers,
+    raw_provider,
+    running_server,
+)
 
 import funduq_trio.server as server_module
-from funduq_trio.identity import Identity, cancel_payload, make_hop
+from funduq_trio.identity import Identity, cancel_payload
 from funduq_trio.provider import Provider, echo
 from funduq_trio.web.a2a_door import mount_a2a_door
 
@@ -172,11 +181,16 @@ async def broker_with_agents(tmp_path: Any, **overrides: Any) -> AsyncIterator[t
 
 @contextlib.asynccontextmanager
 async def a2a_client(
-    info: Any, provider: str, agent: str, *, streaming: bool = True, legacy: bool = False
+    info: Any, provider: str, agent: str, *, streaming: bool = True, legacy: bool = False,
+    headers: dict[str, str] | None = None,
 ) -> AsyncIterator[Client]:
     """a2a-sdk's client for one agent, made from the card the door serves.
-    `legacy` keeps only the card's 0.3 interface, so the SDK speaks 0.3."""
-    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as http:
+    `legacy` keeps only the card's 0.3 interface, so the SDK speaks 0.3.
+    Its chains are presented (support.PresentingTransport); `headers` ride
+    every call (e.g. the operator's)."""
+    async with httpx.AsyncClient(
+        timeout=HTTP_TIMEOUT, transport=PresentingTransport(), headers=headers
+    ) as http:
         card = await A2ACardResolver(http, info.a2a_url(provider, agent)).get_agent_card()
         if legacy:
             keep = [i for i in card.supported_interfaces if i.protocol_version == "0.3"]
@@ -480,14 +494,14 @@ async def test_a_bound_threads_cancel_needs_authority_and_says_nothing_of_state(
     tmp_path,
 ) -> None:
     caller = Identity.generate()
-    chain = {"actorChain": [make_hop(caller, None)]}
+    chain_metadata = {"actorChain": chain(caller)}
     async with broker_with_agents(tmp_path) as (info, agents):
         fp = agents.provider.fingerprint
         async with a2a_client(info, fp, "echo", streaming=False) as echo, a2a_client(
             info, fp, "asker", streaming=False
         ) as asker:
-            ended = await send_blocking(echo, send_request("x", metadata=chain))
-            paused = await send_blocking(asker, send_request("y", metadata=chain))
+            ended = await send_blocking(echo, send_request("x", metadata=chain_metadata))
+            paused = await send_blocking(asker, send_request("y", metadata=chain_metadata))
             assert ended.status.state == S.TASK_STATE_COMPLETED
             assert paused.status.state == S.TASK_STATE_INPUT_REQUIRED
 
@@ -565,7 +579,14 @@ async def test_list_tasks_of_a_context(tmp_path) -> None:
             assert all(t.status.state == S.TASK_STATE_COMPLETED for t in listed.tasks)
             by_id = {t.id: t for t in listed.tasks}
             assert artifact_text(by_id[second.id], f"reply-{second.id}") == "echo: two"
-            everything = await client.list_tasks(pb.ListTasksRequest(page_size=1))
+            # A bare listing lists nobody's threads (DESIGN §8) ...
+            nothing = await client.list_tasks(pb.ListTasksRequest(page_size=1))
+            assert nothing.total_size == 0 and not nothing.tasks
+            assert not nothing.next_page_token
+        # ... but the operator's lists everything.
+        async with a2a_client(info, fp, "echo", streaming=False,
+                              headers=operator_headers(info)) as operator:
+            everything = await operator.list_tasks(pb.ListTasksRequest(page_size=1))
             assert everything.total_size == 3 and len(everything.tasks) == 1
             assert everything.next_page_token
 

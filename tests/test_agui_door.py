@@ -10,7 +10,9 @@ import stores
 import trio
 from support import (
     RawProvider,
+    chain,
     http_client,
+    operator_headers,
     post_sse,
     raw_provider,
     running_server,
@@ -414,7 +416,7 @@ async def test_shutdown_ends_open_streams_and_restart_settles_the_run(tmp_path):
 async def test_authority_rides_in_forwarded_props(tmp_path):
     import time
 
-    from funduq_trio.identity import Identity, make_hop, resolve_payload
+    from funduq_trio.identity import Identity, resolve_payload
 
     alice, mallory = Identity.generate(), Identity.generate()
     interrupt = {"id": "int-1", "reason": "approval"}
@@ -430,7 +432,7 @@ async def test_authority_rides_in_forwarded_props(tmp_path):
 
         # Alice's chain binds the thread; the run pauses on a question.
         caller = Caller()
-        bound = user_input(forwardedProps={"actorChain": [make_hop(alice, None)], "app": 1})
+        bound = user_input(forwardedProps={"actorChain": chain(alice), "app": 1})
         async with trio.open_nursery() as nursery:
             nursery.start_soon(caller.post, http, url, bound)
             run = await serve_one(provider, lambda run: [
@@ -439,11 +441,12 @@ async def test_authority_rides_in_forwarded_props(tmp_path):
         # forwardedProps reach the agent (with funduq's dispatch hop appended).
         assert run["runInput"]["forwardedProps"]["app"] == 1
         assert len(run["runInput"]["forwardedProps"]["actorChain"]) == 2
-        thread = (await http.get(f"/threads/{run['threadId']}")).json()
+        operator = operator_headers(info)  # a bound thread's reads need authority
+        thread = (await http.get(f"/threads/{run['threadId']}", headers=operator)).json()
         assert thread["segmentHead"] == alice.public_key_hex
 
         # Writing to the bound thread takes its head's chain.
-        for props in ({}, {"actorChain": [make_hop(mallory, None)]}):
+        for props in ({}, {"actorChain": chain(mallory)}):
             response = await http.post(
                 url, json=user_input("me too", thread_id=run["threadId"], forwardedProps=props))
             assert response.status_code == 403
@@ -456,9 +459,10 @@ async def test_authority_rides_in_forwarded_props(tmp_path):
                   "signature": mallory.sign(resolve_payload(run["runId"], now))}
         response = await http.post(url, json=user_input(
             thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": forged}))
-        assert response.status_code == 403
-        assert response.json()["error"]["code"] == "not_authorized"
-        assert (await http.get(f"/runs/{run['runId']}")).json()["status"] == "input-required"
+        assert response.status_code == 404  # refused as an unknown thread: says nothing
+        assert response.json()["error"]["code"] == "thread_not_found"
+        record = (await http.get(f"/runs/{run['runId']}", headers=operator)).json()
+        assert record["status"] == "input-required"
 
         signed = {"publicKey": alice.public_key_hex, "timestamp": now,
                   "signature": alice.sign(resolve_payload(run["runId"], now))}
@@ -469,6 +473,6 @@ async def test_authority_rides_in_forwarded_props(tmp_path):
             again = await serve_one(provider, lambda run: [started(run), finished(run)])
         assert again["runId"] == run["runId"]
         assert [e["type"] for e in caller.events] == [RUN_STARTED, RUN_FINISHED]
-        record = (await http.get(f"/runs/{run['runId']}")).json()
+        record = (await http.get(f"/runs/{run['runId']}", headers=operator)).json()
         assert record["status"] == "completed"
         assert record["metadata"]["funduq"]["answeredBy"] == alice.public_key_hex

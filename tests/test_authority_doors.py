@@ -28,12 +28,18 @@ from typing import Any
 import httpx
 import trio
 from ag_ui.core import RunAgentInput
-from support import HTTP_TIMEOUT, running_server, sse_events
+from support import (
+    chain,
+    http_client,
+    operator_headers,
+    read_proof,
+    running_server,
+    sse_events,
+)
 
 from funduq_trio.identity import (
     Identity,
     cancel_payload,
-    make_hop,
     resolve_payload,
     verify_chain_claims,
 )
@@ -148,6 +154,8 @@ class Env:
         self.worker, self.hello, self.nursery = worker, hello, nursery
         self.identity: Identity = provider.identity
         self.a2a = f"/a2a/{provider.identity.fingerprint}/{AGENT}"
+        #: Reads of bound threads as the operator, who sees everything.
+        self.operator = operator_headers(info)
         self.agui = f"/agui/{provider.identity.fingerprint}/{AGENT}"
 
 
@@ -158,7 +166,7 @@ async def broker(tmp_path: Any) -> AsyncIterator[Env]:
         provider = Provider(Identity.generate(), info.provider_url, connector=hello)
         provider.add_agent(worker.agent, name=AGENT)
         async with (
-            httpx.AsyncClient(base_url=info.url, timeout=HTTP_TIMEOUT) as http,
+            http_client(info) as http,
             trio.open_nursery() as nursery,
         ):
             await nursery.start(provider.run)
@@ -183,10 +191,8 @@ def proof(signer: Identity, payload_of: Any, run_id: str, timestamp: Any = None)
 
 
 def chain_of(*signers: Identity) -> list[str]:
-    hops: list[str] = []
-    for signer in signers:
-        hops.append(make_hop(signer, hops[-1] if hops else None))
-    return hops
+    """A chain the test client presents (support.chain)."""
+    return chain(*signers)
 
 
 def flip_hex(signature: str) -> str:
@@ -251,8 +257,12 @@ def send_params(text: str, metadata: dict | None = None, **fields: Any) -> dict[
     return params
 
 
-async def call(env: Env, method: str, params: dict[str, Any], id: Any = None) -> httpx.Response:
-    response = await env.http.post(env.a2a, json=rpc(method, params, id), headers=V1)
+async def call(
+    env: Env, method: str, params: dict[str, Any], id: Any = None, headers: dict | None = None
+) -> httpx.Response:
+    response = await env.http.post(
+        env.a2a, json=rpc(method, params, id), headers={**V1, **(headers or {})}
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -281,7 +291,8 @@ async def cancel(
 
 async def task_count(env: Env) -> int:
     """How many tasks (runs) the agent's endpoint knows of."""
-    return (await call(env, "ListTasks", {})).json()["result"]["totalSize"]
+    answer = await call(env, "ListTasks", {}, headers=env.operator)
+    return answer.json()["result"]["totalSize"]
 
 
 class Stream:
@@ -359,13 +370,13 @@ def agui_input(
 
 
 async def run_record(env: Env, run_id: str) -> dict[str, Any]:
-    response = await env.http.get(f"/runs/{run_id}")
+    response = await env.http.get(f"/runs/{run_id}", headers=env.operator)
     assert response.status_code == 200, response.text
     return response.json()
 
 
 async def thread_record(env: Env, thread_id: str) -> dict[str, Any]:
-    response = await env.http.get(f"/threads/{thread_id}")
+    response = await env.http.get(f"/threads/{thread_id}", headers=env.operator)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -479,7 +490,8 @@ async def test_bound_cancel_refusals_are_one_answer_whatever_the_run_and_touch_n
         for run_id, record in before.items():
             assert await run_record(env, run_id) == record
             assert not env.worker.event("asked", run_id).is_set()
-        got = (await call(env, "GetTask", {"id": running})).json()["result"]
+        got = await call(env, "GetTask", {"id": running}, headers=env.operator)
+        got = got.json()["result"]
         assert got["status"]["state"] == "TASK_STATE_WORKING"
         assert CANCEL_REQUESTED not in got.get("metadata", {})
 
@@ -534,8 +546,10 @@ async def test_the_heads_and_the_providers_proofs_stop_a_bound_run(tmp_path) -> 
             assert marks(record)["cancelRequestedBy"] == signer.public_key_hex
 
             # With authority shown, the state may be told: an ended task will
-            # not be cancelled, and the record keeps the first signer.
-            again = (await cancel(env, run_id, proof(signer, cancel_payload, run_id))).json()
+            # not be cancelled, and the record keeps the first signer. (A new
+            # proof: the first was spent; another timestamp signs anew.)
+            fresh = proof(signer, cancel_payload, run_id, math.floor(time.time()) - 30)
+            again = (await cancel(env, run_id, fresh)).json()
             assert again["error"]["code"] == -32002, again  # TaskNotCancelableError
             assert marks(await run_record(env, run_id))["cancelRequestedBy"] == (
                 signer.public_key_hex
@@ -593,13 +607,23 @@ async def test_a_bound_pause_is_answered_only_with_a_resolution(tmp_path) -> Non
         before = await run_record(env, run_id)
         assert before["status"] == "input-required"
         resume = [{"interruptId": f"ask-{run_id}", "status": "resolved", "payload": "go"}]
+        # Refuse first, say nothing (DESIGN §8): without authority the answer
+        # is the unknown thread's, paused or not; a reader may learn why.
         for props in (None, {}, {"resolution": proof(alice, resolve_payload, "run_elsewhere")}):
             response = await env.http.post(
                 env.agui, json=agui_input("go", props, thread_id=thread_id, resume=resume)
             )
-            assert response.status_code == 403, response.text
-            assert response.json()["error"]["code"] == "not_authorized"
+            assert response.status_code == 404, response.text
+            assert response.json()["error"]["code"] == "thread_not_found"
             assert await run_record(env, run_id) == before
+        response = await env.http.post(
+            env.agui,
+            json=agui_input("go", None, thread_id=thread_id, resume=resume),
+            headers={"Funduq-Proof": read_proof(alice, thread_id)},
+        )
+        assert response.status_code == 403, response.text
+        assert response.json()["error"]["code"] == "not_authorized"
+        assert await run_record(env, run_id) == before
         assert len(env.worker.inputs[run_id]) == 1
 
         # Still answerable; this time by the agent's own provider.

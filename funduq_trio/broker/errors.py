@@ -75,6 +75,13 @@ class QueuedInputLimit(QueueLimitReached):
 
 class TooManyAgents(FunduqError):
     """A register lists more agents than FUNDUQ_MAX_AGENTS_PER_PROVIDER."""
+
+
 class RecordUnavailable(FunduqError):
     """The record cannot take writes right now (a full disk, an I/O error):
     no new run is taken until it can. Retry later."""
+
+
+class ProofsBusy(FunduqError):
+    """funduq already keeps as many fresh spent proofs as it may
+    (FUNDUQ_MAX_SPENT_PROOFS); a new proof cannot be accepted until some expire."""

@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from ..protocol import statuses as st
 from ..secret_file import load_or_create
 from . import authority
 from .admission import WaitingRuns
+from .authority import Reader
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
@@ -53,8 +54,7 @@ THREAD_CACHE = 16384
 
 #: Request-level metadata keys that prove something to funduq; they are not
 #: forwarded to providers.
-PROOF_KEYS = ("cancel", "resolution")
-
+PROOF_KEYS = ("cancel", "resolution", "presenter")
 
 @dataclass(frozen=True)
 class RunTicket:
@@ -104,6 +104,8 @@ class Funduq:
             max_runs=settings.max_queued_runs,
             max_runs_per_agent=settings.max_queued_runs_per_agent,
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
+        #: Proofs accepted while fresh: each works once (DESIGN §8).
+        self.spent = authority.SpentProofs(settings.max_spent_proofs)
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
         self._answering: dict[str, int] = {}
@@ -315,11 +317,9 @@ class Funduq:
             info = None
         if info is None and thread_id is not None and not create_unknown_thread:
             raise UnknownThread(f"unknown thread {thread_id!r} for this agent")
-        chain = metadata.get("actorChain")
-        if info is None:
-            head = authority.segment_head_of(chain) if chain is not None else None
-        else:
-            authority.check_write(info.segment_head, chain, key)
+        head = self._presented_head(metadata, run_input, key, agent)
+        if info is not None and not authority.may_write(info.segment_head, head, key):
+            raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
         self._reserve(tid)
         try:
@@ -387,11 +387,28 @@ class Funduq:
         for row in messages:
             info.message_ids.discard(row[2])
         info.message_count -= len(messages)
+
     async def _writable(self) -> None:
         """Refuse new work while the record cannot write (a full disk, an I/O
         error): runs already taken finish first. One probe write decides."""
         if self.record.failing and not await self.record.probe():
             raise RecordUnavailable("the record cannot take writes right now; retry later")
+
+    def _presented_head(self, metadata: dict[str, Any], run_input: dict[str, Any], key: str,
+                        agent: str) -> str | None:
+        """The head of the request's actor chain (None: no chain). A chain must
+        verify and be presented by its last hop to this agent with this
+        request's last message, whether or not the thread is bound, so the
+        refusal of a forged one says nothing about the thread."""
+        chain = metadata.get("actorChain")
+        if chain is None:
+            return None
+        messages = run_input.get("messages") or []
+        message_id = messages[-1].get("id") if messages else ""
+        return authority.check_presented(
+            chain, metadata.get("presenter"), key, agent,
+            message_id if isinstance(message_id, str) else "", time.time(),
+            max_hops=self.settings.max_chain_hops, spent=self.spent)
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -558,7 +575,8 @@ class Funduq:
         segment_head, key = facts
         by = None
         if segment_head is not None:
-            by = authority.check_cancel(proof, run_id, (segment_head, key), time.time())
+            by = authority.check_cancel(proof, run_id, (segment_head, key), time.time(),
+                                        spent=self.spent)
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
@@ -591,7 +609,7 @@ class Funduq:
         by = None
         if segment_head is not None:
             by = authority.check_resolution(metadata.get("resolution"), run_id,
-                                            (segment_head, key), time.time())
+                                            (segment_head, key), time.time(), spent=self.spent)
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -601,6 +619,9 @@ class Funduq:
         if found is None:
             raise RunNotFound(run_id)
         row = _run_row(found)
+        # An answer's chain joins the record's metadata, so it is held to the
+        # same rule as a new utterance's: presented by its last hop.
+        self._presented_head(metadata, run_input, key, row["agent_name"])
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
@@ -660,11 +681,114 @@ class Funduq:
         return {**_run_json(row), "events": [{"seq": s, "event": json.loads(e)} for s, e in events]}
 
     async def list_runs(self, *, thread_id: str | None = None, provider: str | None = None,
-                        agent: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+                        agent: str | None = None, limit: int = 100,
+                        status: str | Collection[str] | None = None,
+                        before: str | None = None,
+                        bound_to: str | None = None) -> list[dict[str, Any]]:
+        """Run summaries (no events), newest first, filtered and paged in SQL.
+
+        Unscoped: who may see them is the caller's question (`run_page` asks
+        it). `before` is a run id: only runs that arrived before it (a cursor;
+        an unknown id lists nothing). `bound_to` keeps the threads whose
+        segment head is that key."""
         key = None if provider is None else self.providers.resolve_key(provider) or provider
+        wanted = None if status is None else [status] if isinstance(status, str) else list(status)
         rows = await self.record.list_runs(thread_id=thread_id, provider_key=key, agent=agent,
-                                           limit=limit)
+                                           limit=limit, status=wanted, before=before,
+                                           bound_to=bound_to)
         return [_run_json(r) for r in rows]
+
+    # -- who may read what (DESIGN §8); the doors call these, never authority.py
+
+    async def may_read(self, thread_id: str, reader: Reader) -> bool:
+        """May `reader` read this thread and its runs? An unknown thread: no.
+        An unbound one: anyone holding its id. A bound one: the operator, or a
+        `Funduq-Proof` by its segment head or the agent's provider (spent
+        here: a request checks once). The doors answer a "no" exactly as an
+        unknown id, so a stranger learns nothing."""
+        info = await self._thread(thread_id)
+        if info is None:
+            return False
+        if info.segment_head is None or reader.operator:
+            return True
+        try:
+            authority.check_read(reader.proof, thread_id, (info.segment_head, info.key),
+                                 time.time(), self.spent)
+        except NotAuthorized:
+            return False
+        return True
+
+    async def read_run(self, run_id: str, reader: Reader) -> dict[str, Any] | None:
+        """`get_run` as `reader` may see it: None when unknown or not theirs to read."""
+        thread_id = await self._run_thread(run_id)
+        if thread_id is None or not await self.may_read(thread_id, reader):
+            return None
+        return await self.get_run(run_id)
+
+    async def read_thread(self, thread_id: str, reader: Reader) -> dict[str, Any] | None:
+        """`get_thread` as `reader` may see it: None when unknown or not theirs to read."""
+        if not await self.may_read(thread_id, reader):
+            return None
+        return await self.get_thread(thread_id)
+
+    async def listing_scope(self, reader: Reader, thread_id: str | None = None
+                            ) -> dict[str, Any] | None:
+        """What a listing by `reader` may show, as `list_runs` filters; None:
+        nothing (an empty listing). A named thread it may read; else the
+        operator's everything; else, with a listing proof (`Funduq-Proof`
+        over `funduq-read::{timestamp}`), the threads bound to its key;
+        else nothing -- nobody lists another caller's thread ids."""
+        if thread_id is not None:
+            return {"thread_id": thread_id} if await self.may_read(thread_id, reader) else None
+        if reader.operator:
+            return {}
+        if reader.proof is None:
+            return None
+        try:
+            key = authority.check_listing(reader.proof, time.time(), self.spent)
+        except NotAuthorized:
+            return None
+        return {"bound_to": key}
+
+    async def run_page(self, reader: Reader, *, thread_id: str | None = None,
+                       provider: str | None = None, agent: str | None = None,
+                       status: str | Collection[str] | None = None, limit: int = 100,
+                       cursor: str | None = None) -> dict[str, Any]:
+        """`GET /runs`: `{"runs": [summaries, newest first], "nextCursor"}` as
+        `reader` may see them (see listing_scope); the cursor is the last
+        run's id, null on the last page."""
+        scope = await self.listing_scope(reader, thread_id)
+        if scope is None:
+            return {"runs": [], "nextCursor": None}
+        runs = await self.list_runs(provider=provider, agent=agent, status=status,
+                                    limit=limit + 1, before=cursor, **scope)
+        more = len(runs) > limit
+        runs = runs[:limit]
+        return {"runs": runs, "nextCursor": runs[-1]["runId"] if more else None}
+
+    async def task_page(self, provider_key: str, agent: str, reader: Reader, *,
+                        thread_id: str | None = None, status: Collection[str] | None = None,
+                        status_after: float | None = None, page_size: int = 50,
+                        after_run: str | None = None
+                        ) -> tuple[list[dict[str, Any]], int, bool]:
+        """One page of an agent's tasks (A2A ListTasks) as `reader` may see
+        them: (full run records, how many match in all, whether more follow).
+        Newest status time first, ties by id descending; `after_run` is the
+        previous page's last run (keyset: an unknown one pages nothing).
+        Filtered, counted and paged in SQL: only the page is ever loaded."""
+        scope = await self.listing_scope(reader, thread_id)
+        if scope is None:
+            return [], 0, False
+        total, ids = await self.record.task_ids(
+            provider_key, agent, thread_id=scope.get("thread_id"),
+            bound_to=scope.get("bound_to"), status=None if status is None else list(status),
+            status_after=status_after, limit=page_size + 1, after_run=after_run)
+        records = []
+        for run_id in ids[:page_size]:
+            record = await self.get_run(run_id)
+            if record is not None:
+                records.append(record)
+        return records, total, len(ids) > page_size
 
     async def get_thread(self, thread_id: str) -> dict[str, Any] | None:
         info = await self._thread(thread_id)
@@ -710,6 +834,12 @@ class Funduq:
                       limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
         return [(s, json.loads(e))
                 for s, e in await self.record.events_after(run_id, after, before, limit)]
+
+    async def _run_thread(self, run_id: str) -> str | None:
+        lane = self.lanes.get(run_id)
+        if lane is not None:
+            return lane.thread_id
+        return await self.record.run_thread(run_id)
 
     async def _run_exists(self, run_id: str) -> bool:
         return await self.record.run_exists(run_id)

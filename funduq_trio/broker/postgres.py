@@ -51,15 +51,16 @@ CREATE TABLE IF NOT EXISTS agents (
     PRIMARY KEY (provider_key, name)
 );
 CREATE TABLE IF NOT EXISTS threads (
-    id TEXT PRIMARY KEY,
+    id TEXT COLLATE "C" PRIMARY KEY,
     provider_key TEXT NOT NULL,
     agent_name TEXT NOT NULL,
     segment_head TEXT,
     created_at DOUBLE PRECISION NOT NULL
 );
+CREATE INDEX IF NOT EXISTS threads_segment_head ON threads (segment_head);
 CREATE TABLE IF NOT EXISTS runs (
     arrival BIGINT NOT NULL,
-    id TEXT PRIMARY KEY,
+    id TEXT COLLATE "C" PRIMARY KEY,
     thread_id TEXT NOT NULL,
     provider_key TEXT NOT NULL,
     agent_name TEXT NOT NULL,
@@ -74,6 +75,11 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
 CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
 CREATE INDEX IF NOT EXISTS runs_arrival ON runs (arrival);
+-- Listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs)
+-- and by status time (A2A ListTasks). Ids compare bytewise ("C"), as SQLite's do.
+CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival);
+CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
+    (provider_key, agent_name, (COALESCE(completed_at, started_at, created_at)), id);
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL,
     seq BIGINT NOT NULL,

@@ -71,6 +71,7 @@ CREATE TABLE IF NOT EXISTS threads (
     segment_head TEXT,
     created_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS threads_segment_head ON threads (segment_head);
 CREATE TABLE IF NOT EXISTS runs (
     arrival INTEGER NOT NULL,
     id TEXT PRIMARY KEY,
@@ -87,6 +88,11 @@ CREATE TABLE IF NOT EXISTS runs (
 );
 CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
 CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
+-- Listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs)
+-- and by status time (A2A ListTasks), and the threads bound to one key.
+CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival);
+CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
+    (provider_key, agent_name, COALESCE(completed_at, started_at, created_at), id);
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL,
     seq INTEGER NOT NULL,

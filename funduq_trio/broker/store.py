@@ -142,7 +142,16 @@ class Store(Protocol):
                       ) -> tuple[SummaryRow, list[tuple[int, str]]] | None: ...
 
     async def list_runs(self, *, thread_id: str | None, provider_key: str | None,
-                        agent: str | None, limit: int) -> list[SummaryRow]: ...
+                        agent: str | None, limit: int, status: Sequence[str] | None = None,
+                        before: str | None = None, bound_to: str | None = None
+                        ) -> list[SummaryRow]: ...
+
+    async def task_ids(self, provider_key: str, agent: str, *, thread_id: str | None,
+                       bound_to: str | None, status: Sequence[str] | None,
+                       status_after: float | None, limit: int, after_run: str | None
+                       ) -> tuple[int, list[str]]: ...
+
+    async def run_thread(self, run_id: str) -> str | None: ...
 
     async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]: ...
 
@@ -170,6 +179,11 @@ _RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_
                 "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)")
 _SUMMARY_COLUMNS = ("id, thread_id, provider_key, agent_name, status, metadata, created_at, "
                     "started_at, completed_at")
+_SUMMARY_COLUMNS_R = ("r.id, r.thread_id, r.provider_key, r.agent_name, r.status, r.metadata, "
+                      "r.created_at, r.started_at, r.completed_at")
+#: When a run's status last changed (what A2A calls the status timestamp);
+#: the same expression as the stores' index on it, so SQL can use it.
+STATUS_TIME = "COALESCE(r.completed_at, r.started_at, r.created_at)"
 _INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
                    "VALUES (?,?,?,?,?)")
 _INSERT_EVENT = "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)"
@@ -486,19 +500,80 @@ class SqlStore:
         return cast(tuple[SummaryRow, list[tuple[int, str]]] | None, await self.read(read))
 
     async def list_runs(self, *, thread_id: str | None, provider_key: str | None,
-                        agent: str | None, limit: int) -> list[SummaryRow]:
-        """The newest runs first, narrowed to a thread, a provider, an agent."""
+                        agent: str | None, limit: int, status: Sequence[str] | None = None,
+                        before: str | None = None, bound_to: str | None = None
+                        ) -> list[SummaryRow]:
+        """Run summaries, newest first, narrowed to a thread, a provider, an
+        agent, statuses; ``before`` a run id (only runs that arrived before
+        it; an unknown id lists nothing); ``bound_to`` the threads whose
+        segment head is that key."""
         where, args = [], []
         for column, value in (("thread_id", thread_id), ("provider_key", provider_key),
                               ("agent_name", agent)):
             if value is not None:
-                where.append(f"{column}=?")
+                where.append(f"r.{column}=?")
                 args.append(value)
-        sql = (f"SELECT {_SUMMARY_COLUMNS} FROM runs"
+        if status is not None:
+            where.append(f"r.status IN ({','.join('?' * len(status))})")
+            args.extend(status)
+        if before is not None:
+            where.append("r.arrival < (SELECT arrival FROM runs WHERE id=?)")
+            args.append(before)
+        if bound_to is not None:
+            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
+            args.append(bound_to)
+        sql = (f"SELECT {_SUMMARY_COLUMNS_R} FROM runs r"
                + (" WHERE " + " AND ".join(where) if where else "")
-               + " ORDER BY arrival DESC LIMIT ?")
+               + " ORDER BY r.arrival DESC LIMIT ?")
         return cast(list[SummaryRow], await self.read(
             lambda c: c.execute(sql, (*args, limit)).fetchall()))
+
+    async def task_ids(self, provider_key: str, agent: str, *, thread_id: str | None,
+                       bound_to: str | None, status: Sequence[str] | None,
+                       status_after: float | None, limit: int, after_run: str | None
+                       ) -> tuple[int, list[str]]:
+        """An agent's runs by status time (A2A ListTasks): how many match in
+        all, and the ids of up to ``limit`` of them, newest status time first,
+        ties by id descending, after ``after_run`` (keyset: an unknown one
+        pages nothing). Narrowed like ``list_runs``; ``status_after`` keeps
+        runs whose status time is at least that."""
+        where = ["r.provider_key=?", "r.agent_name=?"]
+        args: list[Any] = [provider_key, agent]
+        if thread_id is not None:
+            where.append("r.thread_id=?")
+            args.append(thread_id)
+        if bound_to is not None:
+            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
+            args.append(bound_to)
+        if status is not None:
+            where.append(f"r.status IN ({','.join('?' * len(status))})")
+            args.extend(status)
+        if status_after is not None:
+            where.append(f"{STATUS_TIME} >= ?")
+            args.append(status_after)
+        matching = " AND ".join(where)
+        keyset, keyset_args = "", []
+        if after_run is not None:
+            keyset = (f" AND ({STATUS_TIME}, r.id) < (SELECT {STATUS_TIME}, r.id FROM runs r "
+                      "WHERE r.id=?)")
+            keyset_args = [after_run]
+
+        def read(conn: Any) -> tuple[int, list[str]]:
+            total = conn.execute(f"SELECT COUNT(*) FROM runs r WHERE {matching}",
+                                 args).fetchone()[0]
+            ids = [r[0] for r in conn.execute(
+                f"SELECT r.id FROM runs r WHERE {matching}{keyset} "
+                f"ORDER BY {STATUS_TIME} DESC, r.id DESC LIMIT ?",
+                (*args, *keyset_args, limit)).fetchall()]
+            return int(total), ids
+
+        return await self.read(read)
+
+    async def run_thread(self, run_id: str) -> str | None:
+        """The thread a run is in."""
+        row = await self.read(lambda c: c.execute(
+            "SELECT thread_id FROM runs WHERE id=?", (run_id,)).fetchone())
+        return None if row is None else str(row[0])
 
     async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]:
         """(run id, status) of a thread's runs in arrival order."""

@@ -11,6 +11,12 @@ a2a-sdk's own server classes are asyncio-only, so none of them run here.
   The one exception is the card route: no such agent is a plain 404.
 - A task is a run and its `contextId` is the run's thread. A task id only
   names tasks of the agent in the URL; any other run is "not found" here.
+- Reads (`GetTask`, `SubscribeToTask`, `ListTasks`) see what the facade lets
+  the caller read (DESIGN §8): a bound thread's tasks need the `Funduq-Proof`
+  header (or the operator token) and are otherwise "not found", exactly as an
+  unknown id; `ListTasks` without a `contextId` lists the threads bound to
+  the key of a listing proof, everything for the operator, and nothing for
+  anyone else. It is filtered, counted and paged in SQL.
 - A message naming (`taskId`) a paused task answers the pause: the same task
   id continues. A message naming a task that is not paused (ended, or working)
   is refused with UnsupportedOperationError (A2A §3.1.1). A message naming no
@@ -36,6 +42,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from a2a.types import a2a_pb2 as pb
+from a2a.utils import constants
 from a2a.utils.errors import (
     A2AError,
     InternalError,
@@ -44,12 +51,14 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from a2a.utils.task import decode_page_token, encode_page_token
 from quart import Response, jsonify, request
 from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 
 from ..broker.errors import FunduqError, RunNotPaused
 from ..identity import InvalidActorChain
 from ..protocol import a2a, statuses
+from .access import reader_of
 from .door_errors import a2a_error
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
@@ -149,7 +158,17 @@ class A2ADoor:
         )
 
     async def run_record(self, task_id: str) -> dict[str, Any]:
+        """The task's record, for acts that carry their own authority (a
+        cancel, an answer): whether the caller may *read* it is not asked."""
         record = await self.funduq.get_run(task_id)
+        if not self._ours(record):
+            raise TaskNotFoundError(data={"taskId": task_id})
+        return record
+
+    async def readable_record(self, task_id: str) -> dict[str, Any]:
+        """The task's record if the caller may read it; otherwise exactly the
+        answer to an unknown task."""
+        record = await self.funduq.read_run(task_id, reader_of(self.funduq, request))
         if not self._ours(record):
             raise TaskNotFoundError(data={"taskId": task_id})
         return record
@@ -167,7 +186,7 @@ class A2ADoor:
             )
             return a2a.task_from_record(record)
         if call.op == a2a.GET:
-            return a2a.task_from_record(await self.run_record(call.request.id))
+            return a2a.task_from_record(await self.readable_record(call.request.id))
         if call.op == a2a.CANCEL:
             task_id = call.request.id
             await self.run_record(task_id)
@@ -193,9 +212,11 @@ class A2ADoor:
         if message.task_id:
             record = await self.run_record(message.task_id)
             if message.context_id and message.context_id != record["threadId"]:
+                # Not naming the task's own context: its thread id is not
+                # the sender's to learn from an error.
                 raise InvalidParamsError(
-                    message=f"Context {message.context_id} does not match context "
-                    f"{record['threadId']} of task {message.task_id}"
+                    message=f"Context {message.context_id} is not the context "
+                    f"of task {message.task_id}"
                 )
             interrupts = []
             if record.get("status") == statuses.INPUT_REQUIRED:
@@ -232,18 +253,27 @@ class A2ADoor:
         )
 
     async def list_tasks(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
-        records = await self.funduq.list_runs(
-            thread_id=req.context_id or None,
-            provider=self.view.key,
-            agent=self.view.name,
-            limit=10_000,
+        """One page, as the SDK's task store pages (newest status first, a
+        token naming the last task), but chosen, counted and cut in SQL."""
+        page_size = req.page_size or constants.DEFAULT_LIST_TASKS_PAGE_SIZE
+        after_ns = (
+            req.status_timestamp_after.ToNanoseconds()
+            if req.HasField("status_timestamp_after")
+            else None
         )
-        page = a2a.select_page(req, records)
-        full = []
-        for summary in page.records:
-            record = await self.funduq.get_run(summary["runId"])
-            full.append(record if record is not None else summary)
-        return a2a.list_tasks_response(req, page, full)
+        records, total, more = await self.funduq.task_page(
+            self.view.key,
+            self.view.name,
+            reader_of(self.funduq, request),
+            thread_id=req.context_id or None,
+            status=sorted(a2a.status_of_state(req.status)) if req.status else None,
+            status_after=None if after_ns is None else after_ns / 1e9,
+            page_size=page_size,
+            after_run=decode_page_token(req.page_token) if req.page_token else None,
+        )
+        token = encode_page_token(records[-1]["runId"]) if more and records else ""
+        page = a2a.TaskPage(records, total, page_size, token)
+        return a2a.list_tasks_response(req, page, records)
 
     # -- streams
 
@@ -267,7 +297,7 @@ class A2ADoor:
                 cursor = read_cursor(request.headers.get(LAST_EVENT_ID))
             except ValueError as exc:
                 raise InvalidParamsError(message=f"{LAST_EVENT_ID}: {exc}") from None
-            record = await self.run_record(call.request.id)
+            record = await self.readable_record(call.request.id)
             if record.get("status") in statuses.TERMINAL and cursor is None:
                 state = pb.TaskState.Name(a2a.task_state(record["status"]))
                 raise UnsupportedOperationError(

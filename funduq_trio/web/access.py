@@ -12,7 +12,10 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-__all__ = ["OPERATOR_COOKIE", "operator_token_of", "is_operator", "remember_operator"]
+from ..broker.authority import PROOF_HEADER, Reader
+
+__all__ = ["OPERATOR_COOKIE", "operator_token_of", "is_operator", "reader_of",
+           "remember_operator"]
 
 #: The cookie `?token=` sets (HttpOnly, SameSite=Strict, path /).
 OPERATOR_COOKIE = "funduq_operator"
@@ -32,6 +35,12 @@ def is_operator(funduq: Any, request: Any) -> bool:
     expected = funduq.operator_token
     return bool(presented and expected) and hmac.compare_digest(
         presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
+
+
+def reader_of(funduq: Any, request: Any) -> Reader:
+    """Who asks to read: the `Funduq-Proof` header and the operator token, as
+    the facade's read checks (`Funduq.may_read`, `listing_scope`) take them."""
+    return Reader(proof=request.headers.get(PROOF_HEADER), operator=is_operator(funduq, request))
 
 
 def remember_operator(response: Any, funduq: Any) -> Any:

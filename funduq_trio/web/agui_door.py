@@ -4,14 +4,19 @@ stream of the run's AG-UI events out (DESIGN §5).
 - The body must be JSON (else 400 `invalid_json`) validating as ag-ui's
   `RunAgentInput` (else 400 `invalid_run_input` with pydantic's details).
   Either way nothing is recorded.
-- Request-level metadata (`actorChain`, `resolution`) rides in `forwardedProps`.
+- Request-level metadata (`actorChain`, `presenter`, `resolution`) rides in
+  `forwardedProps`.
 - Without `resume` entries it starts a run: an unseen `threadId` starts a new
   funduq thread, and the caller's `runId` is replaced by funduq's. Both of
   funduq's ids ride every event.
 - With `resume` entries it answers the thread's paused run (same run id, its
   event log continuing); the stream carries only what follows the answer. When
   the thread has no paused run nothing is started: the answer is the thread
-  snapshot as JSON (200), the same body as `GET /threads/{id}`.
+  snapshot as JSON (200), the same body as `GET /threads/{id}`. On a bound
+  thread the authority check comes first (DESIGN §8): without a valid
+  resolution for its paused run *or* the `Funduq-Proof` read header, every
+  resume answers 404 as an unknown thread, paused or not; with the read
+  proof but no valid resolution, 403 (the reader may know the state).
 - The stream relays the run's recorded events as produced, unknown types
   untouched, and ends when the run ends or pauses. If the first event it would
   relay is not `RUN_STARTED` (an offline agent's run is only its `RUN_ERROR`)
@@ -43,12 +48,19 @@ from quart import jsonify, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import BadRequest
 
-from ..broker.errors import AgentNotFound, InvalidRunInput, RunNotFound, UnknownThread
+from ..broker.errors import (
+    AgentNotFound,
+    InvalidRunInput,
+    NotAuthorized,
+    RunNotFound,
+    UnknownThread,
+)
 from ..broker.funduq import Funduq
+from .access import reader_of
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 # funduq's request-level keys, read off forwardedProps.
-METADATA_KEYS = ("actorChain", "resolution")
+METADATA_KEYS = ("actorChain", "presenter", "resolution")
 
 
 # Deeper bodies are refused before anything walks them recursively (validation,
@@ -83,10 +95,10 @@ class InvalidCursor(BadRequest):
 
 
 async def readable_run(funduq: Funduq, run_id: str) -> dict[str, Any]:
-    """The run's record for a reader of this door, or RunNotFound (404).
-    The one place a read of a run through this door is decided: DESIGN §8's
-    read proof for a bound thread's runs belongs here."""
-    record = await funduq.get_run(run_id)
+    """The run's record for this request's reader, or RunNotFound (404) --
+    the same answer for an unknown run and for a bound thread's run read
+    without its proof (DESIGN §8)."""
+    record = await funduq.read_run(run_id, reader_of(funduq, request))
     if record is None:
         raise RunNotFound(f"no run {run_id!r}")
     return record
@@ -143,15 +155,26 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
 
         if run_input.resume:
             thread_id = run_input.thread_id
+            unknown = UnknownThread(f"no thread {thread_id!r} of agent {agent!r}")
             thread = await funduq.get_thread(thread_id)
             if thread is None or not _same_agent(thread, view.key, view.fingerprint, agent):
-                raise UnknownThread(f"no thread {thread_id!r} of agent {agent!r}")
+                raise unknown
             run_id = await funduq.paused_run(thread_id)
+            bound = thread["segmentHead"] is not None
             if run_id is None:
+                if bound and not await funduq.may_read(thread_id, reader_of(funduq, request)):
+                    raise unknown
                 return jsonify(thread)
             record = await funduq.get_run(run_id)
             after_seq = max((e["seq"] for e in (record or {}).get("events", [])), default=0)
-            ticket = await funduq.answer_pause(run_id, body, metadata=metadata)
+            try:
+                ticket = await funduq.answer_pause(run_id, body, metadata=metadata)
+            except NotAuthorized:
+                # Refuse first, say nothing: only a reader of the thread may
+                # learn that it has a paused run its answer failed to reach.
+                if await funduq.may_read(thread_id, reader_of(funduq, request)):
+                    raise
+                raise unknown from None
         else:
             after_seq = 0
             ticket = await funduq.start_run(

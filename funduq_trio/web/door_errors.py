@@ -87,6 +87,9 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
     # Answered on the provider link (err), never at a door; here for completeness.
     e.TooManyAgents: DoorAnswer(400, "too_many_agents", lambda exc, _: InvalidParamsError(
         message=str(exc) or "too many agents")),
+    e.ProofsBusy: DoorAnswer(503, "proofs_busy", lambda exc, _: UnsupportedOperationError(
+        message=str(exc) or "funduq cannot accept another proof right now; retry later",
+        data={"reason": "proofs_busy"})),
     e.FunduqError: DoorAnswer(400, "bad_request", lambda exc, _: InternalError(
         message=str(exc) or "bad request")),
 }
