@@ -39,6 +39,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     if metafunc.definition.get_closest_marker("sqlite_only"):
         return
+    if any("store" in str(m.args[0]) for m in metafunc.definition.iter_markers("parametrize")):
+        return  # the test names its stores itself
     metafunc.parametrize("store", ["sqlite", "postgres"], indirect=True)
 
 

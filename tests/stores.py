@@ -50,7 +50,20 @@ def new_schema() -> tuple[str, str]:
         conn.execute(f"CREATE SCHEMA {name}")
     options = quote(f"-c search_path={name}")
     joiner = "&" if "?" in POSTGRES_URL else "?"
-    return name, f"{POSTGRES_URL}{joiner}options={options}"
+    # The application name marks this test's connections (see drop_connections).
+    return name, f"{POSTGRES_URL}{joiner}options={options}&application_name={name}"
+
+
+def drop_connections(url: str) -> int:
+    """Have the server drop every connection of the test whose URL this is
+    (as a restarted or failed-over server would); how many it dropped."""
+    import psycopg
+
+    name = url.rsplit("application_name=", 1)[1]
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        return sum(1 for (ok,) in conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (name,)) if ok)
 
 
 def drop_schema(name: str) -> None:

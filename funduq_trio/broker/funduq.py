@@ -45,7 +45,7 @@ from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .run_machine import Input, Move, RunMachine, Settle
-from .store import Store, dumps, iso, open_store, record_trouble
+from .store import Store, dumps, iso, keepable, open_store, record_trouble
 
 log = logging.getLogger("funduq")
 
@@ -307,10 +307,7 @@ class Funduq:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
         await self._writable()
-        try:
-            run_input = agui.read_run_input(run_input)
-        except agui.InvalidInput as exc:
-            raise InvalidRunInput(str(exc)) from None
+        run_input = _read_run_input(run_input)
         metadata = dict(metadata or {})
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
@@ -610,10 +607,7 @@ class Funduq:
         if segment_head is not None:
             by = authority.check_resolution(metadata.get("resolution"), run_id,
                                             (segment_head, key), time.time(), spent=self.spent)
-        try:
-            run_input = agui.read_run_input(run_input)
-        except agui.InvalidInput as exc:
-            raise InvalidRunInput(str(exc)) from None
+        run_input = _read_run_input(run_input)
         await self._writable()
         found = await self.record.run_row(run_id)
         if found is None:
@@ -878,6 +872,21 @@ def _run_json(row: Any) -> dict[str, Any]:
     return {"runId": rid, "threadId": tid, "agent": {"provider": key, "name": agent},
             "status": status, "metadata": json.loads(metadata), "createdAt": iso(created),
             "startedAt": iso(started), "completedAt": iso(completed)}
+
+
+def _read_run_input(raw: Any) -> dict[str, Any]:
+    """A caller's RunAgentInput, valid, and with message ids the record can
+    keep as text (no NUL, no lone surrogate: see ``store.keepable``)."""
+    try:
+        run_input = agui.read_run_input(raw)
+    except agui.InvalidInput as exc:
+        raise InvalidRunInput(str(exc)) from None
+    for message in run_input.get("messages") or ():
+        mid = message.get("id") if isinstance(message, dict) else None
+        if isinstance(mid, str) and not keepable(mid):
+            raise InvalidRunInput("messages: a message id holds a character funduq cannot "
+                                  "record (NUL or a lone surrogate)")
+    return run_input
 
 
 def _not_cancellable(run_id: str) -> RunNotCancellable:

@@ -251,19 +251,29 @@ class PostgresStore(SqlStore):
     def _read_sync(self, fn: Callable[[Any], T]) -> T:
         """In a worker thread: ``fn`` on an idle reader connection (a new one
         when none is idle; the read limiter keeps them to READERS). A
-        connection that failed is closed, not kept."""
+        connection that failed is closed, not kept; a pooled one the server
+        had dropped meanwhile is replaced and the read tried once more
+        (reads change nothing)."""
+        import psycopg
+
         with self._readers_lock:
             conn = self._idle_readers.pop() if self._idle_readers else None
-        if conn is None or not conn.usable:
-            conn = self._connect()
-        try:
-            return fn(conn)
-        finally:
-            if conn.usable:
-                with self._readers_lock:
-                    self._idle_readers.append(conn)
-            else:
-                conn.close()
+        fresh = conn is None or not conn.usable
+        while True:
+            if conn is None or not conn.usable:
+                conn = self._connect()
+            try:
+                return fn(conn)
+            except psycopg.OperationalError:
+                if fresh or conn.usable:
+                    raise
+                fresh = True  # it died while idle: once more, on a new one
+            finally:
+                if conn.usable:
+                    with self._readers_lock:
+                        self._idle_readers.append(conn)
+                else:
+                    conn.close()
 
     def read_now(self, fn: Callable[[Any], T]) -> T:
         """Blocking read on the trio thread: only for start-up and tests."""

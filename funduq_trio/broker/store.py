@@ -64,6 +64,28 @@ def iso(ts: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
 
 
+class Unrecordable(ValueError):
+    """Text the record cannot keep outside JSON: a NUL character (PostgreSQL's
+    text refuses it) or a lone surrogate (neither database's UTF-8 holds it).
+    JSON columns never meet it -- ``dumps`` escapes both."""
+
+
+def keepable(*texts: str | None) -> bool:
+    """Whether every one of ``texts`` (None: nothing) can be kept in, or
+    looked up in, a text column of either store. What cannot be kept was never
+    recorded, so a lookup of it finds nothing without asking the database."""
+    for text in texts:
+        if text is None or (text.isascii() and "\x00" not in text):
+            continue
+        if "\x00" in text:
+            return False
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
+
+
 def record_trouble(exc: BaseException) -> bool:
     """A write failed because of the record's medium (disk full, I/O error,
     a lock held too long, the database server gone), not because of what it
@@ -338,6 +360,10 @@ class SqlStore:
     async def insert_run(self, row: dict[str, Any], new_thread: tuple[Any, ...] | None,
                          messages: Sequence[MessageRow]) -> None:
         """A new run (and its new thread, and the messages it adds)."""
+        if not keepable(*(m[2] for m in messages), *(new_thread or ())[:4]):
+            raise Unrecordable("a message id or thread holds a character the record cannot "
+                               "keep (NUL or a lone surrogate)")
+
         def apply(conn: Any) -> None:
             if new_thread is not None:
                 conn.execute("INSERT INTO threads (id, provider_key, agent_name, segment_head, "
@@ -421,6 +447,11 @@ class SqlStore:
         """Upsert a key's published agents; ``forget`` decides, from the key's
         recorded ``(name, size)`` oldest first, which of them to delete.
         Returns the names forgotten."""
+        for row in rows:
+            if not keepable(*row):
+                raise Unrecordable(f"agent {row[1]!r}: holds a character the record cannot "
+                                   "keep (NUL or a lone surrogate)")
+
         def apply(conn: Any) -> list[str]:
             conn.execute("INSERT INTO providers (key, fingerprint) VALUES (?, ?) "
                          "ON CONFLICT (key) DO NOTHING", (key, fingerprint))
@@ -482,12 +513,17 @@ class SqlStore:
         return await self.read(read)
 
     async def run_row(self, run_id: str) -> RunRow | None:
+        if not keepable(run_id):
+            return None
         return cast(RunRow | None, await self.read(lambda c: c.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone()))
 
     async def get_run(self, run_id: str
                       ) -> tuple[SummaryRow, list[tuple[int, str]]] | None:
         """A run's summary and its events (seq, JSON) in order."""
+        if not keepable(run_id):
+            return None
+
         def read(conn: Any) -> Any:
             row = conn.execute(f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE id=?",
                                (run_id,)).fetchone()
@@ -508,6 +544,8 @@ class SqlStore:
         it; an unknown id lists nothing); ``bound_to`` the threads whose
         segment head is that key."""
         where, args = [], []
+        if not keepable(thread_id, provider_key, agent, before, bound_to, *(status or ())):
+            return []
         for column, value in (("thread_id", thread_id), ("provider_key", provider_key),
                               ("agent_name", agent)):
             if value is not None:
@@ -537,6 +575,8 @@ class SqlStore:
         ties by id descending, after ``after_run`` (keyset: an unknown one
         pages nothing). Narrowed like ``list_runs``; ``status_after`` keeps
         runs whose status time is at least that."""
+        if not keepable(provider_key, agent, thread_id, bound_to, after_run, *(status or ())):
+            return 0, []
         where = ["r.provider_key=?", "r.agent_name=?"]
         args: list[Any] = [provider_key, agent]
         if thread_id is not None:
@@ -571,12 +611,16 @@ class SqlStore:
 
     async def run_thread(self, run_id: str) -> str | None:
         """The thread a run is in."""
+        if not keepable(run_id):
+            return None
         row = await self.read(lambda c: c.execute(
             "SELECT thread_id FROM runs WHERE id=?", (run_id,)).fetchone())
         return None if row is None else str(row[0])
 
     async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]:
         """(run id, status) of a thread's runs in arrival order."""
+        if not keepable(thread_id):
+            return []
         return cast(list[tuple[str, str]], await self.read(lambda c: c.execute(
             "SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
             (thread_id,)).fetchall()))
@@ -584,6 +628,9 @@ class SqlStore:
     async def thread(self, thread_id: str
                      ) -> tuple[tuple[str, str, str | None], list[str]] | None:
         """((provider key, agent, segment head), message ids) of a thread."""
+        if not keepable(thread_id):
+            return None
+
         def read(conn: Any) -> Any:
             row = conn.execute("SELECT provider_key, agent_name, segment_head FROM threads "
                                "WHERE id=?", (thread_id,)).fetchone()
@@ -598,6 +645,9 @@ class SqlStore:
 
     async def messages(self, thread_id: str, limit: int | None) -> list[str]:
         """A thread's messages (JSON) in order: all, or the last ``limit``."""
+        if not keepable(thread_id):
+            return []
+
         def read(conn: Any) -> list[Any]:
             if limit is None:
                 return cast(list[Any], conn.execute(
@@ -612,6 +662,8 @@ class SqlStore:
     async def events_after(self, run_id: str, after: int, before: int | None,
                            limit: int | None) -> list[tuple[int, str]]:
         """A run's events (seq, JSON) with after < seq < before, in order."""
+        if not keepable(run_id):
+            return []
         sql = "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq"
         args: tuple[Any, ...] = (run_id, after, before if before is not None else 2**62)
         if limit is not None:
@@ -620,11 +672,15 @@ class SqlStore:
             lambda c: c.execute(sql, args).fetchall())]
 
     async def run_exists(self, run_id: str) -> bool:
+        if not keepable(run_id):
+            return False
         return bool(await self.read(lambda c: c.execute(
             "SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None))
 
     async def run_facts(self, run_id: str) -> tuple[str | None, str] | None:
         """(segment head of its thread, its provider key), or None."""
+        if not keepable(run_id):
+            return None
         row = await self.read(lambda c: c.execute(
             "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
             "ON t.id = r.thread_id WHERE r.id=?", (run_id,)).fetchone())
@@ -632,6 +688,8 @@ class SqlStore:
 
     async def paused_run(self, thread_id: str, status: str) -> str | None:
         """The thread's latest run in ``status``."""
+        if not keepable(thread_id):
+            return None
         row = await self.read(lambda c: c.execute(
             "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
             (thread_id, status)).fetchone())
@@ -639,6 +697,8 @@ class SqlStore:
 
     async def run_progress(self, run_id: str) -> tuple[str, int] | None:
         """(status, last seq) of a run."""
+        if not keepable(run_id):
+            return None
         row = await self.read(lambda c: c.execute(
             "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
             "WHERE e.run_id = r.id) FROM runs r WHERE id=?", (run_id,)).fetchone())
