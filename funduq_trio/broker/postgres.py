@@ -5,9 +5,10 @@ domain's SQL both speak), kept in the database the operator already runs.
 
 Driver: psycopg 3, its plain (synchronous) connections driven from worker
 threads (``trio.to_thread``) -- trio has no PostgreSQL driver of its own, and
-a thread per call is what the SQLite store's reads already pay. One writer
-connection takes the group commits (each batch one transaction, in a worker
-thread, first-in first-out as on SQLite); up to ``READERS`` reader
+a thread per call is what the SQLite store's reads already pay; the measured
+choice over asyncpg under trio-asyncio (docs/record.md). One writer
+connection takes the group commits (each batch one pipelined transaction, in
+a worker thread, first-in first-out as on SQLite); up to ``READERS`` reader
 connections serve reads, each in autocommit so every read sees the latest
 commit. A connection the server dropped is thrown away and a new one made on
 the next use; until then the failure is the medium's (``record_trouble``):
@@ -110,15 +111,39 @@ def to_pyformat(sql: str) -> str:
     return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
 
 
+class _Pipelined:
+    """A statement's cursor in pipeline mode: its result arrives at the next
+    sync, so reading its row count syncs first (fetching rows syncs by
+    itself). Statements whose results nobody reads cost no round trip."""
+
+    __slots__ = ("_cursor", "_pipeline")
+
+    def __init__(self, cursor: Any, pipeline: Any) -> None:
+        self._cursor, self._pipeline = cursor, pipeline
+
+    @property
+    def rowcount(self) -> int:
+        self._pipeline.sync()
+        return int(self._cursor.rowcount)
+
+    def fetchone(self) -> Any:
+        return self._cursor.fetchone()
+
+    def fetchall(self) -> list[Any]:
+        return list(self._cursor.fetchall())
+
+
 class PgConnection:
     """A psycopg connection that speaks the shared SQL (``?`` placeholders),
-    with sqlite3's ``execute``/``executemany`` shape."""
+    with sqlite3's ``execute``/``executemany`` shape. While ``pipeline`` is
+    set (the writer's batches), statements are pipelined."""
 
-    __slots__ = ("raw", "_sql")
+    __slots__ = ("raw", "_sql", "pipeline")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self._sql: dict[str, str] = {}
+        self.pipeline: Any = None
 
     def _convert(self, sql: str) -> str:
         converted = self._sql.get(sql)
@@ -127,7 +152,8 @@ class PgConnection:
         return converted
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        return self.raw.execute(self._convert(sql), tuple(params))
+        cursor = self.raw.execute(self._convert(sql), tuple(params))
+        return cursor if self.pipeline is None else _Pipelined(cursor, self.pipeline)
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> Any:
         cursor = self.raw.cursor()
@@ -215,18 +241,25 @@ class PostgresStore(SqlStore):
         return conn
 
     def _apply(self, ops: list[_Write]) -> None:
-        """One transaction for the whole batch. Should any write fail, the
-        batch is rolled back and replayed one write per transaction, so one
-        bad write never takes the others with it."""
+        """One transaction for the whole batch, pipelined: its statements go
+        out together and only a guarded move's verdict waits for a round
+        trip. Should any write fail, the batch is rolled back and replayed
+        one write per transaction (not pipelined, so each error is its own
+        write's), so one bad write never takes the others with it."""
         conn = self._writer()
         try:
-            conn.execute("BEGIN")
-            for op in ops:
-                op.result = op.fn(conn)
-            conn.execute("COMMIT")
+            with conn.raw.pipeline() as pipeline:
+                conn.pipeline = pipeline
+                conn.execute("BEGIN")
+                for op in ops:
+                    op.result = op.fn(conn)
+                conn.execute("COMMIT")
             return
         except Exception:  # noqa: BLE001 -- replayed below, one by one
+            conn.pipeline = None
             self._roll_back(conn)
+        finally:
+            conn.pipeline = None
         for op in ops:
             try:
                 conn = self._writer()
