@@ -139,8 +139,10 @@ def test_a_failing_step_leaves_the_file_at_the_step_before(tmp_path):
     path = tmp_path / "r.sqlite3"
     conn = connect(path)
     bad = (*STEPS[:2], Migration(3, "bad", "CREATE TABLE c (x); ALTER TABLE nowhere ADD y"))
-    with pytest.raises(sqlite3.OperationalError, match="nowhere"):
+    with pytest.raises(sqlite3.OperationalError, match="nowhere") as failed:
         schema.upgrade(conn, migrations=bad)
+    assert failed.value.__notes__ == [
+        "the record: schema migration 3 (bad) failed at: ALTER TABLE nowhere ADD y;"]
     assert version_of(path) == 2
     assert not conn.in_transaction
     # Step 3's first statement was rolled back with it: a fixed step 3 applies whole.

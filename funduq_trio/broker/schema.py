@@ -192,7 +192,12 @@ def upgrade(conn: sqlite3.Connection, where: str = "the record",
                 continue
             # Statement by statement: executescript() would commit first.
             for statement in statements(step.sql):
-                conn.execute(statement)
+                try:
+                    conn.execute(statement)
+                except sqlite3.Error as exc:
+                    exc.add_note(f"{where}: schema migration {step.version} ({step.why}) "
+                                 f"failed at: {statement}")
+                    raise
             conn.execute(f"PRAGMA user_version={step.version:d}")
             conn.execute("COMMIT")
         except BaseException:
