@@ -215,9 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.exit(2, f"{PROG} serve: error: {exc}\n")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        from .broker.schema import SchemaTooNew
         from .server import run_server
 
-        run_server(settings)
+        too_new: BaseException | None = None
+        try:
+            run_server(settings)
+        except* SchemaTooNew as group:  # a record from a newer build: one line, no traceback
+            too_new = group
+            while isinstance(too_new, BaseExceptionGroup):
+                too_new = too_new.exceptions[0]
+        if too_new is not None:
+            parser.exit(1, f"{PROG} serve: error: {too_new}\n")
         return 0
     if args.command == "call":
         url = args.url
