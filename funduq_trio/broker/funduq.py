@@ -840,7 +840,8 @@ class Funduq:
         scope = await self.listing_scope(reader, thread_id)
         if scope is None:
             return [], 0, False
-        where, args = ["r.provider_key=?", "r.agent_name=?"], [provider_key, agent]
+        where: list[str] = ["r.provider_key=?", "r.agent_name=?"]
+        args: list[Any] = [provider_key, agent]
         if "thread_id" in scope:
             where.append("r.thread_id=?")
             args.append(scope["thread_id"])
