@@ -22,7 +22,7 @@ import trio
 
 from ..config import Settings
 from ..identity import Identity, dispatch_hop
-from ..protocol import agui, reasons
+from ..protocol import agui, carriable, reasons
 from ..protocol import statuses as st
 from . import authority
 from .errors import (
@@ -49,6 +49,14 @@ THREAD_CACHE = 16384
 #: Request-level metadata keys that prove something to funduq; they are not
 #: forwarded to providers.
 PROOF_KEYS = ("cancel", "resolution")
+
+
+def _check_carriable(metadata: Any, thread_id: Any = None) -> None:
+    """Refuse request metadata (or a thread id) the provider link could not
+    carry -- the doors refuse it first; this keeps any other way in honest."""
+    problem = carriable.problem(metadata) or carriable.problem(thread_id)
+    if problem is not None:
+        raise InvalidRunInput(f"request metadata cannot be carried to a provider: {problem}")
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,7 @@ class Funduq:
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
+        _check_carriable(metadata, thread_id)
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -450,6 +459,7 @@ class Funduq:
         if facts is None:
             raise RunNotFound(run_id)
         segment_head, key = facts
+        _check_carriable(metadata)
         metadata = dict(metadata or {})
         by = None
         if segment_head is not None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..protocol import agui, reasons
+from ..protocol import agui, carriable, reasons
 from ..protocol import statuses as st
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
 from .providers import ACCEPTED, DECLINED, REFUSED, ProviderSession
@@ -344,6 +344,22 @@ class Lane:
                 return
 
     async def _offer(self, session: ProviderSession) -> str:
+        try:
+            payload = self.f._offer_payload(self)
+            problem = (carriable.problem(payload["runInput"])
+                       or carriable.problem(payload["metadata"]))
+        except ValueError as exc:  # e.g. a chain hop that cannot be signed (not UTF-8)
+            payload, problem = {}, str(exc) or repr(exc)
+        if problem is not None:
+            # The offer the link cannot encode (the doors refuse such input
+            # now; an older record may still hold it). Decided before a place
+            # is spent or anything is sent: this run fails alone, the link
+            # stays up, and the thread's next run becomes head. No quality
+            # counter moves -- it is nobody's fault at the provider.
+            log.warning("run %s: its offer cannot be encoded (%s); failing it", self.run_id,
+                        problem)
+            await self._settle(st.FAILED, reasons.OFFER_NOT_ENCODABLE)
+            return "settled"
         offer = session.reserve(self)
         self._baton = False
         self.awaiting_answer = True
@@ -351,7 +367,7 @@ class Lane:
             if not await self._move(st.OFFERING):
                 session.give_back()
                 return "settled"
-            session.send(offer, self.f._offer_payload(self))
+            session.send(offer, payload)
             await self._await_answer(offer, session)
             session.withdraw(offer)
         finally:

@@ -69,7 +69,7 @@ from google.protobuf.message import Message as ProtoMessage
 from jsonrpc.jsonrpc2 import JSONRPC20Request, JSONRPC20Response
 from packaging.version import InvalidVersion, Version
 
-from . import statuses
+from . import carriable, statuses
 
 __all__ = [
     "AGUI_EVENT_KEY",
@@ -831,6 +831,19 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
             build_error_response(request_id, InvalidRequestError(message="Method is required"))
         )
     params = data.get("params", {})
+    if method in METHODS_V03 or method in METHODS_V1:
+        # Params the provider link could not carry (a lone surrogate, NaN, too
+        # deep) are the params' fault, whichever field holds them: -32602
+        # before anything reads them (request metadata is kept as sent).
+        problem = carriable.problem(params)
+        if problem is not None:
+            error = InvalidParamsError(
+                message=f"params cannot be carried to a provider: {problem}",
+                data={"reason": "not_carriable"},
+            )
+            if method in METHODS_V03:
+                raise CallRejected(_v03_error_envelope(request_id, error))
+            raise CallRejected(build_error_response(request_id, error))
 
     if method in METHODS_V03:
         return _parse_v03(data, method, request_id, params, version_header)

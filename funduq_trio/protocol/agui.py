@@ -10,6 +10,7 @@ from typing import Any
 from ag_ui.core import Event, EventType, RunAgentInput
 from pydantic import TypeAdapter, ValidationError
 
+from . import carriable
 from .reasons import INVALID_INPUT_PREFIX, MALFORMED_EVENT
 
 KNOWN_TYPES = frozenset(t.value for t in EventType)
@@ -39,6 +40,11 @@ def read_event(raw: Any) -> dict[str, Any]:
     """
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise MalformedEvent("event has no string 'type'")
+    # A string that is not UTF-8 (a lone surrogate) can be neither stored nor
+    # relayed; nesting is left to the views (the record keeps what was sent).
+    problem = carriable.problem(raw, max_nesting=None)
+    if problem is not None:
+        raise MalformedEvent(f"event holds {problem}")
     if raw["type"] not in KNOWN_TYPES:
         return raw
     try:
@@ -79,7 +85,11 @@ def run_error(reason: str) -> dict[str, Any]:
 
 
 def read_run_input(raw: Any) -> dict[str, Any]:
-    """Validate a RunAgentInput; return it in wire form (camelCase, no nulls)."""
+    """Validate a RunAgentInput the provider link can carry; return it in wire
+    form (camelCase, no nulls)."""
+    problem = carriable.problem(raw)
+    if problem is not None:
+        raise InvalidInput(INVALID_INPUT_PREFIX + f"it cannot be carried to a provider: {problem}")
     try:
         model = RunAgentInput.model_validate(raw)
     except ValidationError as exc:

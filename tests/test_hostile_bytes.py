@@ -1,0 +1,311 @@
+"""Hostile bytes (issue 10, items 1 and 9): what the provider link cannot carry
+-- a lone surrogate anywhere, NaN/Infinity, nesting past the limit -- is
+refused at both doors with nothing recorded; a run the link cannot encode
+anyway (an older record's) fails alone; a provider's event carrying a lone
+surrogate fails its run as malformed and never leaves it `running`.
+
+Everything runs against the real server on a loopback port: httpx callers,
+a hand-played provider on the real WebSocket, the real SQLite file."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import trio
+from support import http_client, post_sse, raw_provider, running_server, user_input
+
+from funduq_trio.config import Settings
+from funduq_trio.identity import Identity
+
+SURROGATE = "\ud800"
+JSON_HEADERS = {"content-type": "application/json"}
+V1 = {"A2A-Version": "1.0", **JSON_HEADERS}
+# A safety net against a hung test (the base code drops the link), never a behaviour clock.
+LIMIT = 20
+
+
+def deep(levels: int) -> Any:
+    """A value whose containers nest `levels` deep."""
+    value: Any = 1
+    for i in range(levels):
+        value = {"k": value} if i % 2 else [value]
+    return value
+
+
+def poisoned_agui_bodies() -> list[tuple[str, bytes]]:
+    """(what, body) for AG-UI bodies the link cannot carry. Serialized with
+    json.dumps: surrogates come out as valid `\\ud800` escapes, NaN as `NaN`."""
+    def body(**changes: Any) -> dict[str, Any]:
+        return {**user_input("hi", thread_id="poison-thread"), **changes}
+
+    message = {"id": "m1", "role": "user", "content": "hi"}
+    cases: list[tuple[str, Any]] = [
+        ("content", body(messages=[{**message, "content": "hi " + SURROGATE}])),
+        ("message id", body(messages=[{**message, "id": "m" + SURROGATE}])),
+        ("thread id", body(threadId="t" + SURROGATE)),
+        ("forwardedProps key", body(forwardedProps={"a": {"b" + SURROGATE: 1}})),
+        ("state", body(state={"deep": [{"x": SURROGATE}]})),
+        ("tools", body(tools=[{"name": "t", "description": SURROGATE, "parameters": {}}])),
+        ("NaN", body(state={"n": float("nan")})),
+        ("Infinity", body(forwardedProps={"n": float("inf")})),
+        ("-Infinity", body(state={"n": [float("-inf")]})),
+        ("nesting", body(state={"n": deep(100)})),
+    ]
+    return [(what, json.dumps(value).encode()) for what, value in cases]
+
+
+async def assert_nothing_recorded(http: Any, info: Any) -> None:
+    assert await info.funduq.list_runs() == []
+    assert (await http.get("/threads/poison-thread")).status_code == 404
+
+
+async def test_the_agui_door_refuses_what_the_link_cannot_carry(tmp_path):
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        url = f"/agui/{provider.fingerprint}/echo"
+        for what, body in poisoned_agui_bodies():
+            response = await http.post(url, content=body, headers=JSON_HEADERS)
+            assert response.status_code == 400, (what, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "invalid_json", what
+            assert "cannot be carried" in error["message"] or "not JSON" in error["message"]
+        await assert_nothing_recorded(http, info)
+        # The door is still the door: a clean body runs, on the same link.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post_sse, http, url, user_input("fine"))
+            with trio.fail_after(LIMIT):
+                run = await provider.next_offer()
+            assert run["runInput"]["messages"][-1]["content"] == "fine"
+            await provider.answer(run, "refused", "just checking")
+
+
+def v1_send(message_extra: dict[str, Any], **params: Any) -> dict[str, Any]:
+    message = {"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "x"}], **message_extra}
+    return {"jsonrpc": "2.0", "id": 5, "method": "SendMessage",
+            "params": {"message": message, **params}}
+
+
+def v03_send(message_extra: dict[str, Any], **params: Any) -> dict[str, Any]:
+    message = {"kind": "message", "messageId": "m1", "role": "user",
+               "parts": [{"kind": "text", "text": "x"}], **message_extra}
+    return {"jsonrpc": "2.0", "id": 5, "method": "message/send",
+            "params": {"message": message, **params}}
+
+
+async def test_the_a2a_door_refuses_what_the_link_cannot_carry(tmp_path):
+    cases = [
+        ("NaN in message metadata", {"metadata": {"n": float("nan")}}, {}),
+        ("Infinity in request metadata", {}, {"metadata": {"n": float("inf")}}),
+        ("surrogate key in request metadata", {}, {"metadata": {"k" + SURROGATE: 1}}),
+        ("surrogate in a data part", {"parts": [{"data": {"v": SURROGATE}}]}, {}),
+        ("nesting", {"metadata": {"n": deep(100)}}, {}),
+    ]
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        url = info.a2a_url(provider.fingerprint, "echo")
+        for what, message_extra, params in cases:
+            for body, headers in ((v1_send(message_extra, **params), V1),
+                                  (v03_send(_v03_parts(message_extra), **params), JSON_HEADERS)):
+                response = await http.post(url, content=json.dumps(body).encode(),
+                                           headers=headers)
+                assert response.status_code == 200
+                answer = response.json()
+                assert answer["id"] == 5, (what, answer)
+                assert answer["error"]["code"] == -32602, (what, body["method"], answer)
+        assert await info.funduq.list_runs() == []
+
+
+def _v03_parts(message_extra: dict[str, Any]) -> dict[str, Any]:
+    """The same message change in the 0.3 shape (parts carry a `kind`)."""
+    parts = message_extra.get("parts")
+    if parts is None:
+        return message_extra
+    return {**message_extra, "parts": [{"kind": "data", **p} for p in parts]}
+
+
+# ------------------------------------------------------------------ second line
+
+
+def _patch_record(path: Path, thread_id: str, rows: list[tuple[str, str]]) -> None:
+    """Queue runs on `thread_id` the way an older deployment could have
+    recorded them: (run id, input JSON text) each, in arrival order, copying
+    the thread's first run for everything else."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            arrival = conn.execute("SELECT MAX(arrival) FROM runs").fetchone()[0]
+            template = conn.execute(
+                "SELECT provider_key, agent_name FROM runs WHERE thread_id=? LIMIT 1",
+                (thread_id,)).fetchone()
+            for run_id, input_text in rows:
+                arrival += 1
+                conn.execute(
+                    "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
+                    " input, caller_metadata, metadata, created_at) VALUES"
+                    " (?, ?, ?, ?, ?, 'queued', ?, '{}', '{}', 0)",
+                    (arrival, run_id, thread_id, *template, input_text))
+    finally:
+        conn.close()
+
+
+def _counters(path: Path) -> list[tuple[int, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(
+            "SELECT misdeclared, unanswered, abandoned, undelivered FROM providers").fetchall()
+    finally:
+        conn.close()
+
+
+async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
+    identity = Identity.generate()
+    path = Settings(data_dir=tmp_path).database_path
+
+    # A record with a thread on it, made by the server itself.
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"], identity=identity) as provider,
+    ):
+        url = f"/agui/{provider.fingerprint}/echo"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post_sse, http, url, user_input("first", thread_id="t"))
+            run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            await provider.play(run, [{"type": "RUN_STARTED", "threadId": run["threadId"],
+                                       "runId": run["runId"]},
+                                      {"type": "RUN_FINISHED", "threadId": run["threadId"],
+                                       "runId": run["runId"]}])
+        thread_id = run["threadId"]
+
+    def input_text(text: str) -> str:
+        return json.dumps({"threadId": thread_id, "runId": "x", "state": {}, "tools": [],
+                           "context": [], "messages": [{"id": f"m-{text}", "role": "user",
+                                                        "content": text}]})
+
+    poisoned = input_text("bad " + SURROGATE)
+    assert "\\ud800" in poisoned  # valid JSON text, as the old door took it
+    _patch_record(path, thread_id, [
+        ("run_poison_surrogate", poisoned),
+        ("run_poison_nan", input_text("nan").replace('"state": {}', '"state": {"n": NaN}')),
+        ("run_next", input_text("next")),
+    ])
+    before = _counters(path)
+
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"], identity=identity) as provider,
+    ):
+        with trio.fail_after(LIMIT):
+            offered = await provider.next_offer()
+        # The poisoned runs never left; the thread's next run is the one offered.
+        assert offered["runId"] == "run_next"
+        assert offered["runInput"]["messages"][-1]["content"] == "next"
+        await provider.answer(offered, "accepted")
+        await provider.play(offered, [{"type": "RUN_STARTED", "threadId": thread_id,
+                                       "runId": "run_next"},
+                                      {"type": "RUN_FINISHED", "threadId": thread_id,
+                                       "runId": "run_next"}])
+        with trio.fail_after(LIMIT):
+            done = await info.funduq.wait_run("run_next")
+        assert done["status"] == "completed"
+
+        for run_id in ("run_poison_surrogate", "run_poison_nan"):
+            record = (await http.get(f"/runs/{run_id}")).json()
+            assert record["status"] == "failed", record
+            assert record["metadata"]["failureReason"] == "offer_not_encodable"
+            assert [e["event"] for e in record["events"]] == [
+                {"type": "RUN_ERROR", "message": "offer_not_encodable",
+                 "code": "offer_not_encodable"}]
+        # The link stayed up all along: the same connection serves a new run.
+        roster = (await http.get("/agents")).json()["agents"]
+        assert [a["online"] for a in roster] == [True]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post_sse, http, f"/agui/{provider.fingerprint}/echo",
+                               user_input("after", thread_id=thread_id))
+            with trio.fail_after(LIMIT):
+                later = await provider.next_offer()
+            assert later["threadId"] == thread_id
+            await provider.answer(later, "refused", "enough")
+        assert provider.offers.statistics().current_buffer_used == 0
+    # Nobody's fault at the provider: no quality counter moved.
+    assert _counters(path) == before
+
+
+# ------------------------------------------------------------------ provider side
+
+
+async def test_an_event_with_a_lone_surrogate_fails_its_run_as_malformed(tmp_path):
+    def events(run: dict[str, Any], bad: dict[str, Any]) -> list[dict[str, Any]]:
+        ids = {"threadId": run["threadId"], "runId": run["runId"]}
+        return [{"type": "RUN_STARTED", **ids},
+                {"type": "TEXT_MESSAGE_START", "messageId": "m", "role": "assistant"},
+                bad,
+                {"type": "TEXT_MESSAGE_END", "messageId": "m"},
+                {"type": "RUN_FINISHED", **ids}]
+
+    bad_events = [
+        {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "x" + SURROGATE},
+        {"type": "TEXT_MESSAGE_START", "messageId": "m" + SURROGATE, "role": "assistant"},
+        {"type": "SOMETHING_NEWER", "payload": {"k" + SURROGATE: [1]}},
+        {"type": "CUSTOM", "name": "n", "value": {"deep": [[SURROGATE]]}},
+    ]
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        url = f"/agui/{provider.fingerprint}/echo"
+        for n, bad in enumerate(bad_events):
+            seen: dict[str, Any] = {}
+
+            async def call(text: str, seen: dict[str, Any] = seen) -> None:
+                seen["response"], seen["events"] = await post_sse(http, url, user_input(text))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, f"call-{n}")
+                with trio.fail_after(LIMIT):
+                    run = await provider.next_offer()
+                await provider.answer(run, "accepted")
+                await provider.play(run, events(run, bad))
+            record = (await http.get(f"/runs/{run['runId']}")).json()
+            assert record["status"] == "failed", (bad, record["status"])
+            assert record["metadata"]["failureReason"] == "provider sent a malformed AG-UI event"
+            kinds = [e["event"]["type"] for e in record["events"]]
+            # What came before the bad event is kept; it and what followed are not.
+            assert kinds[-1] == "RUN_ERROR" and bad not in [e["event"] for e in record["events"]]
+            assert kinds == ["RUN_STARTED", "TEXT_MESSAGE_START", "RUN_ERROR"] or kinds == [
+                "RUN_STARTED", "RUN_ERROR"]
+            assert [e["type"] for e in seen["events"]] == kinds
+            # The provider is asked to stop; its link stays up for the next run.
+            with trio.fail_after(LIMIT):
+                assert await provider.cancels.receive() == run["runId"]
+        roster = (await http.get("/agents")).json()["agents"]
+        assert [a["online"] for a in roster] == [True]
+
+
+# ------------------------------------------------------------------ the one check
+
+
+def test_problem_names_what_and_where():
+    from funduq_trio.protocol import carriable
+
+    assert carriable.problem({"a": ["ok", 1.5, 10**400, None, True]}) is None
+    assert "$.a[1].b" in carriable.problem({"a": [0, {"b": "x" + SURROGATE}]})
+    assert "in a key at $.a" in carriable.problem({"a": {SURROGATE: 1}})
+    assert "nan at $.n" in carriable.problem({"n": float("nan")})
+    assert "-inf" in carriable.problem([float("-inf")])
+    assert carriable.problem(deep(100)) is None
+    assert "nesting deeper than 100" in carriable.problem(deep(101))
+    assert carriable.problem(deep(5000), max_nesting=None) is None  # no recursion
+    assert '$["a b"]' in carriable.problem({"a b": SURROGATE})
