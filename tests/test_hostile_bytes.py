@@ -309,3 +309,53 @@ def test_problem_names_what_and_where():
     assert "nesting deeper than 100" in carriable.problem(deep(101))
     assert carriable.problem(deep(5000), max_nesting=None) is None  # no recursion
     assert '$["a b"]' in carriable.problem({"a b": SURROGATE})
+
+
+# ------------------------------------------------------------------ oversize bodies
+
+
+async def _read_until_closed(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    with trio.fail_after(LIMIT):  # the base code never closes: the test fails, not hangs
+        while chunk := await stream.receive_some():
+            data += chunk
+    return data
+
+
+async def test_an_oversize_refusal_closes_its_connection(tmp_path):
+    limit = 4096
+    async with running_server(tmp_path, max_body_bytes=limit) as info:
+        for path, status in ((b"/agui/p/echo", b"413"), (b"/a2a/p/echo", b"200")):
+            head = b"POST " + path + b" HTTP/1.1\r\nHost: funduq\r\nContent-Type: application/json\r\n"
+            for framing, start in (
+                (b"Content-Length: %d\r\n\r\n" % (limit + 1000), b"{" + b" " * 100),
+                # No length upfront: the limit is passed while reading, the rest never comes.
+                (b"Transfer-Encoding: chunked\r\n\r\n", b"%x\r\n%s\r\n" % (limit + 10,
+                                                                         b" " * (limit + 10))),
+            ):
+                stream = await trio.open_tcp_stream("127.0.0.1", info.port)
+                await stream.send_all(head + framing + start)
+                # Meanwhile another connection is served as usual.
+                async with http_client(info) as http:
+                    assert (await http.get("/healthz")).status_code == 200
+                answer = await _read_until_closed(stream)
+                await stream.aclose()
+                head_part, _, body = answer.partition(b"\r\n\r\n")
+                assert head_part.startswith(b"HTTP/1.1 " + status), answer
+                assert b"connection: close" in head_part.lower(), answer
+                error = json.loads(body)["error"]
+                if status == b"413":
+                    assert error["code"] == "body_too_large"
+                else:
+                    assert error["code"] == -32600 and error["message"] == "Payload too large"
+
+        # httpx on one keep-alive pool: the next request after a refusal succeeds.
+        async with http_client(info) as http:
+            for url in ("/agui/p/echo", "/a2a/p/echo"):
+                for _ in range(3):
+                    refused = await http.post(url, content=b" " * 4_000_000,
+                                              headers=JSON_HEADERS)
+                    assert refused.headers["connection"] == "close"
+                    with trio.fail_after(LIMIT):
+                        assert (await http.get("/healthz")).status_code == 200
