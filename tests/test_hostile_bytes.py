@@ -359,3 +359,168 @@ async def test_an_oversize_refusal_closes_its_connection(tmp_path):
                     assert refused.headers["connection"] == "close"
                     with trio.fail_after(LIMIT):
                         assert (await http.get("/healthz")).status_code == 200
+
+
+# ------------------------------------------------------------------ A2A views of odd events
+
+HUGE = 10**400
+
+
+def _rpc(method: str, params: dict[str, Any], id: int = 1) -> bytes:
+    return json.dumps({"jsonrpc": "2.0", "id": id, "method": method, "params": params}).encode()
+
+
+async def _rpc_call(http: Any, url: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    response = await http.post(url, content=_rpc(method, params), headers=V1)
+    assert response.status_code == 200
+    return response.json()
+
+
+def _sdk_parses(result: dict[str, Any], message: Any) -> Any:
+    """What a caller's SDK does with the answer: parse it into the protobuf."""
+    from google.protobuf.json_format import ParseDict
+
+    return ParseDict(result, message, ignore_unknown_fields=True)
+
+
+def _odd_events(run: dict[str, Any]) -> list[dict[str, Any]]:
+    ids = {"threadId": run["threadId"], "runId": run["runId"]}
+    return [
+        {"type": "RUN_STARTED", **ids},
+        {"type": "SOMETHING_DEEP", "payload": deep(150)},
+        {"type": "CUSTOM", "name": "big", "value": HUGE},
+        {"type": "TEXT_MESSAGE_START", "messageId": "m", "role": "assistant"},
+        {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "still here"},
+        {"type": "TEXT_MESSAGE_END", "messageId": "m"},
+        {"type": "RUN_FINISHED", **ids, "result": {"n": HUGE, "deep": deep(60)}},
+    ]
+
+
+async def test_odd_stored_events_degrade_the_a2a_views_never_fail_them(tmp_path):
+    from a2a.types import a2a_pb2 as pb
+
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        url = info.a2a_url(provider.fingerprint, "echo")
+        message = {"messageId": "a1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+        frames: list[dict[str, Any]] = []
+
+        async def stream() -> None:
+            async with http.stream("POST", url, content=_rpc("SendStreamingMessage",
+                                                             {"message": message}),
+                                   headers=V1) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        frames.append(json.loads(line[len("data:"):]))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream)
+            with trio.fail_after(LIMIT):
+                run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            await provider.play(run, _odd_events(run))
+        # The live stream ran to its end, every frame a result a caller's SDK parses.
+        assert all("error" not in f for f in frames), frames
+        updates = [_sdk_parses(f["result"], pb.StreamResponse()) for f in frames]
+        final = updates[-1].status_update
+        assert final.status.state == pb.TaskState.TASK_STATE_COMPLETED
+        degraded = [u for u in updates if "funduq/degraded" in u.status_update.metadata]
+        assert len(degraded) >= 2  # the deep one, the huge one (and the final's RUN_FINISHED)
+        text = "".join(p.text for u in updates for p in u.artifact_update.artifact.parts)
+        assert text == "still here"
+
+        # A second task on the same context: a refusal whose reason is not UTF-8.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_rpc_call, http, url, "SendMessage", {"message": {
+                **message, "messageId": "a2", "contextId": run["threadId"]}})
+            with trio.fail_after(LIMIT):
+                refused = await provider.next_offer()
+            await provider.answer(refused, "refused", "no " + SURROGATE)
+
+        for task_id, state in ((run["runId"], pb.TaskState.TASK_STATE_COMPLETED),
+                               (refused["runId"], pb.TaskState.TASK_STATE_FAILED)):
+            got = await _rpc_call(http, url, "GetTask", {"id": task_id})
+            assert "result" in got, got
+            task = _sdk_parses(got["result"], pb.Task())
+            assert task.status.state == state
+        assert task.status.message.parts[0].text == "no \ufffd"
+
+        listed = await _rpc_call(http, url, "ListTasks", {"contextId": run["threadId"]})
+        assert "result" in listed, listed
+        tasks = _sdk_parses(listed["result"], pb.ListTasksResponse()).tasks
+        assert {t.id for t in tasks} == {run["runId"], refused["runId"]}
+
+        # The record keeps every event exactly as the provider sent it.
+        record = json.loads((await http.get(f"/runs/{run['runId']}")).text)
+        assert [e["event"] for e in record["events"]] == _odd_events(run)
+        refusal = json.loads((await http.get(f"/runs/{refused['runId']}")).text)
+        assert refusal["metadata"]["failureReason"] == "no " + SURROGATE
+
+
+async def test_a_stored_event_with_a_lone_surrogate_degrades_the_a2a_views(tmp_path):
+    from a2a.types import a2a_pb2 as pb
+
+    path = Settings(data_dir=tmp_path).database_path
+    identity = Identity.generate()
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"], identity=identity) as provider,
+    ):
+        url = info.a2a_url(provider.fingerprint, "echo")
+        message = {"messageId": "a1", "role": "ROLE_USER", "parts": [{"text": "hi"}]}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_rpc_call, http, url, "SendMessage", {"message": message})
+            with trio.fail_after(LIMIT):
+                run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            ids = {"threadId": run["threadId"], "runId": run["runId"]}
+            await provider.play(run, [
+                {"type": "RUN_STARTED", **ids},
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "placeholder"},
+                {"type": "SOMETHING_NEWER", "payload": "placeholder"},
+                {"type": "RUN_FINISHED", **ids}])
+    # What an older funduq (which took such events) left in the record.
+    stored = {2: {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m" + SURROGATE,
+                  "delta": "x" + SURROGATE},
+              3: {"type": "SOMETHING_NEWER", "payload": {"k" + SURROGATE: SURROGATE}}}
+    conn = sqlite3.connect(path)
+    with conn:
+        for seq, event in stored.items():
+            conn.execute("UPDATE events SET event=? WHERE run_id=? AND seq=?",
+                         (json.dumps(event), run["runId"], seq))
+    conn.close()
+
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"], identity=identity) as provider,
+    ):
+        url = info.a2a_url(provider.fingerprint, "echo")
+        got = await _rpc_call(http, url, "GetTask", {"id": run["runId"]})
+        assert "result" in got, got
+        task = _sdk_parses(got["result"], pb.Task())
+        assert task.status.state == pb.TaskState.TASK_STATE_COMPLETED
+        assert [p.text for a in task.artifacts for p in a.parts] == ["x\ufffd"]
+        listed = await _rpc_call(http, url, "ListTasks", {"contextId": run["threadId"]})
+        assert [t["id"] for t in listed["result"]["tasks"]] == [run["runId"]]
+        record = json.loads((await http.get(f"/runs/{run['runId']}")).text)
+        assert {e["seq"]: e["event"] for e in record["events"] if e["seq"] in stored} == stored
+
+
+def test_a_record_no_projection_can_show_is_listed_by_status():
+    from a2a.types import a2a_pb2 as pb
+
+    from funduq_trio.protocol import a2a
+
+    good = {"runId": "run_a", "threadId": "t", "status": "completed", "events": []}
+    broken = {"runId": "run_b", "threadId": "t", "status": "failed", "events": [7]}
+    page = a2a.TaskPage(records=[good, broken], total_size=2, page_size=2, next_page_token="")
+    listed = a2a.list_tasks_response(pb.ListTasksRequest(), page, [good, broken])
+    assert [t.id for t in listed.tasks] == ["run_a", "run_b"]
+    assert listed.tasks[1].status.state == pb.TaskState.TASK_STATE_FAILED
+    assert listed.tasks[1].metadata["funduq/degraded"] is True
+    assert "funduq/degraded" not in listed.tasks[0].metadata
