@@ -78,6 +78,62 @@ def problem(value: Any, *, max_nesting: int | None = MAX_NESTING) -> str | None:
 
     `max_nesting=None` skips the depth limit (a provider's events: the record
     keeps them as sent and the A2A views degrade past it instead)."""
+    limit = math.inf if max_nesting is None else max_nesting
+    if _clean(value, limit):
+        return None
+    return _describe(value, limit)
+
+
+def _bad_scalar(item: Any) -> bool:
+    if isinstance(item, str):
+        return not item.isascii() and _not_utf8(item)
+    return isinstance(item, float) and not math.isfinite(item)
+
+
+def _clean(value: Any, limit: float) -> bool:
+    """The fast walk (every event and body takes it): True when nothing is
+    wrong. Scalars are checked in place, only containers are stacked; exact
+    types first (what `json.loads` makes), isinstance for anything else."""
+    if not isinstance(value, dict | list | tuple):
+        return not _bad_scalar(value)
+    stack = [(value, 1)]
+    push = stack.append
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if type(item) is dict or isinstance(item, dict):
+            for key, child in item.items():
+                if type(key) is not str or not key.isascii():
+                    if isinstance(key, str) and _not_utf8(key):
+                        return False
+                kind = type(child)
+                if kind is str:
+                    if not child.isascii() and _not_utf8(child):
+                        return False
+                elif kind is int or kind is bool or child is None:
+                    continue
+                elif kind is dict or kind is list or isinstance(child, dict | list | tuple):
+                    push((child, depth + 1))
+                elif _bad_scalar(child):
+                    return False
+        else:
+            for child in item:
+                kind = type(child)
+                if kind is str:
+                    if not child.isascii() and _not_utf8(child):
+                        return False
+                elif kind is int or kind is bool or child is None:
+                    continue
+                elif kind is dict or kind is list or isinstance(child, dict | list | tuple):
+                    push((child, depth + 1))
+                elif _bad_scalar(child):
+                    return False
+    return True
+
+
+def _describe(value: Any, limit: float) -> str:
+    """The slow walk, once something is wrong: what, and where."""
     stack: list[tuple[Any, int, Any]] = [(value, 0, None)]
     while stack:
         item, depth, path = stack.pop()
@@ -89,16 +145,15 @@ def problem(value: Any, *, max_nesting: int | None = MAX_NESTING) -> str | None:
                 return f"{item!r} at {_where(path)} is not a JSON number"
         elif isinstance(item, dict):
             depth += 1
-            if max_nesting is not None and depth > max_nesting:
-                return f"nesting deeper than {max_nesting} levels at {_where(path)}"
+            if depth > limit:
+                return f"nesting deeper than {limit} levels at {_where(path)}"
             for key, child in item.items():
                 if isinstance(key, str) and _not_utf8(key):
                     return f"a lone surrogate (not UTF-8 text) in a key at {_where(path)}"
                 stack.append((child, depth, (path, key)))
         elif isinstance(item, list | tuple):
             depth += 1
-            if max_nesting is not None and depth > max_nesting:
-                return f"nesting deeper than {max_nesting} levels at {_where(path)}"
+            if depth > limit:
+                return f"nesting deeper than {limit} levels at {_where(path)}"
             stack.extend((child, depth, (path, i)) for i, child in enumerate(item))
-    return None
-
+    return "something the link cannot carry"  # pragma: no cover - _clean and this agree
