@@ -524,3 +524,38 @@ def test_a_record_no_projection_can_show_is_listed_by_status():
     assert listed.tasks[1].status.state == pb.TaskState.TASK_STATE_FAILED
     assert listed.tasks[1].metadata["funduq/degraded"] is True
     assert "funduq/degraded" not in listed.tasks[0].metadata
+
+
+async def test_a_thread_history_the_link_cannot_carry_fails_the_query_not_the_link(tmp_path):
+    identity = Identity.generate()
+    path = Settings(data_dir=tmp_path).database_path
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"], identity=identity) as provider,
+    ):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post_sse, http, f"/agui/{provider.fingerprint}/echo",
+                               user_input("first"))
+            run = await provider.next_offer()
+            await provider.answer(run, "refused", "not now")
+    # What an older funduq (whose door took lone surrogates) left in the history.
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("UPDATE messages SET message=? WHERE thread_id=?",
+                     (json.dumps({"id": "m1", "role": "user", "content": "bad " + SURROGATE}),
+                      run["threadId"]))
+    conn.close()
+
+    async with (
+        running_server(tmp_path) as info,
+        raw_provider(info, ["echo"], identity=identity) as provider,
+    ):
+        query = {"kind": "query.threadMessages", "threadId": run["threadId"], "limit": None}
+        with trio.fail_after(LIMIT):
+            reply = await provider.request(query)
+        assert reply["kind"] == "err" and "lone surrogate" in reply["reason"], reply
+        # The link is up: it answers the next request.
+        with trio.fail_after(LIMIT):
+            again = await provider.request({**query, "threadId": "thread_none"})
+        assert again["kind"] == "err" and "lone surrogate" not in again["reason"]
