@@ -245,7 +245,7 @@ async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
 # ------------------------------------------------------------------ provider side
 
 
-async def test_an_event_with_a_lone_surrogate_fails_its_run_as_malformed(tmp_path):
+async def test_an_event_with_a_lone_surrogate_or_absurd_nesting_fails_its_run(tmp_path):
     def events(run: dict[str, Any], bad: dict[str, Any]) -> list[dict[str, Any]]:
         ids = {"threadId": run["threadId"], "runId": run["runId"]}
         return [{"type": "RUN_STARTED", **ids},
@@ -259,6 +259,8 @@ async def test_an_event_with_a_lone_surrogate_fails_its_run_as_malformed(tmp_pat
         {"type": "TEXT_MESSAGE_START", "messageId": "m" + SURROGATE, "role": "assistant"},
         {"type": "SOMETHING_NEWER", "payload": {"k" + SURROGATE: [1]}},
         {"type": "CUSTOM", "name": "n", "value": {"deep": [[SURROGATE]]}},
+        # Past 256 levels (far below where a recursive encoder could fail).
+        {"type": "SOMETHING_NEWER", "payload": deep(300)},
     ]
     async with (
         running_server(tmp_path) as info,

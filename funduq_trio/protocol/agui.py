@@ -22,6 +22,9 @@ MALFORMED = MALFORMED_EVENT
 
 _event = TypeAdapter(Event)
 
+#: Deepest nesting of JSON containers in an event funduq records.
+EVENT_MAX_NESTING = 256
+
 
 class MalformedEvent(ValueError):
     """A known event type that fails validation, or an event with no string type."""
@@ -41,8 +44,10 @@ def read_event(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise MalformedEvent("event has no string 'type'")
     # A string that is not UTF-8 (a lone surrogate) can be neither stored nor
-    # relayed; nesting is left to the views (the record keeps what was sent).
-    problem = carriable.problem(raw, max_nesting=None)
+    # relayed. Deep nesting is stored as sent (the A2A views degrade past
+    # theirs), up to EVENT_MAX_NESTING: far below where the recursive JSON
+    # encoders (record, streams) could fail at whatever stack depth they run.
+    problem = carriable.problem(raw, max_nesting=EVENT_MAX_NESTING)
     if problem is not None:
         raise MalformedEvent(f"event holds {problem}")
     if raw["type"] not in KNOWN_TYPES:
