@@ -10,8 +10,10 @@ JSON as RFC 8259 parses it is wider than what funduq can pass on:
 * ``NaN`` / ``Infinity`` / ``-Infinity`` are not JSON at all, yet Python's
   ``json.loads`` accepts them and the link's encoder turns them into
   ``null`` -- the provider would get a different value than was sent;
-* nesting past ``MAX_NESTING`` levels: protobuf (the A2A views) stops at
-  100, and nothing a real caller sends comes near it.
+* nesting past ``MAX_NESTING`` levels (100): nothing a real caller sends
+  comes near it, and every recursive walk on the way stays far from Python's
+  recursion limit. (Protobuf stops at 100 *message* levels, two per JSON
+  level, so the A2A door refuses params somewhat shallower, as the SDK does.)
 
 `problem(value)` names the first such thing (with where it is, as a JSONPath
 like ``$.messages[0].id``) or answers None. It walks iteratively, so a value
@@ -27,8 +29,8 @@ from typing import Any
 
 __all__ = ["MAX_NESTING", "NotCarriable", "loads", "problem"]
 
-#: Deepest nesting of JSON containers funduq takes in (a scalar is 0, `{}` 1).
-#: Protobuf's own limit, which the A2A views must fit.
+#: Deepest nesting of JSON containers funduq takes in from a caller (a scalar
+#: is 0, `{}` 1): the AG-UI door's limit from the start.
 MAX_NESTING = 100
 
 
@@ -76,8 +78,9 @@ def _not_utf8(text: str) -> bool:
 def problem(value: Any, *, max_nesting: int | None = MAX_NESTING) -> str | None:
     """Why the link cannot carry `value` (a parsed JSON value), or None.
 
-    `max_nesting=None` skips the depth limit (a provider's events: the record
-    keeps them as sent and the A2A views degrade past it instead)."""
+    `max_nesting` bounds the depth (None: no bound); a provider's events get
+    a deeper one (`agui.EVENT_MAX_NESTING`): the record keeps them as sent and
+    the A2A views degrade past theirs."""
     limit = math.inf if max_nesting is None else max_nesting
     if _clean(value, limit):
         return None
