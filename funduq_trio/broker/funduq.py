@@ -23,7 +23,7 @@ import trio
 
 from ..config import OPERATOR_TOKEN, Settings
 from ..identity import Identity, dispatch_hop
-from ..protocol import agui
+from ..protocol import agui, carriable
 from ..protocol import statuses as st
 from ..secret_file import load_or_create
 from . import authority
@@ -60,6 +60,14 @@ PROOF_KEYS = ("cancel", "resolution", "presenter")
 #: When a run's status last changed (what A2A calls the status timestamp);
 #: the same expression as the record's index on it, so SQL can use it.
 STATUS_TIME = "COALESCE(r.completed_at, r.started_at, r.created_at)"
+
+
+def _check_carriable(metadata: Any, thread_id: Any = None) -> None:
+    """Refuse request metadata (or a thread id) the provider link could not
+    carry -- the doors refuse it first; this keeps any other way in honest."""
+    problem = carriable.problem(metadata) or carriable.problem(thread_id)
+    if problem is not None:
+        raise InvalidRunInput(f"request metadata cannot be carried to a provider: {problem}")
 
 
 @dataclass(frozen=True)
@@ -328,6 +336,7 @@ class Funduq:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
         await self._writable()
+        _check_carriable(metadata, thread_id)
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -633,6 +642,7 @@ class Funduq:
         if facts is None:
             raise RunNotFound(run_id)
         segment_head, key = facts
+        _check_carriable(metadata)
         metadata = dict(metadata or {})
         by = None
         if segment_head is not None:

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from ..protocol import agui
+from ..protocol import agui, carriable
 from ..protocol.statuses import Status
 from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
@@ -607,10 +607,18 @@ class Lane:
         session, offer = self._place, self._offer
         assert session is not None and offer is not None
         try:
-            session.send(offer, self.f.offer_payload(self))
+            payload = self.f.offer_payload(self)
+            # What the link cannot carry (the doors refuse such input now; an
+            # older record may still hold it) is found here, before anything
+            # is sent: the frame itself is encoded later, by the link's writer.
+            problem = (carriable.problem(payload["runInput"])
+                       or carriable.problem(payload["metadata"]))
+            if problem is not None:
+                raise ValueError(problem)
+            session.send(offer, payload)
         except (ValueError, TypeError) as exc:
             # The link could not encode this offer: the run fails alone, the
-            # link stays up for the others.
+            # link stays up for the others, and no quality counter moves.
             log.warning("run %s: offer not encodable: %s", self.run_id, exc)
             await self._do(self.machine.handle(Input.OFFER_NOT_ENCODABLE))
 

@@ -100,6 +100,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from funduq_trio import identity as _identity
+from funduq_trio.protocol import carriable
 from funduq_trio.protocol import frames as f
 
 __all__ = [
@@ -456,6 +457,12 @@ class LinkMachine:
     ) -> list[Action]:
         if self.state is not State.ATTACHED:
             return []
+        if error is None:
+            # An older record may hold messages the link cannot carry: the
+            # query fails, not the link (its writer could not encode the reply).
+            problem = carriable.problem(messages, max_nesting=None)
+            if problem is not None:
+                error = f"the thread's messages cannot be carried by the link: {problem}"
         if error is not None:
             return [Send(f.Err(id=request_id, reason=error))]
         return [Send(f.Ok(id=request_id, payload={"messages": messages or []}))]

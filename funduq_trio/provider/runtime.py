@@ -56,6 +56,7 @@ from funduq_trio.identity import (
     provider_connect_payload,
     verify,
 )
+from funduq_trio.protocol import carriable
 from funduq_trio.protocol import frames as f
 
 from .transport import Connection, Connector, LinkLost, websocket_connector
@@ -263,7 +264,13 @@ class _Link:
     async def report(self, run_id: str, event: Any, seq: int) -> None:
         if not isinstance(event, (dict, BaseModel)):
             raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
-        text = f.encode_frame(f.Report(run_id=run_id, event=event, seq=seq))
+        frame = f.Report(run_id=run_id, event=event, seq=seq)
+        # Refused here, failing this run alone: the encoder would turn NaN into
+        # null, and funduq refuses a lone surrogate as a malformed event anyway.
+        problem = carriable.problem(frame.event, max_nesting=None)
+        if problem is not None:
+            raise ValueError(f"event #{seq} cannot be carried by the link: it holds {problem}")
+        text = f.encode_frame(frame)
         size = f.wire_bytes(text)
         if size > self.max_frame_bytes:
             raise ValueError(

@@ -231,13 +231,20 @@ class ProviderSocket:
                 if isinstance(item, L.Close):
                     break
                 out = Outgoing()
-                out.add(encode_frame(item))
+                text = _encoded(item)
+                if text is None:
+                    continue
+                out.add(text)
                 while self.machine.peer_takes_batches:
                     try:
                         item = self._out_receive.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    if isinstance(item, L.Close) or not out.add(encode_frame(item)):
+                    if isinstance(item, L.Close):
+                        held = item
+                        break
+                    text = _encoded(item)
+                    if text is not None and not out.add(text):
                         held = item
                         break
                 await self._ws.send(out.message())
@@ -293,6 +300,18 @@ class ProviderSocket:
             self._perform(self.machine.query_done(action.request_id, error=str(exc) or repr(exc)))
             return
         self._perform(self.machine.query_done(action.request_id, messages))
+
+
+def _encoded(frame: Any) -> str | None:
+    """The frame's text, or None (logged) for one the link cannot encode. The
+    machine and the lanes check what they send (protocol/carriable.py); this
+    is the last line: one bad frame must not take the link and every run on
+    it down."""
+    try:
+        return encode_frame(frame)
+    except ValueError:  # pydantic's serialization error (a lone surrogate) is one
+        log.exception("a %s frame could not be encoded: not sent", getattr(frame, "kind", "?"))
+        return None
 
 
 async def serve_provider_link(ws: Any, funduq: Any, waiting: WaitingLinks | None = None) -> None:
