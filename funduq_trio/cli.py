@@ -34,6 +34,8 @@ FLAG_HELP = {
     "max_frame_bytes": "largest provider-link frame",
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
+    "kyok_secret": "KYOK token secret, 32+ chars (default: generated, kept in the data dir)",
+    "public_url": "URL agents reach funduq at, for KYOK's baseUrl (default: where it serves)",
 }
 
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 MiB = 1024 * 1024
 
@@ -28,6 +29,11 @@ class Settings:
     max_frame_bytes: int = MiB
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
+    #: KYOK (docs/kyok.md): the HMAC secret of completion tokens (unset: one
+    #: generated on first start, kept in the data dir) and the URL agents
+    #: reach funduq at (unset: where it serves).
+    kyok_secret: str | None = None
+    public_url: str | None = None
 
     @property
     def database_path(self) -> Path:
@@ -63,6 +69,14 @@ class Settings:
                 found.append(
                     f"{env_name('provider_keys')}: {key!r} is not a 64-hex Ed25519 public key"
                 )
+        if self.kyok_secret is not None and len(self.kyok_secret) < 32:
+            found.append(f"{env_name('kyok_secret')}: at least 32 characters, please")
+        if self.public_url is not None:
+            url = urlsplit(self.public_url)
+            if url.scheme not in ("http", "https") or not url.netloc or url.query \
+                    or url.fragment:
+                found.append(f"{env_name('public_url')}={self.public_url!r}: an absolute "
+                             "http(s) URL without query or fragment")
         if self.database_url is not None:
             try:
                 _ = self.database_path

@@ -4,7 +4,7 @@ stream of the run's AG-UI events out (DESIGN §5).
 - The body must be JSON (else 400 `invalid_json`) validating as ag-ui's
   `RunAgentInput` (else 400 `invalid_run_input` with pydantic's details).
   Either way nothing is recorded.
-- Request-level metadata (`actorChain`, `resolution`) rides in `forwardedProps`.
+- Request-level metadata (`actorChain`, `resolution`, `kyok`) rides in `forwardedProps`.
 - Without `resume` entries it starts a run: an unseen `threadId` starts a new
   funduq thread, and the caller's `runId` is replaced by funduq's. Both of
   funduq's ids ride every event.
@@ -41,7 +41,7 @@ from ..broker.funduq import Funduq
 from .sse import sse_response
 
 # funduq's request-level keys, read off forwardedProps.
-METADATA_KEYS = ("actorChain", "resolution")
+METADATA_KEYS = ("actorChain", "resolution", "kyok")
 
 
 # Deeper bodies are refused before anything walks them recursively (validation,

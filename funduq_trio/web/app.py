@@ -26,6 +26,7 @@ from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .kyok import mount_kyok
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
@@ -35,6 +36,7 @@ BROKER_ERROR_STATUS: dict[str, tuple[int, str]] = {
     "AgentNotFound": (404, "agent_not_found"),
     "UnknownThread": (404, "thread_not_found"),
     "RunNotFound": (404, "run_not_found"),
+    "InvalidKyokOptIn": (400, "invalid_kyok_opt_in"),
     "InvalidRunInput": (400, "invalid_run_input"),
     "ThreadQueueFull": (429, "thread_queue_full"),
     "NotAuthorized": (403, "not_authorized"),
@@ -117,4 +119,5 @@ def create_app(funduq: Funduq) -> QuartTrio:
     mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
+    mount_kyok(app, funduq)
     return app
