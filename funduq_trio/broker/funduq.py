@@ -494,15 +494,18 @@ class Funduq:
         agent's. Otherwise KyokRefusal 403. Never awaits, so the web route can
         check and start a completion in one step."""
         lane = self.lanes.get(grant.run_id)
+        # Cancel-requested first: a cancel accepted while the offer awaits its
+        # answer is already the reason, though the run is not held yet.
+        if grant.run_id in self.kyok.cancel_requested or (
+                lane is not None and lane.status == st.CANCELLING):
+            raise KyokRefusal(403, "run_cancel_requested",
+                              f"run {grant.run_id} is cancel-requested: funduq funds no more "
+                              "of its completions")
         session = self.providers.sessions.get(lane.key) if lane is not None else None
         held = session is not None and grant.run_id in session.held
         if lane is None or not (held or lane.status in st.HELD):
             raise KyokRefusal(403, "run_not_active",
                               f"run {grant.run_id} is not being worked on by its agent")
-        if grant.run_id in self.kyok.cancel_requested or lane.status == st.CANCELLING:
-            raise KyokRefusal(403, "run_cancel_requested",
-                              f"run {grant.run_id} is cancel-requested: funduq funds no more "
-                              "of its completions")
         if grant.agent != f"{lane.key}/{lane.agent}":
             raise KyokRefusal(403, "not_this_agents_run",
                               f"run {grant.run_id} is not this token's agent's run")
