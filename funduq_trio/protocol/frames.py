@@ -71,6 +71,7 @@ __all__ = [
     "Batch",
     "Cancel",
     "Chunk",
+    "CompleteAgent",
     "Complete",
     "CompletionEnd",
     "CompletionFailed",
