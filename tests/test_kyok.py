@@ -507,3 +507,58 @@ async def test_the_example_agent_says_so_without_a_grant(tmp_path):
                                    user_input("x"))
         assert events[-1]["type"] == "RUN_ERROR"
         assert "no KYOK grant" in events[-1]["message"]
+
+
+class RawLlm:
+    """An LLM provider played by hand over a raw provider's link: `completes`
+    receives each `complete` frame, `abandons` each `abandon` id; every other
+    frame goes to the raw provider as before."""
+
+    def __init__(self, raw: RawProvider) -> None:
+        self.raw = raw
+        self._completes_in, self.completes = trio.open_memory_channel[dict](100)
+        self._abandons_in, self.abandons = trio.open_memory_channel[str](100)
+        self._others = raw._take
+        raw._take = self._take  # its receive loop now hands KYOK frames here
+
+    async def _take(self, frame: dict[str, Any]) -> None:
+        if frame.get("kind") == "complete":
+            await self._completes_in.send(frame)
+        elif frame.get("kind") == "abandon":
+            await self._abandons_in.send(frame["id"])
+        else:
+            await self._others(frame)
+
+
+async def test_hostile_bodies_and_chunks_are_refused(tmp_path):
+    async with running_server(tmp_path) as info, raw_provider(info, []) as raw_llm, \
+            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+        llm = RawLlm(raw_llm)
+        reply = await raw_llm.request({"kind": "register.llm", "offerings": [
+            {"name": "raw", "description": None, "metadata": None}]})
+        assert reply["kind"] == "ok", reply
+        kyok = {"llmProvider": {"providerKey": raw_llm.key, "name": "raw"}, "context": None}
+        async with held_run(info, http, raw, kyok) as run:
+            deep: Any = "x"
+            for _ in range(200):
+                deep = [deep]
+            nested = await http.post(url_of(run.grant),
+                                     **signed(run.grant, raw.identity, {"model": "m", "x": deep}))
+            assert nested.status_code == 400
+
+            result: list[httpx.Response] = []
+
+            async def call():
+                result.append(await http.post(url_of(run.grant), **signed(run.grant, raw.identity)))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                complete = await llm.completes.receive()
+                assert complete["runId"] == run.run_id and complete["llm"] == "raw"
+                assert complete["agent"] == {"providerKey": raw.key, "name": "agent"}
+                assert complete["body"] == CHAT and complete["context"] is None
+                await raw_llm.ws.send_message(
+                    json.dumps({"kind": "chunk", "id": complete["id"], "data": "\ud800"}))
+                assert await llm.abandons.receive() == complete["id"]
+            assert result[0].status_code == 502
+            assert result[0].json()["error"]["code"] == "llm_bad_chunk"

@@ -225,6 +225,12 @@ class Completion:
         if self.outcome is not None:
             return
         try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: no reader could be handed it
+            self.stop(KyokRefusal(502, "llm_bad_chunk",
+                                  "the LLM provider sent a chunk that is not valid Unicode"))
+            return
+        try:
             self._send.send_nowait(data)
         except trio.WouldBlock:
             self.stop(KyokRefusal(502, "reader_too_slow",

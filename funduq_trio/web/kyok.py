@@ -34,6 +34,7 @@ from quart import Response, request
 
 from ..broker.funduq import Funduq
 from ..broker.kyok import Completion, KyokRefusal
+from .agui_door import MAX_NESTING, nesting
 from .sse import SSE_CONTENT_TYPE, SSE_HEADERS
 
 __all__ = ["mount_kyok"]
@@ -59,7 +60,7 @@ def _bearer(header: str | None) -> str | None:
 
 def _request_body(raw: bytes) -> dict[str, Any]:
     bad = KyokRefusal(400, "invalid_body", "the body must be a JSON object (an OpenAI "
-                      "chat-completions request)")
+                      f"chat-completions request), nested at most {MAX_NESTING} deep")
 
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
@@ -71,7 +72,7 @@ def _request_body(raw: bytes) -> dict[str, Any]:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except (ValueError, RecursionError, UnicodeError):
         raise bad from None
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or nesting(body) > MAX_NESTING:
         raise bad
     return body
 
@@ -80,7 +81,7 @@ def _sse_data(data: str) -> bytes:
     """One SSE event carrying `data` verbatim (a line break in it becomes a
     second `data:` line, which a reader joins back with a newline)."""
     lines = _LINE_BREAK.split(data)
-    return b"".join(b"data: " + line.encode("utf-8", "surrogatepass") + b"\n"
+    return b"".join(b"data: " + line.encode("utf-8") + b"\n"
                     for line in lines) + b"\n"
 
 
