@@ -562,3 +562,21 @@ async def test_hostile_bodies_and_chunks_are_refused(tmp_path):
                 assert await llm.abandons.receive() == complete["id"]
             assert result[0].status_code == 502
             assert result[0].json()["error"]["code"] == "llm_bad_chunk"
+
+
+async def test_chunks_relay_verbatim_and_a_whole_answer_is_one_chunk(tmp_path):
+    async def lines(request):
+        yield "first\nsecond"
+        yield '{"n": 2}'
+
+    async with running_server(tmp_path) as info, llm_provider(info, {"lines": lines}) as llm, \
+            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+        async with held_run(info, http, raw, opt_in(llm, "lines")) as run:
+            streamed = await http.post(url_of(run.grant),
+                                       **signed(run.grant, raw.identity, {**CHAT, "stream": True}))
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            # A line break inside a chunk is a second data: line of the same event.
+            assert streamed.text == 'data: first\ndata: second\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+            whole = await http.post(url_of(run.grant), **signed(run.grant, raw.identity))
+            assert whole.status_code == 502
+            assert whole.json()["error"]["code"] == "llm_bad_response"
