@@ -4,6 +4,8 @@
   (FUNDUQ_PORT <-> --port); flags override the environment.
 - `provider ...`: the example provider, built on the SDK
   (`funduq_trio.provider.run_provider_cli`).
+- `llm-provider ...`: KYOK offerings (a fake model, a forwarder), built on the
+  SDK (`funduq_trio.provider.llm_cli`).
 - `call --url <a2a url> "text"`: send one message with a2a-sdk's client and
   print the reply's text.
 """
@@ -48,6 +50,8 @@ FLAG_HELP = {
     "body_timeout_seconds": "a request body not fully received by then is answered 408 and cut",
     "max_chain_hops": "most hops an actor chain may have (counted before any signature work)",
     "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",
+    "kyok_secret": "KYOK token secret, 32+ chars (default: generated, kept in the data dir)",
+    "public_url": "URL agents reach funduq at, for KYOK's baseUrl (default: where it serves)",
 }
 
 
@@ -81,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "provider",
         help="run the example provider (see `funduq-trio provider --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "llm-provider",
+        help="serve KYOK LLM offerings (see `funduq-trio llm-provider --help`)",
         add_help=False,
     )
     call = sub.add_parser(
@@ -206,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         from .provider import run_provider_cli
 
         return run_provider_cli(argv[1:]) or 0
+    if argv[:1] == ["llm-provider"]:
+        from .provider.llm_cli import run_llm_provider_cli
+
+        return run_llm_provider_cli(argv[1:]) or 0
 
     parser = build_parser()
     args = parser.parse_args(argv)

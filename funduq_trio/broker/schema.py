@@ -100,7 +100,22 @@ CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival
 CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
     (provider_key, agent_name, COALESCE(completed_at, started_at, created_at), id);
 """),
-    # Next: Migration(3, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+    Migration(3, "KYOK (DESIGN §9): LLM providers' counters and their offerings", """
+CREATE TABLE IF NOT EXISTS llm_providers (
+    key TEXT PRIMARY KEY,
+    completions INTEGER NOT NULL DEFAULT 0,
+    refused INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS llm_offerings (
+    provider_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (provider_key, name)
+);
+"""),
+    # Next: Migration(4, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
 

@@ -6,8 +6,8 @@ stream of the run's AG-UI events out (DESIGN §5).
   see `protocol/carriable.py`) validating as ag-ui's `RunAgentInput` (else
   400 `invalid_run_input` with pydantic's details). Either way nothing is
   recorded.
-- Request-level metadata (`actorChain`, `presenter`, `resolution`) rides in
-  `forwardedProps`.
+- Request-level metadata (`actorChain`, `presenter`, `resolution`, `kyok`) rides
+  in `forwardedProps`.
 - Without `resume` entries it starts a run: an unseen `threadId` starts a new
   funduq thread, and the caller's `runId` is replaced by funduq's. Both of
   funduq's ids ride every event.
@@ -62,7 +62,7 @@ from .access import reader_of
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 # funduq's request-level keys, read off forwardedProps.
-METADATA_KEYS = ("actorChain", "presenter", "resolution")
+METADATA_KEYS = ("actorChain", "presenter", "resolution", "kyok")
 
 
 # Deeper bodies are refused before anything walks them recursively (validation,

@@ -31,6 +31,7 @@ from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
 from .door_errors import door_answer
+from .kyok import mount_kyok
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
@@ -169,4 +170,5 @@ def create_app(funduq: Funduq) -> QuartTrio:
     mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
+    mount_kyok(app, funduq)
     return app
