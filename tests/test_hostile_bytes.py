@@ -561,3 +561,15 @@ async def test_a_thread_history_the_link_cannot_carry_fails_the_query_not_the_li
         with trio.fail_after(LIMIT):
             again = await provider.request({**query, "threadId": "thread_none"})
         assert again["kind"] == "err" and "lone surrogate" not in again["reason"]
+
+
+def test_sse_frames_escape_what_other_line_readers_split_on():
+    """U+0085, U+2028 and U+2029 are not SSE line ends, but Python's
+    str.splitlines (httpx's aiter_lines) splits on them: a frame escapes them,
+    and the JSON still reads back as sent."""
+    from funduq_trio.web.sse import sse_frame
+
+    data = {"delta": "a\u2028b\x85c\u2029d é"}
+    frame = sse_frame(data, 7).decode("utf-8")
+    assert frame.splitlines() == ["id: 7", 'data: {"delta":"a\\u2028b\\u0085c\\u2029d é"}', ""]
+    assert json.loads(frame.splitlines()[1][len("data: "):]) == data
