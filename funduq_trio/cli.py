@@ -4,6 +4,8 @@
   (FUNDUQ_PORT <-> --port); flags override the environment.
 - `provider ...`: the example provider, built on the SDK
   (`funduq_trio.provider.run_provider_cli`).
+- `llm-provider ...`: KYOK offerings (a fake model, a forwarder), built on the
+  SDK (`funduq_trio.provider.llm_cli`).
 - `call --url <a2a url> "text"`: send one message with a2a-sdk's client and
   print the reply's text.
 """
@@ -49,6 +51,8 @@ FLAG_HELP = {
     "body_timeout_seconds": "a request body not fully received by then is answered 408 and cut",
     "max_chain_hops": "most hops an actor chain may have (counted before any signature work)",
     "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",
+    "kyok_secret": "KYOK token secret, 32+ chars (default: generated, kept in the data dir)",
+    "public_url": "URL agents reach funduq at, for KYOK's baseUrl (default: where it serves)",
 }
 
 
@@ -82,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "provider",
         help="run the example provider (see `funduq-trio provider --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "llm-provider",
+        help="serve KYOK LLM offerings (see `funduq-trio llm-provider --help`)",
         add_help=False,
     )
     call = sub.add_parser(
@@ -207,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         from .provider import run_provider_cli
 
         return run_provider_cli(argv[1:]) or 0
+    if argv[:1] == ["llm-provider"]:
+        from .provider.llm_cli import run_llm_provider_cli
+
+        return run_llm_provider_cli(argv[1:]) or 0
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -216,9 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.exit(2, f"{PROG} serve: error: {exc}\n")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        from .broker.schema import SchemaTooNew
         from .server import run_server
 
-        run_server(settings)
+        too_new: BaseException | None = None
+        try:
+            run_server(settings)
+        except* SchemaTooNew as group:  # a record from a newer build: one line, no traceback
+            too_new = group
+            while isinstance(too_new, BaseExceptionGroup):
+                too_new = too_new.exceptions[0]
+        if too_new is not None:
+            parser.exit(1, f"{PROG} serve: error: {too_new}\n")
         return 0
     if args.command == "call":
         url = args.url

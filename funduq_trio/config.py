@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 MiB = 1024 * 1024
 
@@ -49,6 +50,11 @@ class Settings:
     body_timeout_seconds: float = 30.0
     max_chain_hops: int = 16
     max_spent_proofs: int = 100_000
+    #: KYOK (docs/kyok.md): the HMAC secret of completion tokens (unset: one
+    #: generated on first start, kept in the data dir) and the URL agents
+    #: reach funduq at (unset: where it serves).
+    kyok_secret: str | None = None
+    public_url: str | None = None
 
     @property
     def database_is_postgres(self) -> bool:
@@ -100,6 +106,14 @@ class Settings:
         if self.operator_token is not None and not OPERATOR_TOKEN.fullmatch(self.operator_token):
             found.append(f"{env_name('operator_token')}: must be 16 to 256 characters of "
                          "letters, digits, '-', '_' or '.'")
+        if self.kyok_secret is not None and len(self.kyok_secret) < 32:
+            found.append(f"{env_name('kyok_secret')}: at least 32 characters, please")
+        if self.public_url is not None:
+            url = urlsplit(self.public_url)
+            if url.scheme not in ("http", "https") or not url.netloc or url.query \
+                    or url.fragment:
+                found.append(f"{env_name('public_url')}={self.public_url!r}: an absolute "
+                             "http(s) URL without query or fragment")
         if self.database_is_postgres:
             found += _postgres_problems(self.database_url or "")
         elif self.database_url is not None and not self.database_url.startswith("sqlite:///"):

@@ -121,6 +121,7 @@ async def serve(
             url = binds[0]
             port = urlsplit(url).port
             assert port is not None
+            funduq.served_at(url)
             task_status.started(ServerInfo(url=url, port=port, funduq=funduq))
 
 

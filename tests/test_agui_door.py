@@ -194,11 +194,12 @@ async def test_invalid_json_and_invalid_input_are_400_and_record_nothing(tmp_pat
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_run_input"
 
-        # A lone surrogate is valid JSON text; the error still answers in JSON.
+        # A lone surrogate is valid JSON text but nothing the link can carry:
+        # refused as such (before validation), the error still answers in JSON.
         response = await http.post(url, content=b'{"threadId": "t", "\\ud800": 1}',
                                    headers={"content-type": "application/json"})
         assert response.status_code == 400
-        assert response.json()["error"]["code"] == "invalid_run_input"
+        assert response.json()["error"]["code"] == "invalid_json"
 
         # Absurd nesting is refused before anything walks it.
         for depth in (150, 5000):

@@ -1,18 +1,32 @@
+import pytest
 from broker_support import AGENT, Provider, broker, reply, user_input
 
+from funduq_trio.broker.errors import InvalidRunInput
+from funduq_trio.protocol import reasons
 
-async def test_lone_surrogate_event_is_recorded(tmp_path, autojump_clock):
+
+async def test_lone_surrogates_are_refused_never_half_recorded(tmp_path, autojump_clock):
+    """A lone surrogate is valid JSON text but nothing the link, SQLite's text
+    or protobuf can hold: refused in a run's input (nothing recorded) and
+    malformed in a provider's event (the run fails; what came before is kept)."""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
-        t = await funduq.start_run(p.key, AGENT, user_input("\ud800 hi"))
+        with pytest.raises(InvalidRunInput, match="lone surrogate"):
+            await funduq.start_run(p.key, AGENT, user_input("\ud800 hi"))
+        assert await funduq.list_runs() == []
+        t = await funduq.start_run(p.key, AGENT, user_input("hi"))
         oid, run = await p.offer(0)
         p.session.answer(oid, "accepted")
+        fine = {"type": "CUSTOM", "name": "x", "value": "ok"}
         odd = {"type": "CUSTOM", "name": "x", "value": "\udc00"}
-        p.stream(t.run_id, odd, *reply(t.run_id, t.thread_id))
+        p.stream(t.run_id, fine, odd, *reply(t.run_id, t.thread_id))
         rec = await funduq.wait_run(t.run_id)
-        assert rec["status"] == "completed"
+        assert rec["status"] == "failed"
+        assert rec["metadata"]["failureReason"] == reasons.MALFORMED_EVENT
         rec = await funduq.get_run(t.run_id)
-        assert rec["events"][0]["event"]["value"] == "\udc00"
+        assert [e["event"] for e in rec["events"]] == [
+            fine, {"type": "RUN_ERROR", "message": reasons.MALFORMED_EVENT,
+                   "code": reasons.MALFORMED_EVENT}]
 
 
 async def test_forgotten_idle_threads_continue_from_the_record(tmp_path, autojump_clock,

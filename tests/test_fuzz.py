@@ -1,5 +1,11 @@
 """Fuzzing the real server with Hypothesis: provider-link frames over a real
-WebSocket, JSON-RPC bodies at the A2A door, bodies at the AG-UI door.
+WebSocket, JSON-RPC bodies at the A2A door, bodies at the AG-UI door, and the
+events a provider reports for a run it holds. Values anywhere include the
+hostile ones (`hostile_leaves`: lone surrogates in values and keys,
+NaN/Infinity, integers no double holds, nesting past the limits): the doors
+refuse what the link cannot carry (400 invalid_json / -32602), and a held
+run's events are recorded up to the first malformed one (a lone surrogate
+included), the run never left running, its A2A view always answering.
 
 One server per test (a real port, the SQLite record); Hypothesis runs in a
 worker thread and sends each example through the test's trio loop, with a
@@ -50,11 +56,11 @@ from reliability_support import (
     text_events,
     wait_status,
 )
-from support import running_server, sdk_provider
+from support import running_server, sdk_provider, sse_events
 from trio_websocket import ConnectionClosed, connect_websocket_url
 
 from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
-from funduq_trio.protocol import frames
+from funduq_trio.protocol import a2a, carriable, frames
 from funduq_trio.provider import make_echo
 
 MAX_FRAME = 16 * 1024
@@ -190,7 +196,38 @@ async def check_untouched(http: httpx.AsyncClient, recorded: Recorded, fig: Figu
 # ----------------------------------------------------------------------------- strategies
 
 
-def json_values(ids: list[str]) -> st.SearchStrategy[Any]:
+#: Strings that are valid JSON text (escaped) but not UTF-8: lone surrogates.
+LONE_SURROGATES = st.sampled_from(["\ud800", "\udfff", "\udc00\ud800"])
+
+
+def deep_value(levels: int) -> Any:
+    """A value whose containers nest `levels` deep (lists and objects alternating)."""
+    value: Any = "bottom"
+    for i in range(levels):
+        value = {"k": value} if i % 2 else [value]
+    return value
+
+
+def hostile_leaves(*, non_finite: bool = True) -> st.SearchStrategy[Any]:
+    """What the link cannot carry or a view cannot hold, in any field: lone
+    surrogates (alone or inside text), NaN/Infinity (unless not `non_finite`),
+    integers no double holds, nesting around and past the limits (protobuf's,
+    the doors')."""
+    leaves = [
+        LONE_SURROGATES,
+        st.tuples(st.text(max_size=6), LONE_SURROGATES, st.text(max_size=6)).map("".join),
+        st.sampled_from([10**400, -(10**400), 2**1024]) | st.integers(2**63, 2**200),
+        st.integers(30, 130).map(deep_value),
+    ]
+    if non_finite:
+        leaves.append(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    return st.one_of(*leaves)
+
+
+def json_values(
+    ids: list[str], *, hostile: bool = False, non_finite: bool = True
+) -> st.SearchStrategy[Any]:
+    """JSON values; `hostile` adds `hostile_leaves` (as values and as keys)."""
     leaves = (
         st.none()
         | st.booleans()
@@ -199,11 +236,15 @@ def json_values(ids: list[str]) -> st.SearchStrategy[Any]:
         | st.text(max_size=24)
         | st.sampled_from(ids)
     )
+    keys = st.text(max_size=10) | st.sampled_from(ids)
+    if hostile:
+        leaves = weighted((6, leaves), (1, hostile_leaves(non_finite=non_finite)))
+        keys = weighted((8, keys), (1, LONE_SURROGATES))
     return st.recursive(
         leaves,
         lambda inner: (
             st.lists(inner, max_size=4)
-            | st.dictionaries(st.text(max_size=10) | st.sampled_from(ids), inner, max_size=4)
+            | st.dictionaries(keys, inner, max_size=4)
         ),
         max_leaves=12,
     )
@@ -272,7 +313,7 @@ def provider_frames(ids: list[str], threads: list[str]) -> st.SearchStrategy[str
     """Well-typed frames of every kind a provider sends (and some it must not),
     then mutated (`mutated`) and encoded (`encodings`)."""
     vocab = ids + threads + ["run_nope", "offer_nope", "req-1", "x" * 300]
-    values = json_values(vocab)
+    values = json_values(vocab, hostile=True)
     some_id = weighted((3, st.sampled_from(vocab)), (1, st.text(min_size=1, max_size=12)))
     hex_ = "0123456789abcdef"
     event = st.dictionaries(
@@ -386,7 +427,7 @@ def provider_frames(ids: list[str], threads: list[str]) -> st.SearchStrategy[str
 
 def jsonrpc_bodies(ids: list[str], threads: list[str]) -> st.SearchStrategy[Any]:
     vocab = ids + threads + ["run_nope", "thread_nope"]
-    values = json_values(vocab)
+    values = json_values(vocab, hostile=True)
     some_id = st.sampled_from(vocab) | st.text(max_size=10) | values
     v1_message = st.fixed_dictionaries(
         {
@@ -522,7 +563,7 @@ def jsonrpc_bodies(ids: list[str], threads: list[str]) -> st.SearchStrategy[Any]
 
 def agui_bodies(ids: list[str], threads: list[str]) -> st.SearchStrategy[Any]:
     vocab = ids + threads + ["thread_nope"]
-    values = json_values(vocab)
+    values = json_values(vocab, hostile=True)
     some_id = st.sampled_from(vocab) | st.text(max_size=10)
     message = st.fixed_dictionaries(
         {
@@ -940,9 +981,24 @@ def check_jsonrpc(answer: Any, request: Any, body: Any, size: int) -> None:
             and code != -32600
         ):
             assert answer["id"] == request.get("id"), shown
+        if size <= MAX_BODY and _hostile_params(request):
+            # Params the link cannot carry: -32602 once the envelope and the
+            # method are known (-32600 when the envelope is what is wrong).
+            assert code in (-32600, -32602), shown
     else:
         assert size <= MAX_BODY, shown
         assert isinstance(request, dict) and answer["id"] == request.get("id"), shown
+        assert not _hostile_params(request), shown
+
+
+def _hostile_params(request: Any) -> bool:
+    """A call to a known method whose params the provider link cannot carry."""
+    if not isinstance(request, dict) or request.get("jsonrpc") != "2.0":
+        return False
+    method = request.get("method")
+    known = isinstance(method, str) and (method in a2a.METHODS_V1 or method in a2a.METHODS_V03)
+    params = request.get("params", {})
+    return known and isinstance(params, dict | list) and carriable.problem(params) is not None
 
 
 def _valid_id(value: Any) -> bool:
@@ -1004,12 +1060,20 @@ class AguiFuzzer:
         url = f"/agui/{self.fingerprints.get(agent, 'ffffffffffffffff')}/{agent}"
         content = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
         shown = f"{body[:300]!r}"
+        parsed = _loads(body)
+        # The door's documented refusal: not JSON, or JSON the link cannot
+        # carry (lone surrogate, NaN/Infinity, nesting past 100) -> 400
+        # invalid_json, before anything is looked up or recorded.
+        must_refuse = len(content) <= MAX_BODY and (
+            parsed is _NOT_JSON or carriable.problem(parsed) is not None
+        )
         with trio.fail_after(EXAMPLE_TIMEOUT):
             async with self.http.stream(
                 "POST", url, content=content, headers={"content-type": "application/json"}
             ) as r:
                 kind = r.headers.get("content-type", "")
                 assert r.status_code < 500, (r.status_code, shown)
+                assert not (must_refuse and r.status_code != 400), (r.status_code, shown)
                 if r.status_code == 200 and kind.startswith("text/event-stream"):
                     events = []
                     async for line in r.aiter_lines():
@@ -1037,8 +1101,11 @@ class AguiFuzzer:
                 )
                 assert isinstance(error.get("code"), str) and error["code"], (shown, answer)
                 assert isinstance(error.get("message"), str) and error["message"], (shown, answer)
-                if _loads(body) is _NOT_JSON and len(content) <= MAX_BODY:
+                if must_refuse:
                     assert error["code"] == "invalid_json", (shown, answer)
+                    self.tally("400 invalid_json (" + ("not JSON" if parsed is _NOT_JSON else
+                               "not carriable") + ")")
+                    return
                 self.tally(f"{r.status_code} {error['code']}")
         await healthy(self.http)
 
@@ -1048,3 +1115,174 @@ async def test_fuzzed_agui_bodies(tmp_path: Path) -> None:
                        [(edge, "fz") for edge in EDGES])
     assert any(k.startswith("400") for k in tally.counts), tally.counts
     assert any(k.startswith("run") for k in tally.counts), tally.counts
+    assert "400 invalid_json (not carriable)" in tally.counts, tally.counts
+
+
+# ----------------------------------------------------------------------------- provider events
+
+EVENT_EXAMPLES = 40
+
+
+def provider_events() -> st.SearchStrategy[tuple[list[Any], bool]]:
+    """What a provider reports for a run it holds: plausible AG-UI events of
+    known and unknown types with hostile values in any field (no NaN: a frame
+    holding one is not JSON and closes the link, by the link's own rules),
+    and now and then an object that is no event."""
+    values = json_values(["m1"], hostile=True, non_finite=False)
+    fields = st.sampled_from(
+        ["messageId", "delta", "role", "message", "code", "name", "value", "outcome", "payload"]
+    ) | LONE_SURROGATES
+    kinds = weighted(
+        (3, st.just("NEWER_KIND")),  # passes untouched: where odd values get stored
+        (1, st.sampled_from(["TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_END",
+                             "CUSTOM", "RUN_ERROR", "STATE_SNAPSHOT"])),
+    )
+    typed = st.tuples(kinds, st.dictionaries(fields, values, max_size=3)).map(
+        lambda p: {"type": p[0], **p[1]}
+    )
+    text = st.tuples(st.text(max_size=8), weighted((4, st.just("")), (1, LONE_SURROGATES))).map(
+        lambda p: {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "x" + "".join(p)}
+    )
+    # An object with no string type is malformed (an event that is no object
+    # at all fails the frame, which has no id to answer: it closes the link).
+    untyped = st.dictionaries(fields, values, max_size=2) | values.map(lambda v: {"type": v})
+    # Half of them end as a run should: a RUN_FINISHED (ids filled in per run).
+    return st.tuples(st.lists(weighted((2, typed), (4, text), (1, untyped)), max_size=5),
+                     st.booleans())
+
+
+def expected_record(events: list[Any]) -> tuple[list[dict[str, Any]], bool]:
+    """The contract for a held run's reports: each event is recorded as
+    `agui.read_event` reads it, up to the first malformed one (which -- a lone
+    surrogate anywhere included -- fails the run and is never recorded).
+    Returns (events recorded, whether one was malformed)."""
+    from funduq_trio.protocol import agui
+
+    kept = []
+    for event in events:
+        try:
+            kept.append(agui.read_event(event))
+        except agui.MalformedEvent:
+            return kept, True
+    return kept, False
+
+
+class EventFuzzer:
+    """Each example: a caller starts a run on a thread of its own at the AG-UI
+    door, the provider (one link for all examples) accepts it, reports the
+    example's events and finishes. Then the run is never left running, its
+    record is the contract's (`expected_record`), nothing that is not UTF-8 is
+    stored, the A2A view of the task answers a result a caller's SDK parses,
+    and the same link takes the next run."""
+
+    def __init__(self, info: Any, http: httpx.AsyncClient, provider: Any, tally: Tally) -> None:
+        self.info = info
+        self.http = http
+        self.provider = provider
+        self.tally = tally
+        self.threads = itertools.count(1)
+
+    async def check(self, example: tuple[list[Any], bool]) -> None:
+        from a2a.types import a2a_pb2 as pb
+        from google.protobuf.json_format import ParseDict
+
+        provider = self.provider
+        url = f"/agui/{provider.fingerprint}/ev"
+        body = {"threadId": f"ev-{next(self.threads)}", "runId": "r",
+                "messages": [{"id": "u1", "role": "user", "content": "go"}]}
+        seen: list[dict[str, Any]] = []
+        with trio.fail_after(EXAMPLE_TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                async def caller() -> None:
+                    async with self.http.stream("POST", url, json=body) as r:
+                        assert r.status_code == 200, r.status_code
+                        # An SSE parser proper: a delta may hold U+2028 and
+                        # the like, which httpx's aiter_lines takes for newlines.
+                        seen.extend([e async for e in sse_events(r)])
+
+                nursery.start_soon(caller)
+                run = await provider.next_offer()
+                events, finishing = example
+                if finishing:
+                    events = [*events, {"type": "RUN_FINISHED", "threadId": run["threadId"],
+                                        "runId": run["runId"]}]
+                await provider.answer(run, "accepted")
+                await provider.play(run, events)
+            while True:  # a malformed event asks the provider to stop: read those
+                try:
+                    provider.cancels.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            record = (await self.http.get(f"/runs/{run['runId']}")).json()
+            shown = f"{json.dumps(events)[:400]} -> {json.dumps(record)[:600]}"
+            assert record["status"] not in ("queued", "offering", "running", "cancelling"), shown
+            kept, malformed = expected_record(events)
+            recorded = [e["event"] for e in record["events"]]
+            assert recorded[: len(kept)] == kept, shown
+            extra = recorded[len(kept):]
+            assert all(e.get("type") == "RUN_ERROR" for e in extra) and len(extra) <= 1, shown
+            if malformed:
+                assert record["status"] == "failed", shown
+                assert record["metadata"]["failureReason"] == agui_malformed(), shown
+            assert carriable.problem(recorded, max_nesting=None) is None, shown
+            assert seen[-len(recorded):] == recorded if recorded else True, (shown, seen)
+
+            answer = (await self.http.post(
+                self.info.a2a_url(provider.fingerprint, "ev"),
+                json={"jsonrpc": "2.0", "id": 1, "method": "GetTask",
+                      "params": {"id": run["runId"]}},
+                headers={"A2A-Version": "1.0"})).json()
+            assert "result" in answer, (shown, answer)
+            ParseDict(answer["result"], pb.Task(), ignore_unknown_fields=True)
+            self.tally("malformed" if malformed else record["status"])
+
+
+def agui_malformed() -> str:
+    from funduq_trio.protocol import reasons
+
+    return reasons.MALFORMED_EVENT
+
+
+async def test_fuzzed_provider_events(tmp_path: Path) -> None:
+    from support import raw_provider
+
+    tally = Tally()
+    async with (
+        running_server(tmp_path, quality_allowance=1_000_000) as info,
+        httpx.AsyncClient(base_url=info.url, timeout=HTTP_TIMEOUT) as http,
+        raw_provider(info, ["ev"]) as provider,
+    ):
+        fuzzer = EventFuzzer(info, http, provider, tally)
+        surrogate = "\ud800"
+        edges = [
+            ([{"type": "TEXT_MESSAGE_START", "messageId": "m" + surrogate, "role": "assistant"}],
+             True),
+            ([{"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": surrogate}], True),
+            ([{"type": "NEWER_KIND", surrogate: 1}], True),
+            ([{"type": "NEWER_KIND", "payload": deep_value(150)}], True),
+            ([{"type": "CUSTOM", "name": "n", "value": 10**400}], True),
+            ([{"type": "RUN_FINISHED", "threadId": "t", "runId": "r", "result": deep_value(90)}],
+             False),
+        ]
+        await trio.to_thread.run_sync(
+            run_hypothesis_n, provider_events(), fuzzer.check, edges, EVENT_EXAMPLES
+        )
+        roster = (await http.get("/agents")).json()["agents"]
+        assert [a["online"] for a in roster] == [True]  # one link served every example
+    assert {"malformed", "completed"} <= set(tally.counts), tally.counts
+
+
+def run_hypothesis_n(
+    strategy: st.SearchStrategy[Any], check: Callable[[Any], Any], explicit: list[Any], n: int
+) -> None:
+    """`run_hypothesis` with `n` generated examples."""
+
+    def prop(example_: Any) -> None:
+        trio.from_thread.run(check, example_)
+
+    for case in reversed(explicit):
+        prop = example(case)(prop)
+    # No shrinking: the examples share one link, so after a failure a smaller
+    # example would run against what the failing one left behind.
+    settings(FUZZ_SETTINGS, max_examples=n, phases=(Phase.explicit, Phase.generate))(
+        given(strategy)(prop))()

@@ -217,6 +217,41 @@ async def test_a_live_stream_relays_every_event_with_a_tiny_feed(tmp_path):
         assert [e["value"] for e in events[1:-1]] == list(range(30))
 
 
+async def test_reply_text_kept_for_the_history_is_bounded_while_the_record_keeps_all(tmp_path):
+    """A provider streaming more reply text than a caller could send back as
+    one message: the thread's history keeps FUNDUQ_MAX_BODY_BYTES of it, the
+    record every event, and the run completes."""
+    limit = 4096
+    async with (
+        running_server(tmp_path, max_body_bytes=limit) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post_sse, http, f"/agui/{provider.key}/echo", user_input())
+            offer = await provider.next_offer()
+            await provider.answer(offer, "accepted")
+            run_id, thread_id = offer["runId"], offer["threadId"]
+            deltas = [{"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "x" * 1000}
+                      for _ in range(12)]
+            await provider.play(offer, [
+                {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
+                {"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"},
+                *deltas,
+                {"type": "TEXT_MESSAGE_END", "messageId": "m1"},
+                {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
+            ])
+        run = await info.funduq.wait_run(run_id)
+        assert run["status"] == "completed"
+        recorded = (await http.get(f"/runs/{run_id}")).json()["events"]
+        assert sum(len(e["event"].get("delta", "")) for e in recorded) == 12_000
+        thread = (await http.get(f"/threads/{thread_id}")).json()
+        (reply,) = [m for m in thread["messages"] if m["id"] == "m1"]
+        assert reply["role"] == "assistant"
+        assert 0 < len(reply["content"]) <= limit
+        assert set(reply["content"]) == {"x"}
+
+
 # --- agents per provider ------------------------------------------------------------------
 
 

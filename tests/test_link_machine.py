@@ -127,6 +127,14 @@ def test_decode_round_trips_every_kind():
         f.Cancel(run_id="r"),
         f.QueryThreadMessages(id="q", thread_id="t", limit=None),
         f.Batch(frames=[{"kind": "finish", "runId": "r"}]),
+        # KYOK (DESIGN §9)
+        f.RegisterLlm(id="l", offerings=[f.LlmOffering(name="fake", metadata={"a": 1})]),
+        f.Complete(id="c", run_id="r", agent=f.CompleteAgent(provider_key="1" * 64, name="a"),
+                   llm="fake", body={"model": "m"}, context=None, actor_chain=["t"]),
+        f.Chunk(id="c", data="x"),
+        f.CompletionEnd(id="c"),
+        f.CompletionFailed(id="c", message="m", refusal={"why": "no"}),
+        f.Abandon(id="c"),
     ]
     for frame in samples:
         assert f.decode_frame(f.encode_frame(frame)) == frame

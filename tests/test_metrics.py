@@ -35,9 +35,12 @@ def test_every_family_has_help_and_type_and_labels_are_quoted():
     m.run_ended("completed")
     m.run_ended("failed")
     m.offer_answered("declined", 0.004)
+    m.completion_ended("0123456789abcdef/fake", "refused")
     text = m.render({"funduq_runs_live": ("Live runs.", 3)})
     names = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
-    assert len(names) == len(re.findall(r"^# HELP ", text, re.M)) == 6
+    assert len(names) == len(re.findall(r"^# HELP ", text, re.M)) == 7
+    assert samples(text)[
+        'funduq_kyok_completions_total{offering="0123456789abcdef/fake",outcome="refused"}'] == 1
     values = samples(text)
     assert values['funduq_runs_ended_total{status="failed"}'] == 1
     assert values['funduq_offers_answered_total{verdict="declined"}'] == 1

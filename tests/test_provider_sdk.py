@@ -806,3 +806,33 @@ async def test_the_sdk_reconnects_when_the_server_drops_its_link(tmp_path):
             record = await info.funduq.wait_run(ticket.run_id)
             assert record["status"] == "completed"
             nursery.cancel_scope.cancel()
+
+
+async def test_an_event_the_link_cannot_carry_fails_its_run_alone(autojump_clock):
+    async def odd(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        yield {"type": "RUN_STARTED", "threadId": run_input.thread_id, "runId": run_input.run_id}
+        yield {"type": "CUSTOM", "name": "n", "value": {"x": [float("nan")]}}
+
+    async def lone(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        yield {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "x\ud800"}
+
+    fake = FakeFunduq()
+    provider = provider_for(fake)
+    provider.add_agent(odd, name="odd")
+    provider.add_agent(lone, name="lone")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(provider.run)
+        link = await fake.next_link()
+        await link.attach()
+        await link.offer("o1", "r1", agent="odd")
+        started, error, finish = await link.run_frames("r1")
+        # Not NaN sent as null: the run fails, saying why.
+        assert started.seq == 1 and error.event["code"] == "agent_error"
+        assert "cannot be carried" in error.event["message"]
+        assert "nan at $.value.x[0]" in error.event["message"]
+        assert finish == f.Finish(run_id="r1")
+        # The same link serves the next run (and refuses its lone surrogate the same way).
+        await link.offer("o2", "r2", agent="lone")
+        error, finish = await link.run_frames("r2")
+        assert "lone surrogate" in error.event["message"] and finish == f.Finish(run_id="r2")
+        nursery.cancel_scope.cancel()

@@ -20,6 +20,7 @@ from broker_support import AGENT, Provider, accepted, broker, record_of, reply
 from reliability_support import A2A_V1, TASK_NOT_FOUND
 from support import http_client, post_sse, running_server, sdk_provider, user_input
 
+from funduq_trio.broker import postgres, schema
 from funduq_trio.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,8 @@ async def test_text_no_store_can_keep_is_refused_or_found_nowhere(tmp_path):
             body["messages"][0]["id"] = hostile
             refused = await post(url, body)
             assert refused.status_code == 400, (hostile, refused.text)
-            assert refused.json()["error"]["code"] == "invalid_run_input"
+            # (The door may refuse a lone surrogate as JSON the link cannot carry.)
+            assert refused.json()["error"]["code"] in ("invalid_run_input", "invalid_json")
             listing = await http.get("/runs", params={"agent": "a\x00b"},
                                      headers={"Authorization": f"Bearer {info.funduq.operator_token}"})
             assert listing.status_code == 200 and listing.json()["runs"] == []
@@ -129,6 +131,47 @@ async def test_connections_the_postgresql_server_dropped_are_replaced(tmp_path, 
         u = await accepted(funduq, p)
         assert (await record_of(funduq, u.run_id))["status"] == "running"
         assert p.session.agents and AGENT in p.session.agents
+
+
+def test_the_two_stores_have_the_same_schema_versions():
+    """Step n of the PostgreSQL schema is step n of the SQLite one: a table
+    added to one store and not the other fails here."""
+    assert [(m.version, m.why) for m in postgres.MIGRATIONS] == \
+        [(m.version, m.why) for m in schema.MIGRATIONS]
+
+
+def _too_new(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_too_new(e) for e in exc.exceptions)
+    return isinstance(exc, schema.SchemaTooNew)
+
+
+@pytest.mark.parametrize("store", ["postgres"], indirect=True)
+async def test_a_postgresql_record_upgrades_in_place_and_a_newer_one_is_refused(
+        tmp_path, store, autojump_clock):
+    with psycopg.connect(stores.database_url, autocommit=True) as raw:
+        conn = postgres.PgConnection(raw)
+        assert postgres.upgrade(conn, "test", postgres.MIGRATIONS[:1]) == [1]
+        conn.execute("INSERT INTO threads VALUES ('thread_1', 'k', 'echo', NULL, 1.0)")
+        conn.execute("INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
+                     " input, created_at, completed_at) VALUES "
+                     "(1, 'run_1', 'thread_1', 'k', 'echo', 'completed', '{}', 1.0, 2.0)")
+        conn.execute("INSERT INTO events VALUES ('run_1', 1, '{\"type\":\"RUN_STARTED\"}')")
+    async with broker(tmp_path) as funduq:
+        run = await funduq.get_run("run_1")
+        assert run["status"] == "completed" and len(run["events"]) == 1
+        assert (await funduq.list_runs(agent="echo"))[0]["runId"] == "run_1"  # migration 2
+        assert funduq.kyok.roster() == []  # migration 3's tables answer
+    with psycopg.connect(stores.database_url, autocommit=True) as raw:
+        assert raw.execute("SELECT version FROM schema_version").fetchall() == \
+            [(len(schema.MIGRATIONS),)]
+        raw.execute("UPDATE schema_version SET version = version + 1")
+    with pytest.raises(BaseException) as refused:
+        async with broker(tmp_path):
+            pass
+    assert _too_new(refused.value), refused.value
+    with psycopg.connect(stores.database_url, autocommit=True) as raw:
+        assert raw.execute("SELECT count(*) FROM runs").fetchone() == (1,)  # nothing touched
 
 
 def _suite_without_postgres(ci: bool) -> subprocess.CompletedProcess[str]:

@@ -144,7 +144,7 @@ def _proof_fields(proof: object) -> tuple[str, int, str]:
 def check_signed_request(
     proof: object,
     payload: str,
-    allowed_keys: Iterable[str | None],
+    allowed_keys: Iterable[str | None] | None,
     now: float,
     window: float = SIGNATURE_WINDOW_SECONDS,
     spent: SpentProofs | None = None,

@@ -22,6 +22,10 @@ class InvalidRunInput(FunduqError):
     """The body does not validate as a RunAgentInput."""
 
 
+class InvalidKyokOptIn(InvalidRunInput):
+    """The request's `kyok` opt-in is malformed or names no known LLM offering."""
+
+
 class ThreadQueueFull(FunduqError):
     """The thread already holds thread_queue_limit pending runs."""
 

@@ -22,7 +22,7 @@ import trio
 
 from ..config import OPERATOR_TOKEN, Settings
 from ..identity import Identity, dispatch_hop
-from ..protocol import agui
+from ..protocol import agui, carriable
 from ..protocol import statuses as st
 from ..secret_file import load_or_create
 from . import authority
@@ -41,6 +41,7 @@ from .errors import (
     UnknownThread,
 )
 from .inbox import Cancel
+from .kyok import Grant, Kyok, KyokRefusal, load_or_create_secret
 from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
@@ -56,10 +57,30 @@ THREAD_CACHE = 16384
 #: forwarded to providers.
 PROOF_KEYS = ("cancel", "resolution", "presenter")
 
+def _check_carriable(metadata: Any, thread_id: Any = None) -> None:
+    """Refuse request metadata (or a thread id) the provider link could not
+    carry -- the doors refuse it first; this keeps any other way in honest."""
+    problem = carriable.problem(metadata) or carriable.problem(thread_id)
+    if problem is not None:
+        raise InvalidRunInput(f"request metadata cannot be carried to a provider: {problem}")
+
+
 @dataclass(frozen=True)
 class RunTicket:
     run_id: str
     thread_id: str
+
+
+@dataclass(frozen=True)
+class KyokRun:
+    """A run a KYOK completion may be spent on, as the relay needs it."""
+
+    run_id: str
+    key: str  # the agent's provider key: it signs the call
+    agent: str
+    offering: tuple[str, str]  # the LLM provider key and offering name the caller chose
+    context: dict[str, Any] | None  # the caller's, for the LLM provider only
+    actor_chain: list[str] | None
 
 
 @dataclass
@@ -106,6 +127,7 @@ class Funduq:
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
         #: Proofs accepted while fresh: each works once (DESIGN §8).
         self.spent = authority.SpentProofs(settings.max_spent_proofs)
+        self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
         self._answering: dict[str, int] = {}
@@ -133,6 +155,11 @@ class Funduq:
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
             await self.providers.load()
+            secret = await trio.to_thread.run_sync(self._load_kyok_secret)
+            self.kyok = Kyok(self.record, secret, self.metrics)
+            await self.kyok.load()
+            if self.settings.public_url:
+                self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
@@ -165,6 +192,17 @@ class Funduq:
 
         return load_or_create(self.settings.data_dir / "operator.token",
                               lambda: secrets.token_urlsafe(32), read)
+
+    def _load_kyok_secret(self) -> bytes:
+        if self.settings.kyok_secret:
+            return self.settings.kyok_secret.encode("utf-8")
+        return load_or_create_secret(self.settings.data_dir / "kyok.secret")
+
+    def served_at(self, url: str) -> None:
+        """The server is listening at `url`: KYOK's baseUrl, unless
+        FUNDUQ_PUBLIC_URL says where agents reach funduq instead."""
+        if not self.settings.public_url:
+            self.kyok.base_url = url.rstrip("/") + "/kyok/v1"
 
     async def _restore(self) -> None:
         """After a restart: what nobody can still be holding fails
@@ -238,6 +276,7 @@ class Funduq:
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
             self.waiting.release(lane.run_id)
+            self.kyok.run_ended(lane.run_id)
         thread = lane.thread
         if thread is not None and thread.ended(lane) and self.threads.get(thread.id) is thread:
             del self.threads[thread.id]
@@ -272,7 +311,17 @@ class Funduq:
             forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
             forwarded["actorChain"] = [*chain, hop]
             run_input = {**run_input, "forwardedProps": forwarded}
-        metadata = {k: v for k, v in caller_metadata.items() if k not in PROOF_KEYS}
+        opt_in = caller_metadata.get("kyok")
+        if isinstance(opt_in, dict) or (isinstance(forwarded, dict) and "kyok" in forwarded):
+            # The agent gets the grant; the caller's opt-in (its context above
+            # all) goes only to the LLM provider, with each completion.
+            forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
+            forwarded.pop("kyok", None)
+            if isinstance(opt_in, dict):
+                forwarded["kyok"] = self.kyok.grant(lane.run_id, lane.key, lane.agent)
+            run_input = {**run_input, "forwardedProps": forwarded}
+        metadata = {k: v for k, v in caller_metadata.items()
+                    if k not in PROOF_KEYS and k != "kyok"}
         return {"runId": lane.run_id, "threadId": lane.thread_id, "agentName": lane.agent,
                 "runInput": run_input, "metadata": metadata}
 
@@ -307,8 +356,15 @@ class Funduq:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
         await self._writable()
+        _check_carriable(metadata, thread_id)
         run_input = _read_run_input(run_input)
         metadata = dict(metadata or {})
+        run_metadata: dict[str, Any] = {}
+        if "kyok" in metadata:
+            # Refused here, before anything is recorded, when it names no offering.
+            metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
+            run_metadata = {"funduq": {"kyok": {
+                "llmProvider": metadata["kyok"]["llmProvider"]}}}
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
             info = None
@@ -336,7 +392,7 @@ class Funduq:
             row: dict[str, Any]
             row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
                    "status": st.QUEUED, "input": dumps(run_input),
-                   "caller_metadata": dumps(metadata), "metadata": {}, "next_seq": 1,
+                   "caller_metadata": dumps(metadata), "metadata": run_metadata, "next_seq": 1,
                    "arrival": self._arrival, "created_at": time.time()}
             try:
                 self.waiting.charge(run_id, (key, agent), _input_size(row))
@@ -579,6 +635,10 @@ class Funduq:
             raise _not_cancellable(run_id)
         cancel = Cancel(by)
         lane.tell(cancel)
+        # Accepted: from this moment no KYOK completion is funded for the run
+        # (the seed's rule), and the ones in flight end -- before the lane
+        # has even read the cancel.
+        self.kyok.mark_cancel_requested(run_id)
         if not lane.awaiting_answer:
             # An offering run reads the cancel only after the provider's answer;
             # don't hold the caller for that.
@@ -591,6 +651,42 @@ class Funduq:
         assert run is not None
         return run
 
+    def kyok_run(self, grant: Grant) -> KyokRun:
+        """The run a KYOK grant names, if a completion may be spent on it now:
+        active (its provider holds it), not cancel-requested, and the token's
+        agent's. Otherwise KyokRefusal 403. Never awaits, so the web route can
+        check and start a completion in one step."""
+        lane = self.lanes.get(grant.run_id)
+        # Cancel-requested first: a cancel accepted while the offer awaits its
+        # answer is already the reason, though the run is not held yet.
+        if grant.run_id in self.kyok.cancel_requested or (
+                lane is not None and lane.status == st.CANCELLING):
+            raise KyokRefusal(403, "run_cancel_requested",
+                              f"run {grant.run_id} is cancel-requested: funduq funds no more "
+                              "of its completions")
+        session = self.providers.sessions.get(lane.key) if lane is not None else None
+        held = session is not None and grant.run_id in session.held
+        if lane is None or not (held or lane.status in st.HELD):
+            raise KyokRefusal(403, "run_not_active",
+                              f"run {grant.run_id} is not being worked on by its agent")
+        if grant.agent != f"{lane.key}/{lane.agent}":
+            raise KyokRefusal(403, "not_this_agents_run",
+                              f"run {grant.run_id} is not this token's agent's run")
+        caller = json.loads(lane.caller_metadata_json)
+        opt_in = caller.get("kyok")
+        if not isinstance(opt_in, dict):
+            raise KyokRefusal(403, "no_kyok_grant", f"run {grant.run_id} opted into no KYOK")
+        provider = opt_in["llmProvider"]
+        chain = caller.get("actorChain")
+        if isinstance(chain, list) and chain:
+            assert self.identity is not None
+            chain = [*chain, dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)]
+        else:
+            chain = None
+        return KyokRun(grant.run_id, lane.key, lane.agent,
+                       (provider["providerKey"], provider["name"]),
+                       opt_in.get("context"), chain)
+
     async def paused_run(self, thread_id: str) -> str | None:
         return await self.record.paused_run(thread_id, st.INPUT_REQUIRED)
 
@@ -602,7 +698,10 @@ class Funduq:
         if facts is None:
             raise RunNotFound(run_id)
         segment_head, key = facts
+        _check_carriable(metadata)
         metadata = dict(metadata or {})
+        if "kyok" in metadata:
+            metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
         by = None
         if segment_head is not None:
             by = authority.check_resolution(metadata.get("resolution"), run_id,
@@ -621,6 +720,8 @@ class Funduq:
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
         marks = row["metadata"].setdefault("funduq", {})
         marks["answeredBy"] = by
+        if "kyok" in metadata:
+            marks["kyok"] = {"llmProvider": metadata["kyok"]["llmProvider"]}
         marks.pop("cancelRequestedBy", None)  # the new turn is nobody's to stop yet
         caller = dumps({**json.loads(row["caller_metadata"]),
                         **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}})

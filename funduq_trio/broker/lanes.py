@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from ..protocol import agui
+from ..protocol import agui, carriable
 from ..protocol.statuses import Status
 from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
@@ -217,9 +217,10 @@ class Lane:
     # Slots: a broker holding ten thousand waiting runs holds ten thousand of these.
     __slots__ = ("f", "run_id", "thread_id", "key", "agent", "machine", "run_input_json",
                  "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
-                 "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_place",
-                 "_offer", "_backlog", "awaiting_answer", "_baton", "_burst", "_unconfirmed",
-                 "_undelivered_at", "unread_reports", "_room", "_recorded", "_faulted")
+                 "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_text_room",
+                 "_place", "_offer", "_backlog", "awaiting_answer", "_baton", "_burst",
+                 "_unconfirmed", "_undelivered_at", "unread_reports", "_room", "_recorded",
+                 "_faulted")
 
     def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
         self.f = host
@@ -247,7 +248,10 @@ class Lane:
         self._finished: dict[str, Any] | None = None
         # Cancels read and not answered yet, oldest first (AnswerCancel answers them).
         self._cancels: list[Cancel] = []
-        self._texts: dict[str, dict[str, Any]] = {}
+        # The assistant's text as it streams (message id -> role and parts), for
+        # the thread's history; at most _text_room more characters of it.
+        self._texts: dict[str, tuple[str, list[str]]] = {}
+        self._text_room: int | None = None
         # The session whose place the run holds (offer out, or held), if any.
         self._place: ProviderSession | None = None
         self._offer: Offer | None = None
@@ -606,10 +610,18 @@ class Lane:
         session, offer = self._place, self._offer
         assert session is not None and offer is not None
         try:
-            session.send(offer, self.f.offer_payload(self))
+            payload = self.f.offer_payload(self)
+            # What the link cannot carry (the doors refuse such input now; an
+            # older record may still hold it) is found here, before anything
+            # is sent: the frame itself is encoded later, by the link's writer.
+            problem = (carriable.problem(payload["runInput"])
+                       or carriable.problem(payload["metadata"]))
+            if problem is not None:
+                raise ValueError(problem)
+            session.send(offer, payload)
         except (ValueError, TypeError) as exc:
             # The link could not encode this offer: the run fails alone, the
-            # link stays up for the others.
+            # link stays up for the others, and no quality counter moves.
             log.warning("run %s: offer not encodable: %s", self.run_id, exc)
             await self._do(self.machine.handle(Input.OFFER_NOT_ENCODABLE))
 
@@ -721,15 +733,38 @@ class Lane:
             self.feed.publish(seq, event)
 
     def _note_text(self, event: dict[str, Any]) -> None:
-        """Collect the assistant's text so the thread's history has replies."""
+        """Collect the assistant's text so the thread's history has replies.
+        Bounded: a run keeps at most FUNDUQ_MAX_BODY_BYTES characters of reply
+        text (and ids) for the history -- the most a caller could send back as
+        one message -- so a provider streaming megabytes of deltas cannot grow
+        the server (the record still has every event)."""
         kind, mid = event["type"], event.get("messageId")
-        if mid is None:
+        if not isinstance(mid, str):
             return
         if kind == "TEXT_MESSAGE_START":
-            self._texts[mid] = {"id": mid, "role": event.get("role", "assistant"), "content": ""}
+            role = event.get("role", "assistant")
+            self._keep_text(mid, role if isinstance(role, str) else "assistant", "", restart=True)
         elif kind in ("TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_CHUNK"):
-            msg = self._texts.setdefault(mid, {"id": mid, "role": "assistant", "content": ""})
-            msg["content"] += event.get("delta") or ""
+            delta = event.get("delta")
+            self._keep_text(mid, "assistant", delta if isinstance(delta, str) else "")
+
+    def _keep_text(self, mid: str, role: str, delta: str, *, restart: bool = False) -> None:
+        if self._text_room is None:
+            self._text_room = self.f.settings.max_body_bytes
+        known = self._texts.get(mid)
+        cost = len(delta) + (0 if known is not None else len(mid) + len(role))
+        if cost > self._text_room:
+            if self._text_room >= 0:
+                log.info("run %s: reply text past %d characters is kept in the record only",
+                         self.run_id, self.f.settings.max_body_bytes)
+                self._text_room = -1  # said once
+            return
+        self._text_room -= cost
+        if known is None or restart:
+            self._texts[mid] = (role, [delta] if delta else [])
+        elif delta:
+            known[1].append(delta)
 
     def replies(self) -> list[dict[str, Any]]:
-        return list(self._texts.values())
+        return [{"id": mid, "role": role, "content": "".join(parts)}
+                for mid, (role, parts) in self._texts.items()]

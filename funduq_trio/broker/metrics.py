@@ -59,6 +59,8 @@ class Metrics:
         self.events_recorded = 0
         self.offers_answered: dict[str, int] = {}
         self.offer_round_trip = Histogram(OFFER_ROUND_TRIP_BUCKETS)
+        #: KYOK completions by (offering "{fingerprint}/{name}", outcome).
+        self.completions: dict[tuple[str, str], int] = {}
 
     def run_ended(self, status: str) -> None:
         self.runs_ended[status] = self.runs_ended.get(status, 0) + 1
@@ -66,6 +68,10 @@ class Metrics:
     def offer_answered(self, verdict: str, round_trip: float) -> None:
         self.offers_answered[verdict] = self.offers_answered.get(verdict, 0) + 1
         self.offer_round_trip.observe(round_trip)
+
+    def completion_ended(self, offering: str, outcome: str) -> None:
+        key = (offering, outcome)
+        self.completions[key] = self.completions.get(key, 0) + 1
 
     def render(self, gauges: dict[str, tuple[str, float]]) -> str:
         """The Prometheus text exposition (format 0.0.4). `gauges` are the
@@ -93,6 +99,11 @@ class Metrics:
                "From funduq handing an offer to the provider's link to reading its answer.",
                [*((f'_bucket{{le="{le}"}}', n) for le, n in hist.cumulative()),
                 ("_sum", hist.sum), ("_count", hist.count)])
+        family("funduq_kyok_completions_total", "counter",
+               "KYOK completions relayed, by LLM offering and outcome (completed, refused, "
+               "failed, abandoned by funduq, lost with the LLM provider's link).",
+               [(f'{{offering="{o}",outcome="{r}"}}', n)
+                for (o, r), n in sorted(self.completions.items())])
         for name, (help_text, value) in gauges.items():
             family(name, "gauge", help_text, [("", value)])
         return "\n".join(lines) + "\n"

@@ -25,15 +25,26 @@ from typing import Any, TypeVar
 
 import trio
 
+from . import schema
 from .store import SqlStore, _Write
 
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
 
-#: The schema, created at start (``_open_sync``) under an advisory lock, so
-#: nodes starting together on one database do not race to create it.
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS providers (
+def _migration(version: int, sql: str) -> schema.Migration:
+    """Step ``version`` of the PostgreSQL schema: the SQLite store's step of
+    that number (``schema.MIGRATIONS``), in PostgreSQL's types."""
+    return schema.Migration(version, schema.MIGRATIONS[version - 1].why, sql)
+
+
+#: The schema, versioned in step with the SQLite store's (``schema.py``): step
+#: n here is step n there. Created and upgraded at start (``_open_sync``),
+#: all pending steps in one transaction under an advisory lock, so nodes
+#: starting together on one database apply each step once. Adding a table is
+#: one entry at the end of both lists.
+MIGRATIONS: tuple[schema.Migration, ...] = (
+    _migration(1, """
+CREATE TABLE providers (
     key TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,
     misdeclared BIGINT NOT NULL DEFAULT 0,
@@ -41,8 +52,8 @@ CREATE TABLE IF NOT EXISTS providers (
     abandoned BIGINT NOT NULL DEFAULT 0,
     undelivered BIGINT NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS providers_fingerprint ON providers (fingerprint);
-CREATE TABLE IF NOT EXISTS agents (
+CREATE INDEX providers_fingerprint ON providers (fingerprint);
+CREATE TABLE agents (
     ord BIGSERIAL,
     provider_key TEXT NOT NULL,
     name TEXT NOT NULL,
@@ -51,15 +62,14 @@ CREATE TABLE IF NOT EXISTS agents (
     metadata TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (provider_key, name)
 );
-CREATE TABLE IF NOT EXISTS threads (
+CREATE TABLE threads (
     id TEXT COLLATE "C" PRIMARY KEY,
     provider_key TEXT NOT NULL,
     agent_name TEXT NOT NULL,
     segment_head TEXT,
     created_at DOUBLE PRECISION NOT NULL
 );
-CREATE INDEX IF NOT EXISTS threads_segment_head ON threads (segment_head);
-CREATE TABLE IF NOT EXISTS runs (
+CREATE TABLE runs (
     arrival BIGINT NOT NULL,
     id TEXT COLLATE "C" PRIMARY KEY,
     thread_id TEXT NOT NULL,
@@ -73,21 +83,16 @@ CREATE TABLE IF NOT EXISTS runs (
     started_at DOUBLE PRECISION,
     completed_at DOUBLE PRECISION
 );
-CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
-CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
-CREATE INDEX IF NOT EXISTS runs_arrival ON runs (arrival);
--- Listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs)
--- and by status time (A2A ListTasks). Ids compare bytewise ("C"), as SQLite's do.
-CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival);
-CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
-    (provider_key, agent_name, (COALESCE(completed_at, started_at, created_at)), id);
-CREATE TABLE IF NOT EXISTS events (
+CREATE INDEX runs_thread ON runs (thread_id, arrival);
+CREATE INDEX runs_status ON runs (status, arrival);
+CREATE INDEX runs_arrival ON runs (arrival);
+CREATE TABLE events (
     run_id TEXT NOT NULL,
     seq BIGINT NOT NULL,
     event TEXT NOT NULL,
     PRIMARY KEY (run_id, seq)
 );
-CREATE TABLE IF NOT EXISTS messages (
+CREATE TABLE messages (
     thread_id TEXT NOT NULL,
     idx BIGINT NOT NULL,
     message_id TEXT NOT NULL,
@@ -95,7 +100,30 @@ CREATE TABLE IF NOT EXISTS messages (
     message TEXT NOT NULL,
     PRIMARY KEY (thread_id, idx)
 );
-"""
+"""),
+    # Ids compare bytewise ("C" above), as SQLite's do: the keyset below pages by id.
+    _migration(2, """
+CREATE INDEX threads_segment_head ON threads (segment_head);
+CREATE INDEX runs_agent ON runs (provider_key, agent_name, arrival);
+CREATE INDEX runs_agent_status_time ON runs
+    (provider_key, agent_name, (COALESCE(completed_at, started_at, created_at)), id);
+"""),
+    _migration(3, """
+CREATE TABLE llm_providers (
+    key TEXT PRIMARY KEY,
+    completions BIGINT NOT NULL DEFAULT 0,
+    refused BIGINT NOT NULL DEFAULT 0,
+    failed BIGINT NOT NULL DEFAULT 0
+);
+CREATE TABLE llm_offerings (
+    provider_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (provider_key, name)
+);
+"""),
+)
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
 SCHEMA_LOCK = 0x66756E647571
@@ -174,6 +202,37 @@ class PgConnection:
         self.raw.close()
 
 
+def upgrade(conn: PgConnection, where: str,
+            migrations: tuple[schema.Migration, ...] = MIGRATIONS) -> list[int]:
+    """Bring the database to the latest schema version: every pending step in
+    one transaction, under the schema lock, the version in ``schema_version``.
+    Returns the versions applied; raises SchemaTooNew (writing nothing) on a
+    database a newer build wrote."""
+    conn.execute("BEGIN")
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        row = conn.execute("SELECT version FROM schema_version").fetchone()
+        try:
+            steps = schema.plan(0 if row is None else int(row[0]), migrations)
+        except schema.SchemaTooNew as exc:
+            raise schema.SchemaTooNew(f"{where}: {exc}") from None
+        for step in steps:
+            for statement in step.sql.split(";"):
+                if statement.strip():
+                    conn.raw.execute(statement)
+            log.info("%s: schema upgraded to version %d (%s)", where, step.version, step.why)
+        if steps:
+            conn.execute("DELETE FROM schema_version")
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (steps[-1].version,))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.usable and conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return [step.version for step in steps]
+
+
 class PostgresStore(SqlStore):
     """The PostgreSQL record. Open it with ``store.open_store(settings)``."""
 
@@ -197,17 +256,24 @@ class PostgresStore(SqlStore):
 
     def _open_sync(self) -> None:
         conn = self._connect()
-        conn.execute("BEGIN")
         try:
-            conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    conn.raw.execute(statement)
-            conn.execute("COMMIT")
+            upgrade(conn, self.where)
         except BaseException:
             conn.close()
             raise
         self._writer_conn = conn
+
+    @property
+    def where(self) -> str:
+        """The database, named without its password (for messages)."""
+        from psycopg import conninfo
+
+        try:
+            info = conninfo.conninfo_to_dict(self.url)
+        except Exception:  # noqa: BLE001 -- a name for messages only
+            return "the PostgreSQL record"
+        return (f"PostgreSQL database {info.get('dbname', '?')} on "
+                f"{info.get('host', 'localhost')}:{info.get('port', 5432)}")
 
     def _close_sync(self) -> None:
         if self._writer_conn is not None:

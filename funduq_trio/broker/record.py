@@ -30,6 +30,8 @@ from typing import TypeVar
 
 import trio
 
+from . import schema
+
 # The shared parts, importable from here as before the record had two stores.
 from .store import (  # noqa: F401
     COUNTERS,
@@ -45,69 +47,6 @@ from .store import (  # noqa: F401
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
 
-#: The schema, created at start (``_open_sync``).
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS providers (
-    key TEXT PRIMARY KEY,
-    fingerprint TEXT NOT NULL,
-    misdeclared INTEGER NOT NULL DEFAULT 0,
-    unanswered INTEGER NOT NULL DEFAULT 0,
-    abandoned INTEGER NOT NULL DEFAULT 0,
-    undelivered INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS providers_fingerprint ON providers (fingerprint);
-CREATE TABLE IF NOT EXISTS agents (
-    provider_key TEXT NOT NULL,
-    name TEXT NOT NULL,
-    description TEXT NOT NULL DEFAULT '',
-    card TEXT NOT NULL DEFAULT '{}',
-    metadata TEXT NOT NULL DEFAULT '{}',
-    PRIMARY KEY (provider_key, name)
-);
-CREATE TABLE IF NOT EXISTS threads (
-    id TEXT PRIMARY KEY,
-    provider_key TEXT NOT NULL,
-    agent_name TEXT NOT NULL,
-    segment_head TEXT,
-    created_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS threads_segment_head ON threads (segment_head);
-CREATE TABLE IF NOT EXISTS runs (
-    arrival INTEGER NOT NULL,
-    id TEXT PRIMARY KEY,
-    thread_id TEXT NOT NULL,
-    provider_key TEXT NOT NULL,
-    agent_name TEXT NOT NULL,
-    status TEXT NOT NULL,
-    input TEXT NOT NULL,
-    caller_metadata TEXT NOT NULL DEFAULT '{}',
-    metadata TEXT NOT NULL DEFAULT '{}',
-    created_at REAL NOT NULL,
-    started_at REAL,
-    completed_at REAL
-);
-CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
-CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
--- Listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs)
--- and by status time (A2A ListTasks), and the threads bound to one key.
-CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival);
-CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
-    (provider_key, agent_name, COALESCE(completed_at, started_at, created_at), id);
-CREATE TABLE IF NOT EXISTS events (
-    run_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    event TEXT NOT NULL,
-    PRIMARY KEY (run_id, seq)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS messages (
-    thread_id TEXT NOT NULL,
-    idx INTEGER NOT NULL,
-    message_id TEXT NOT NULL,
-    run_id TEXT,
-    message TEXT NOT NULL,
-    PRIMARY KEY (thread_id, idx)
-) WITHOUT ROWID;
-"""
 
 #: Reads running at once, each on a connection of its own. A connection per
 #: worker thread instead grew with trio's thread cache (dozens under load),
@@ -159,7 +98,12 @@ class SqliteStore(SqlStore):
     def _open_sync(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = self._connect()
-        conn.executescript(SCHEMA)
+        try:
+            # Tables are created and upgraded here, and only here: schema.py.
+            schema.upgrade(conn, str(self.path))
+        except BaseException:
+            conn.close()
+            raise
         # Commits never checkpoint (that fsyncs, on the loop): _run_checkpoints
         # does. Nor do they wait for the write lock on the loop: _begin_now.
         conn.execute("PRAGMA wal_autocheckpoint=0")

@@ -40,6 +40,8 @@ T = TypeVar("T")
 log = logging.getLogger("funduq.record")
 
 COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
+#: An LLM provider's counters (KYOK; kyok.COUNTERS).
+LLM_COUNTERS = ("completions", "refused", "failed")
 
 #: A message of a thread as the record keeps it:
 #: (thread id, idx, message id, run id, message JSON).
@@ -151,6 +153,12 @@ class Store(Protocol):
         forget: Callable[[list[tuple[str, int]]], list[str]]) -> list[str]: ...
 
     async def set_counter(self, key: str, counter: str, value: int) -> None: ...
+
+    async def record_offerings(self, key: str, rows: list[tuple[str, str, str, str]]) -> None: ...
+
+    def set_llm_counter_soon(self, key: str, counter: str, value: int) -> PendingWrite: ...
+
+    async def llm_providers_and_offerings(self) -> tuple[list[Any], list[Any]]: ...
 
     # -- reads
     async def providers_and_agents(self) -> tuple[list[Any], list[Any]]: ...
@@ -478,6 +486,43 @@ class SqlStore:
             raise ValueError(f"not a counter: {counter!r}")
         await self.write(lambda c: c.execute(
             f"UPDATE providers SET {counter}=? WHERE key=?", (value, key)))
+
+    # KYOK (DESIGN §9): LLM providers' counters and their offerings.
+
+    async def record_offerings(self, key: str, rows: list[tuple[str, str, str, str]]) -> None:
+        """Upsert an LLM provider's offerings: (key, name, description, metadata JSON)."""
+        for row in rows:
+            if not keepable(*row):
+                raise Unrecordable(f"offering {row[1]!r}: holds a character the record "
+                                   "cannot keep (NUL or a lone surrogate)")
+
+        def apply(conn: Any) -> None:
+            conn.execute("INSERT INTO llm_providers (key) VALUES (?) "
+                         "ON CONFLICT (key) DO NOTHING", (key,))
+            if rows:
+                conn.executemany(
+                    "INSERT INTO llm_offerings (provider_key, name, description, metadata) "
+                    "VALUES (?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
+                    "description=excluded.description, metadata=excluded.metadata", rows)
+
+        await self.write(apply)
+
+    def set_llm_counter_soon(self, key: str, counter: str, value: int) -> PendingWrite:
+        """An LLM provider's counter, queued without waiting (nothing hangs on it)."""
+        if counter not in LLM_COUNTERS:
+            raise ValueError(f"not an LLM provider counter: {counter!r}")
+        return self.write_soon(lambda c: c.execute(
+            f"UPDATE llm_providers SET {counter}=? WHERE key=?", (value, key)))
+
+    async def llm_providers_and_offerings(self) -> tuple[list[Any], list[Any]]:
+        """(key, *counters) of every LLM provider; (provider_key, name,
+        description, metadata) of every offering."""
+        def read(conn: Any) -> tuple[list[Any], list[Any]]:
+            return (conn.execute("SELECT key, " + ", ".join(LLM_COUNTERS)
+                                 + " FROM llm_providers").fetchall(),
+                    conn.execute("SELECT provider_key, name, description, metadata "
+                                 "FROM llm_offerings").fetchall())
+        return await self.read(read)
 
     # -- the reads the broker makes -----------------------------------------------------
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -65,7 +67,7 @@ from google.protobuf.message import Message as ProtoMessage
 from jsonrpc.jsonrpc2 import JSONRPC20Request, JSONRPC20Response
 from packaging.version import InvalidVersion, Version
 
-from . import statuses
+from . import carriable, statuses
 
 __all__ = [
     "AGUI_EVENT_KEY",
@@ -85,12 +87,24 @@ __all__ = [
     "task_state",
 ]
 
+log = logging.getLogger("funduq_trio.a2a")
+
 #: Task metadata key: a cancel was asked for and the run has not settled yet.
 CANCEL_REQUESTED_KEY = "funduq/cancelRequested"
 #: Status-update metadata key carrying an AG-UI event that is not an artifact.
 AGUI_EVENT_KEY = "funduq/aguiEvent"
 #: The AG-UI CUSTOM event whose value is an A2A Artifact (DESIGN §5).
 ARTIFACT_EVENT_NAME = "a2a.artifact"
+#: Metadata key: what this metadata carries was altered to fit an A2A answer
+#: (see `_fit`); the run's record (`GET /runs/{id}`) holds it as sent.
+DEGRADED_KEY = "funduq/degraded"
+#: Deepest JSON nesting a Struct in an answer holds. Protobuf parsers stop at
+#: 100 message levels, a JSON level is two of them (Struct, Value), and the
+#: answer's own messages wrap the Struct: past this a caller's SDK could not
+#: parse the answer even when funduq could build it.
+STRUCT_NESTING = 32
+#: What stands in for a container nested past STRUCT_NESTING.
+TOO_DEEP = "(nested too deep for A2A metadata; the run's record holds it as sent)"
 
 V1 = constants.PROTOCOL_VERSION_1_0
 V03 = constants.PROTOCOL_VERSION_0_3
@@ -156,8 +170,74 @@ def _struct(message: ProtoMessage, field_name: str) -> dict[str, Any] | None:
     return plain(getattr(message, field_name))
 
 
+def _utf8(text: str) -> str:
+    """`text` as protobuf can hold it: a lone surrogate (valid JSON, stored
+    as sent) becomes U+FFFD."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def _fits(value: Any, depth: int = 0) -> bool:
+    """Whether a Struct holds `value` as it is (recursion stops at STRUCT_NESTING)."""
+    if isinstance(value, str):
+        return value.isascii() or _utf8(value) is value
+    if isinstance(value, bool) or value is None:
+        return True
+    if isinstance(value, int):
+        return value.bit_length() <= 1023  # a double holds it (roughly)
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, Mapping):
+        return depth < STRUCT_NESTING and all(
+            isinstance(k, str) and _fits(k) and _fits(v, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list | tuple):
+        return depth < STRUCT_NESTING and all(_fits(v, depth + 1) for v in value)
+    return False
+
+
+def _fit(value: Any, depth: int = 0) -> Any:
+    """A copy of `value` a Struct holds, relaying what it can: strings with
+    lone surrogates get U+FFFD, numbers a double cannot hold become their
+    digits, containers nested past STRUCT_NESTING become TOO_DEEP."""
+    if isinstance(value, str):
+        return _utf8(value)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if value.bit_length() <= 1023:
+            return value
+        try:
+            return str(value)
+        except ValueError:  # past Python's own digit limit
+            return "(an integer too large to show)"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, Mapping | list | tuple):
+        if depth >= STRUCT_NESTING:
+            return TOO_DEEP
+        if isinstance(value, Mapping):
+            return {_utf8(str(k)): _fit(v, depth + 1) for k, v in value.items()}
+        return [_fit(v, depth + 1) for v in value]
+    return _utf8(str(value))
+
+
 def _set_struct(target: Any, value: Mapping[str, Any]) -> None:
-    ParseDict(dict(value), target)
+    """Fill a Struct from JSON-like `value`. What a Struct cannot hold (a stored
+    provider event may be anything the link carried) is degraded by `_fit`
+    and marked DEGRADED_KEY, so one odd event never fails a whole view."""
+    if _fits(value):
+        ParseDict(dict(value), target)
+        return
+    fitted = _fit(value)
+    fitted[DEGRADED_KEY] = True
+    target.Clear()
+    ParseDict(fitted, target)
 
 
 def _timestamp(value: Any) -> Any | None:
@@ -187,11 +267,11 @@ def _timestamp(value: Any) -> Any | None:
 
 def _text_message(text: str, *, task_id: str, context_id: str, message_id: str) -> pb.Message:
     return pb.Message(
-        message_id=message_id,
+        message_id=_utf8(message_id),
         task_id=task_id,
         context_id=context_id,
         role=pb.Role.ROLE_AGENT,
-        parts=[pb.Part(text=text)],
+        parts=[pb.Part(text=_utf8(text))],
     )
 
 
@@ -331,7 +411,8 @@ class TaskProjection:
         if not isinstance(delta, str) or delta == "":
             return None
         message_id = event.get("messageId") or self._last_text_id or "text"
-        message_id = str(message_id)
+        message_id = _utf8(str(message_id))
+        delta = _utf8(delta)
         self._last_text_id = message_id
         existing = self._artifacts.get(message_id)
         if existing is None:
@@ -387,7 +468,7 @@ class TaskProjection:
                 message_id=f"{self.task_id}-input-required-{self.last_seq}",
             )
             data = pb.Part()
-            ParseDict({"interrupts": plain(interrupts)}, data.data.struct_value)
+            _set_struct(data.data.struct_value, {"interrupts": interrupts})
             message.parts.append(data)
             return message
         return None
@@ -409,7 +490,7 @@ class TaskProjection:
             task.artifacts.extend(self._artifacts.values())
         metadata = self.metadata()
         if metadata:
-            _set_struct(task.metadata, plain(metadata))
+            _set_struct(task.metadata, metadata)
         return task
 
     def settle(self, record: Mapping[str, Any]) -> pb.StreamResponse:
@@ -422,7 +503,7 @@ class TaskProjection:
         if self._terminal_event is not None:
             metadata[AGUI_EVENT_KEY] = self._terminal_event
         if metadata:
-            _set_struct(update.metadata, plain(metadata))
+            _set_struct(update.metadata, metadata)
         return pb.StreamResponse(status_update=update)
 
     def status_update(self) -> pb.StreamResponse:
@@ -432,7 +513,7 @@ class TaskProjection:
         )
         metadata = self.metadata()
         if metadata:
-            _set_struct(update.metadata, plain(metadata))
+            _set_struct(update.metadata, metadata)
         return pb.StreamResponse(status_update=update)
 
 
@@ -831,6 +912,19 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
             build_error_response(request_id, InvalidRequestError(message="Method is required"))
         )
     params = data.get("params", {})
+    if method in METHODS_V03 or method in METHODS_V1:
+        # Params the provider link could not carry (a lone surrogate, NaN, too
+        # deep) are the params' fault, whichever field holds them: -32602
+        # before anything reads them (request metadata is kept as sent).
+        problem = carriable.problem(params)
+        if problem is not None:
+            error = InvalidParamsError(
+                message=f"params cannot be carried to a provider: {problem}",
+                data={"reason": "not_carriable"},
+            )
+            if method in METHODS_V03:
+                raise CallRejected(_v03_error_envelope(request_id, error))
+            raise CallRejected(build_error_response(request_id, error))
 
     if method in METHODS_V03:
         return _parse_v03(data, method, request_id, params, version_header)
@@ -1055,16 +1149,28 @@ def select_page(request: pb.ListTasksRequest, records: Iterable[Mapping[str, Any
     return TaskPage(page, len(chosen), page_size, token)
 
 
+def _listed_task(record: Mapping[str, Any], *, include_artifacts: bool) -> pb.Task:
+    """One task of a listing. A record no projection can show (a bug, or a
+    stored event nothing foresaw) is listed with its status alone, marked
+    DEGRADED_KEY: one run never fails the listing of a whole agent."""
+    try:
+        return task_from_record(record, include_artifacts=include_artifacts)
+    except Exception:  # noqa: BLE001 - logged; the listing goes on
+        log.exception("run %s: its task cannot be projected; listed by status", record.get("runId"))
+        task = pb.Task(id=_utf8(str(record.get("runId"))),
+                       context_id=_utf8(str(record.get("threadId"))),
+                       status=pb.TaskStatus(state=task_state(str(record.get("status")))))
+        _set_struct(task.metadata, {DEGRADED_KEY: True})
+        return task
+
+
 def list_tasks_response(
     request: pb.ListTasksRequest, page: TaskPage, full_records: Iterable[Mapping[str, Any]]
 ) -> pb.ListTasksResponse:
     """The ListTasksResponse for `page`, its tasks built from the full records
     (with events, so artifacts and failure messages are there)."""
     return pb.ListTasksResponse(
-        tasks=[
-            task_from_record(r, include_artifacts=request.include_artifacts)
-            for r in full_records
-        ],
+        tasks=[_listed_task(r, include_artifacts=request.include_artifacts) for r in full_records],
         next_page_token=page.next_page_token,
         page_size=page.page_size,
         total_size=page.total_size,

@@ -10,6 +10,7 @@ from typing import Any
 from ag_ui.core import Event, EventType, RunAgentInput
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from . import carriable
 from .reasons import INVALID_INPUT_PREFIX, MALFORMED_EVENT
 
 KNOWN_TYPES = frozenset(t.value for t in EventType)
@@ -20,6 +21,9 @@ RUN_ERROR = EventType.RUN_ERROR.value
 MALFORMED = MALFORMED_EVENT
 
 _event = TypeAdapter(Event)
+
+#: Deepest nesting of JSON containers in an event funduq records.
+EVENT_MAX_NESTING = 256
 
 
 class MalformedEvent(ValueError):
@@ -39,6 +43,13 @@ def read_event(raw: Any) -> dict[str, Any]:
     """
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise MalformedEvent("event has no string 'type'")
+    # A string that is not UTF-8 (a lone surrogate) can be neither stored nor
+    # relayed. Deep nesting is stored as sent (the A2A views degrade past
+    # theirs), up to EVENT_MAX_NESTING: far below where the recursive JSON
+    # encoders (record, streams) could fail at whatever stack depth they run.
+    problem = carriable.problem(raw, max_nesting=EVENT_MAX_NESTING)
+    if problem is not None:
+        raise MalformedEvent(f"event holds {problem}")
     if raw["type"] not in KNOWN_TYPES:
         return raw
     try:
@@ -79,7 +90,11 @@ def run_error(reason: str) -> dict[str, Any]:
 
 
 def read_run_input(raw: Any) -> dict[str, Any]:
-    """Validate a RunAgentInput; return it in wire form (camelCase, no nulls)."""
+    """Validate a RunAgentInput the provider link can carry; return it in wire
+    form (camelCase, no nulls)."""
+    problem = carriable.problem(raw)
+    if problem is not None:
+        raise InvalidInput(INVALID_INPUT_PREFIX + f"it cannot be carried to a provider: {problem}")
     try:
         model = RunAgentInput.model_validate(raw)
     except ValidationError as exc:

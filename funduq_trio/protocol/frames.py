@@ -13,6 +13,12 @@ Decoding is strict about types (a number where a string belongs is an error,
 not a coercion) and lenient about keys it does not know (ignored, so a peer
 speaking a later revision that adds a field is still understood).
 
+The KYOK frames of DESIGN §9 ride the same link: an LLM provider publishes
+offerings with `register.llm`, funduq asks for a completion with `complete`,
+the provider streams `chunk`s and ends with `completion.end` or
+`completion.failed`, and funduq sends `abandon` when nobody reads any more
+(docs/kyok.md). A link may serve agents and offerings both.
+
 One frame is not in DESIGN §5's table: `batch {frames: [...]}`, several
 frames in one message, meaning exactly those frames sent one after another.
 It exists because the server's websocket stack moves one message per
@@ -54,12 +60,23 @@ __all__ = [
     "IN_BATCH",
     "IN_FUNDUQ_BATCH",
     "KINDS",
+    "KYOK_FROM_FUNDUQ",
+    "KYOK_FROM_PROVIDER",
+    "MAX_OFFERINGS",
     "MAX_BATCH_FRAMES",
     "MAX_ID_CHARS",
     "VERDICTS",
     "AgentSpec",
+    "Abandon",
     "Batch",
     "Cancel",
+    "Chunk",
+    "CompleteAgent",
+    "Complete",
+    "CompletionEnd",
+    "CompletionFailed",
+    "LlmOffering",
+    "RegisterLlm",
     "Connect",
     "ConnectErr",
     "ConnectOk",
@@ -94,6 +111,8 @@ BATCH_BYTES = 64 * 1024
 #: What `hello.extensions` / `connect.extensions` list: the frames beyond
 #: DESIGN §5 this side accepts.
 EXTENSIONS = ("batch",)
+#: Offerings one `register.llm` may publish.
+MAX_OFFERINGS = 256
 #: The three answers to an offer. `declined` = full right now; `refused` = never.
 VERDICTS = ("accepted", "declined", "refused")
 
@@ -185,6 +204,34 @@ class Cancel(_Model):
     run_id: RunId
 
 
+class CompleteAgent(_Model):
+    provider_key: PublicKeyHex
+    name: Annotated[str, Field(min_length=1)]
+
+
+class Complete(_Model):
+    """KYOK: a request for one completion against the offering `llm`. `body` is
+    the OpenAI chat-completions request as the agent sent it; `context` is the
+    caller's (never shown to the agent); `id` is fresh per completion."""
+
+    kind: Literal["complete"] = "complete"
+    id: Id
+    run_id: RunId
+    agent: CompleteAgent
+    llm: Annotated[str, Field(min_length=1)]
+    body: JsonObject
+    context: JsonObject | None = None
+    actor_chain: list[str] | None = None
+
+
+class Abandon(_Model):
+    """KYOK: nobody reads this completion any more (the agent went, the run
+    was cancel-requested or ended); stop spending on it."""
+
+    kind: Literal["abandon"] = "abandon"
+    id: Id
+
+
 # --- provider -> funduq -----------------------------------------------------
 
 
@@ -250,6 +297,52 @@ class Finish(_Model):
     run_id: RunId
 
 
+class LlmOffering(_Model):
+    name: Annotated[str, Field(pattern=_AGENT_NAME)]
+    description: str | None = None
+    metadata: JsonObject | None = None
+
+
+class RegisterLlm(_Model):
+    """KYOK: publish the LLM offerings this link serves; replaces what it
+    offered before (agents published with `register` are untouched)."""
+
+    kind: Literal["register.llm"] = "register.llm"
+    id: Id
+    offerings: Annotated[list[LlmOffering], Field(max_length=MAX_OFFERINGS)]
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> RegisterLlm:
+        names = [o.name for o in self.offerings]
+        if len(set(names)) != len(names):
+            raise ValueError("an offering is listed twice")
+        return self
+
+
+class Chunk(_Model):
+    """KYOK: one piece of a completion's answer, relayed verbatim (as an SSE
+    `data:` line when the agent streams)."""
+
+    kind: Literal["chunk"] = "chunk"
+    id: Id
+    data: str
+
+
+class CompletionEnd(_Model):
+    kind: Literal["completion.end"] = "completion.end"
+    id: Id
+
+
+class CompletionFailed(_Model):
+    """KYOK: the completion failed; `refusal` (an object) when the LLM
+    provider refused it rather than broke."""
+
+    kind: Literal["completion.failed"] = "completion.failed"
+    id: Id
+    message: str
+    refusal: JsonObject | None = None
+
+
 class Batch(_Model):
     """Several frames in one message, meaning exactly those frames sent one
     after another. Each item is decoded on its own (`decode_object`), so one
@@ -304,7 +397,13 @@ Frame = Annotated[
     | Finish
     | Cancel
     | QueryThreadMessages
-    | Batch,
+    | Batch
+    | RegisterLlm
+    | Complete
+    | Chunk
+    | CompletionEnd
+    | CompletionFailed
+    | Abandon,
     Field(discriminator="kind"),
 ]
 
@@ -326,20 +425,32 @@ KINDS: frozenset[str] = frozenset(
         Cancel,
         QueryThreadMessages,
         Batch,
+        RegisterLlm,
+        Complete,
+        Chunk,
+        CompletionEnd,
+        CompletionFailed,
+        Abandon,
     )
 )
+#: KYOK's kinds (DESIGN §9), each way.
+KYOK_FROM_PROVIDER: frozenset[str] = frozenset(
+    {"register.llm", "chunk", "completion.end", "completion.failed"})
+KYOK_FROM_FUNDUQ: frozenset[str] = frozenset({"complete", "abandon"})
 #: The kinds a provider may send.
 FROM_PROVIDER: frozenset[str] = frozenset(
-    {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages", "batch"}
+    {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages", "batch",
+     *KYOK_FROM_PROVIDER}
 )
 #: The kinds a provider's `batch` may carry.
 IN_BATCH: frozenset[str] = FROM_PROVIDER - {"connect", "batch"}
 #: The kinds funduq may send.
 FROM_FUNDUQ: frozenset[str] = frozenset(
-    {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel", "batch"}
+    {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel", "batch",
+     *KYOK_FROM_FUNDUQ}
 )
 #: The kinds funduq's `batch` may carry.
-IN_FUNDUQ_BATCH: frozenset[str] = frozenset({"offer", "ok", "err", "cancel"})
+IN_FUNDUQ_BATCH: frozenset[str] = frozenset({"offer", "ok", "err", "cancel", *KYOK_FROM_FUNDUQ})
 
 
 def _no_constants(name: str) -> Any:

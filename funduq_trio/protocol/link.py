@@ -11,9 +11,11 @@ does what the machine answers, in order:
 * `receive(text)` -> actions for one message from the provider.
 * `offer(offer_id, run)`, `cancel(run_id)`, `close(reason)` -> actions for a
   request of the broker (the `ProviderLink` port: these never block).
-* `register_done(...)`, `query_done(...)` -> the reply frame once the shell
-  finished the broker call an earlier `Register` / `QueryThreadMessages`
-  action asked for.
+* `complete(completion_id, request)`, `abandon(completion_id)` -> actions for
+  the KYOK relay's requests to an LLM provider (never block either).
+* `register_done(...)`, `register_llm_done(...)`, `query_done(...)` -> the
+  reply frame once the shell finished the broker call an earlier `Register` /
+  `RegisterLlm` / `QueryThreadMessages` action asked for.
 * `connection_lost()` -> actions once the socket is gone, whoever closed it.
 
 Every method returns a list of actions; the shell performs them in order:
@@ -28,6 +30,10 @@ action                      what the shell does
 `Report(runId, event)`      `session.report(runId, event)` (False = not its run: ignored)
 `Finish(runId)`             `session.finish(runId)`
 `QueryThreadMessages(...)`  `await session.thread_messages(...)`, then `query_done`
+`RegisterLlm(id, offers)`   `await llm.register(offerings)`, then `register_llm_done`
+`Chunk(id, data)`           `llm.chunk(id, data)` (KYOK, docs/kyok.md)
+`CompletionEnd(id)`         `llm.end(id)`
+`CompletionFailed(...)`     `llm.failed(id, message, refusal)`
 `Detach()`                  `session.detach()` (the machine emits it exactly once)
 `Close(reason, code)`       send nothing more; close the socket with code/reason
 =========================== ===============================================
@@ -45,7 +51,8 @@ copy and `_move` refuses anything not in it):
     AWAIT_CONNECT --too many links already waiting for connect--> CLOSED
         send connect.err {reason}, Close (1013, try again later)
     AWAIT_CONNECT --connection lost--> CLOSED   (nothing to detach)
-    ATTACHED --register/ok/err/report/finish/query/batch--> ATTACHED (see below)
+    ATTACHED --register/ok/err/report/finish/query/batch/register.llm/chunk/
+              completion.end/completion.failed--> ATTACHED (see below)
     ATTACHED --protocol violation--> CLOSED     Close, Detach
     ATTACHED --broker closes the link--> CLOSED Close (Detach when the socket is gone)
     ATTACHED --connection lost--> CLOSED        Detach
@@ -72,11 +79,21 @@ While ATTACHED:
   the offer frame itself. The offer stops being outstanding; the broker is
   told nothing and its delivery timeout puts the run back (`unanswered`).
 * `err` without an id: a complaint about something funduq sent; ignored.
+* KYOK (DESIGN §9): `register.llm {id, offerings}` -> RegisterLlm; then
+  `ok {id}` (or `err {id, reason}`). `chunk` / `completion.end` /
+  `completion.failed` for a completion funduq asked for with `complete` and
+  that has not ended -> Chunk / CompletionEnd / CompletionFailed (the last
+  two end it). For a completion that already ended or that funduq abandoned
+  they are ignored: an `abandon` and the provider's last chunks cross on the
+  wire. `complete` / `abandon` from the broker -> Send (an `abandon` ends the
+  completion on funduq's side).
 
 Protocol violations (close the link, reason in the close frame):
 * an `ok`/`err` whose id names no offer funduq made on this link, or an offer
   already answered (a second answer);
 * an `ok` to an offer with no verdict, or a refusal without a reason;
+* a `chunk` / `completion.end` / `completion.failed` naming a completion
+  funduq never asked for on this link;
 * a second `connect`;
 * a frame that does not decode and carries no usable `id` (one that carries
   an id is answered `err {id, reason}` and the link stays up);
@@ -100,6 +117,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from funduq_trio import identity as _identity
+from funduq_trio.protocol import carriable
 from funduq_trio.protocol import frames as f
 
 __all__ = [
@@ -115,8 +133,12 @@ __all__ = [
     "Detach",
     "Finish",
     "LinkMachine",
+    "Chunk",
+    "CompletionEnd",
+    "CompletionFailed",
     "QueryThreadMessages",
     "Register",
+    "RegisterLlm",
     "Report",
     "Send",
     "State",
@@ -201,6 +223,30 @@ class QueryThreadMessages:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterLlm:
+    request_id: str
+    offerings: list[dict[str, Any]]  # [{name, description, metadata}]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    completion_id: str
+    data: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionEnd:
+    completion_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionFailed:
+    completion_id: str
+    message: str
+    refusal: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
 class Detach:
     pass
 
@@ -211,7 +257,8 @@ class Close:
     code: int = CLOSE_POLICY
 
 
-Action = Send | Attach | Register | Answer | Report | Finish | QueryThreadMessages | Detach | Close
+Action = (Send | Attach | Register | Answer | Report | Finish | QueryThreadMessages | Detach
+          | Close | RegisterLlm | Chunk | CompletionEnd | CompletionFailed)
 
 
 class Signer(Protocol):
@@ -249,6 +296,9 @@ class LinkMachine:
         self._outstanding: dict[str, str] = {}  # offer id -> run id
         self._answered: deque[str] = deque()
         self._answered_set: set[str] = set()
+        self._completions: set[str] = set()  # KYOK completions asked and not ended
+        self._ended: deque[str] = deque()
+        self._ended_set: set[str] = set()
 
     # -- bookkeeping --
 
@@ -384,6 +434,16 @@ class LinkMachine:
             return [QueryThreadMessages(frame.id, frame.thread_id, frame.limit)]
         if isinstance(frame, f.Err):
             return self._receive_err(frame)
+        if isinstance(frame, f.Chunk):
+            return self._completion_frame(frame, Chunk(frame.id, frame.data), ends=False)
+        if isinstance(frame, f.CompletionEnd):
+            return self._completion_frame(frame, CompletionEnd(frame.id), ends=True)
+        if isinstance(frame, f.CompletionFailed):
+            action = CompletionFailed(frame.id, frame.message, frame.refusal)
+            return self._completion_frame(frame, action, ends=True)
+        if isinstance(frame, f.RegisterLlm):
+            offerings = [o.model_dump(by_alias=True) for o in frame.offerings]
+            return [RegisterLlm(frame.id, offerings)]
         if isinstance(frame, f.Connect):
             return self._violation("a second 'connect' on an attached link")
         raise AssertionError(f"unhandled provider frame {frame.kind!r}")  # pragma: no cover
@@ -403,6 +463,23 @@ class LinkMachine:
         self._remember_answered(frame.id)
         reason = frame.reason if frame.verdict == "refused" else None
         return [Answer(frame.id, frame.verdict, reason)]
+
+    def _completion_frame(self, frame: Any, action: Action, *, ends: bool) -> list[Action]:
+        if frame.id in self._completions:
+            if ends:
+                self._end_completion(frame.id)
+            return [action]
+        if frame.id in self._ended_set:
+            return []  # crossed an abandon, or after the end: nobody reads it
+        return self._violation(
+            f"{frame.kind} for {frame.id!r}, a completion funduq never asked for on this link")
+
+    def _end_completion(self, completion_id: str) -> None:
+        self._completions.discard(completion_id)
+        self._ended.append(completion_id)
+        self._ended_set.add(completion_id)
+        if len(self._ended) > _REMEMBERED_ANSWERS:
+            self._ended_set.discard(self._ended.popleft())
 
     def _receive_err(self, frame: f.Err) -> list[Action]:
         if frame.id is None:
@@ -429,6 +506,25 @@ class LinkMachine:
             return []
         return [Send(f.Cancel(run_id=run_id))]
 
+    def complete(self, completion_id: str, request: dict[str, Any]) -> list[Action]:
+        """KYOK: ask for a completion. `request` is `{runId, agent, llm, body,
+        context, actorChain}` (camelCase, as the `complete` frame has them)."""
+        if self.state is not State.ATTACHED:
+            return []
+        if completion_id in self._completions or completion_id in self._ended_set:
+            raise ValueError(f"completion id {completion_id!r} was already used on this link")
+        frame = f.Complete.model_validate({"kind": "complete", "id": completion_id, **request})
+        self._completions.add(completion_id)
+        return [Send(frame)]
+
+    def abandon(self, completion_id: str) -> list[Action]:
+        """KYOK: funduq stops reading a completion; what the provider still
+        sends for it is ignored."""
+        if self.state is not State.ATTACHED or completion_id not in self._completions:
+            return []
+        self._end_completion(completion_id)
+        return [Send(f.Abandon(id=completion_id))]
+
     def close(self, reason: str) -> list[Action]:
         """The broker closes the link (replaced by a newer connection, withdrawn,
         shutting down). Detach follows from connection_lost, once the socket is
@@ -448,6 +544,9 @@ class LinkMachine:
             return [Send(f.Err(id=request_id, reason=error))]
         return [Send(f.Ok(id=request_id))]
 
+    def register_llm_done(self, request_id: str, error: str | None = None) -> list[Action]:
+        return self.register_done(request_id, error)
+
     def query_done(
         self,
         request_id: str,
@@ -456,6 +555,12 @@ class LinkMachine:
     ) -> list[Action]:
         if self.state is not State.ATTACHED:
             return []
+        if error is None:
+            # An older record may hold messages the link cannot carry: the
+            # query fails, not the link (its writer could not encode the reply).
+            problem = carriable.problem(messages, max_nesting=None)
+            if problem is not None:
+                error = f"the thread's messages cannot be carried by the link: {problem}"
         if error is not None:
             return [Send(f.Err(id=request_id, reason=error))]
         return [Send(f.Ok(id=request_id, payload={"messages": messages or []}))]

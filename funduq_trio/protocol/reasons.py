@@ -7,6 +7,9 @@ NO_PROVIDER_TOOK_IT = "no_provider_took_it"
 PROVIDER_LEFT_HOLDING_IT = "provider_left_holding_it"
 STREAM_ENDED_WITHOUT_FINISHING = "provider_stream_ended_without_finishing"
 ORPHANED_BY_RESTART = "orphaned_by_restart"
+#: The run's offer holds what the link cannot carry (a lone surrogate, NaN,
+#: nesting past the limit): it fails alone, the offer never leaves.
+OFFER_NOT_ENCODABLE = "offer_not_encodable"
 MALFORMED_EVENT = "provider sent a malformed AG-UI event"
 INVALID_INPUT_PREFIX = "input does not validate as RunAgentInput: "
 # Reserved and never produced: a pause has no deadline of funduq's.

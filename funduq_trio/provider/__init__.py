@@ -14,6 +14,7 @@ broker or the web app. See docs/provider-link.md for the wire protocol.
 
 from .cli import run_provider_cli
 from .echo import echo, last_user_text, make_echo
+from .llm import CompletionRequest, Refusal, fake_model, kyok_chat, kyok_client, make_forwarder
 from .runtime import (
     Backoff,
     ConnectRejected,
@@ -30,6 +31,7 @@ from .transport import Connection, Connector, LinkLost, websocket_connector
 
 __all__ = [
     "Backoff",
+    "CompletionRequest",
     "ConnectRejected",
     "Connection",
     "Connector",
@@ -38,12 +40,17 @@ __all__ = [
     "Provider",
     "ProviderIdentity",
     "QueryFailed",
+    "Refusal",
     "RegisterRejected",
     "RunContext",
     "current_run",
     "echo",
+    "fake_model",
+    "kyok_chat",
+    "kyok_client",
     "last_user_text",
     "make_echo",
+    "make_forwarder",
     "run_provider_cli",
     "serialize_per_thread",
     "websocket_connector",

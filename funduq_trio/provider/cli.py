@@ -1,7 +1,7 @@
 """`funduq-trio provider`: run the example provider built on the SDK.
 
     funduq-trio provider --url ws://127.0.0.1:8000/ws/provider \
-        --key-file provider.key --agent echo [--max-concurrent N]
+        --key-file provider.key --agent echo [--agent kyok] [--max-concurrent N]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import trio
 from funduq_trio.identity import Identity, IdentityFileError
 
 from .echo import make_echo
+from .llm import kyok_chat
 from .runtime import Backoff, ConnectRejected, FunduqKeyMismatch, Provider, RegisterRejected
 
 __all__ = ["build_provider_parser", "run_provider_cli"]
@@ -26,7 +27,7 @@ PROG = "funduq-trio provider"
 
 
 def _agents(args: argparse.Namespace) -> dict[str, Callable[..., Any]]:
-    return {"echo": make_echo(args.echo_deltas, delay=args.echo_delay)}
+    return {"echo": make_echo(args.echo_deltas, delay=args.echo_delay), "kyok": kyok_chat}
 
 
 def build_provider_parser() -> argparse.ArgumentParser:
@@ -48,8 +49,9 @@ def build_provider_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--agent",
         action="append",
-        choices=["echo"],
-        help="an agent to serve (repeatable; default: echo)",
+        choices=["echo", "kyok"],
+        help="an agent to serve (repeatable; default: echo). `kyok` answers by asking "
+        "the LLM its caller opted into (KYOK; needs the `kyok` extra)",
     )
     parser.add_argument(
         "--max-concurrent",

@@ -20,6 +20,10 @@ key against a pinned one, publishes its agents and then:
   per-run `seq`, and always sending `finish` at the end, whether the agent
   returned, raised (a RUN_ERROR is reported first) or was cancelled;
 * cancels a run's task when a `cancel` frame names it;
+* serves KYOK offerings (`add_offering`, see `provider/llm.py`): publishes
+  them with `register.llm`, runs each `complete` in its own task sending
+  `chunk`s and `completion.end` / `completion.failed`, and cancels it on
+  `abandon`;
 * when funduq's hello lists the `batch` extension, writes whatever frames are
   queued when the socket is free as one `batch` message (at most
   `frames.BATCH_BYTES`), so a busy link carries a run's reports in a few messages
@@ -56,8 +60,10 @@ from funduq_trio.identity import (
     provider_connect_payload,
     verify,
 )
+from funduq_trio.protocol import carriable
 from funduq_trio.protocol import frames as f
 
+from . import llm
 from .transport import Connection, Connector, LinkLost, websocket_connector
 
 __all__ = [
@@ -146,6 +152,23 @@ class RunContext:
     arrival: int  # this runtime's count of accepted runs, in acceptance order
     cancel_requested: bool = False
     _link: _Link | None = field(default=None, repr=False)
+    _identity: Identity | None = field(default=None, repr=False)
+
+    @property
+    def kyok(self) -> dict[str, str] | None:
+        """The run's KYOK grant `{token, baseUrl}`, or None (no opt-in)."""
+        return llm.kyok_grant(self.run_input)
+
+    def kyok_client(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` spending this run's KYOK grant, each call
+        signed with the provider's key (needs the `kyok` extra)."""
+        grant = self.kyok
+        if grant is None:
+            raise LookupError(f"run {self.run_id} carries no KYOK grant: its caller opted "
+                              "into no LLM provider")
+        if self._identity is None:
+            raise LookupError("this run context has no provider identity to sign with")
+        return llm.kyok_client(grant, self._identity, **kwargs)
 
     async def thread_messages(self, limit: int | None = None) -> list[dict[str, Any]]:
         """The thread's messages as funduq recorded them (`limit` = the most
@@ -171,8 +194,15 @@ class _Run:
 
 
 @dataclass
+class _Offering:
+    name: str
+    fn: Callable[..., Any]
+    spec: f.LlmOffering
+
+
+@dataclass
 class _Pending:
-    what: str  # "register" | "query"
+    what: str  # "register" | "register.llm" | "query"
     done: trio.Event = field(default_factory=trio.Event)
     frame: Any = None
 
@@ -220,6 +250,7 @@ class _Link:
         self.credits = trio.Semaphore(report_window)
         self._unyielded = 0  # reports queued since this link last yielded
         self.runs: dict[str, _Run] = {}
+        self.completions: dict[str, trio.CancelScope] = {}  # KYOK, by completion id
         self.pending: dict[str, _Pending] = {}
         self.end_reason: str | None = None
         self.fatal: BaseException | None = None
@@ -263,13 +294,32 @@ class _Link:
     async def report(self, run_id: str, event: Any, seq: int) -> None:
         if not isinstance(event, (dict, BaseModel)):
             raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
-        text = f.encode_frame(f.Report(run_id=run_id, event=event, seq=seq))
+        frame = f.Report(run_id=run_id, event=event, seq=seq)
+        # Refused here, failing this run alone: the encoder would turn NaN into
+        # null, and funduq refuses a lone surrogate as a malformed event anyway.
+        problem = carriable.problem(frame.event, max_nesting=None)
+        if problem is not None:
+            raise ValueError(f"event #{seq} cannot be carried by the link: it holds {problem}")
+        text = f.encode_frame(frame)
         size = f.wire_bytes(text)
         if size > self.max_frame_bytes:
             raise ValueError(
                 f"event #{seq} is {size} bytes on the wire, over the "
                 f"link's frame limit of {self.max_frame_bytes}"
             )
+        await self._credit()
+        try:
+            self.out_send.send_nowait((text, True))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            self.credits.release()
+
+    async def chunk(self, completion_id: str, data: str) -> None:
+        """A KYOK chunk: flow-controlled like a report."""
+        text = f.encode_frame(f.Chunk(id=completion_id, data=data))
+        size = f.wire_bytes(text)
+        if size > self.max_frame_bytes:
+            raise ValueError(f"a chunk of {size} bytes is over the link's frame limit of "
+                             f"{self.max_frame_bytes}")
         await self._credit()
         try:
             self.out_send.send_nowait((text, True))
@@ -331,6 +381,7 @@ class Provider:
         self.retry_rejected = retry_rejected
         self.rng = rng
         self.agents: dict[str, _AgentEntry] = {}
+        self.offerings: dict[str, _Offering] = {}
         self.registrations = 0  # links that published our agents, ever
         self.last_end_reason: str | None = None
         self._registered = trio.Event()
@@ -357,6 +408,22 @@ class Provider:
         spec = f.AgentSpec(name=name, description=description, card=card, metadata=metadata)
         self.agents[name] = _AgentEntry(name, agent, spec, _wants_ctx(agent))
         return agent
+
+    def add_offering(
+        self,
+        offering: Callable[..., Any],
+        *,
+        name: str,
+        description: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        """Serve the KYOK offering `name`: `offering(request)` yields a
+        completion's chunks (see `provider/llm.py`)."""
+        if description is None:
+            description = inspect.getdoc(offering) or ""
+        spec = f.LlmOffering(name=name, description=description, metadata=metadata)
+        self.offerings[name] = _Offering(name, offering, spec)
+        return offering
 
     def agent(self, name: str | None = None, **details: Any) -> Callable[[Any], Any]:
         """Decorator form of `add_agent`."""
@@ -491,6 +558,12 @@ class Provider:
             self._link = link
             nursery.start_soon(self._writer, link)
             nursery.start_soon(self._reader, link, on_registered)
+            if self.offerings:
+                # Before `register`: its ok then also says the offerings are in.
+                llm_id = link.next_id("register.llm")
+                link.pending[llm_id] = _Pending("register.llm")
+                link.queue(f.RegisterLlm(id=llm_id,
+                                         offerings=[o.spec for o in self.offerings.values()]))
             register_id = link.next_id("register")
             link.pending[register_id] = _Pending("register")
             link.queue(f.Register(id=register_id, agents=[a.spec for a in self.agents.values()]))
@@ -560,6 +633,12 @@ class Provider:
             if run is not None:
                 run.ctx.cancel_requested = True
                 run.scope.cancel()
+        elif isinstance(frame, f.Complete):
+            self._complete(link, frame)
+        elif isinstance(frame, f.Abandon):
+            scope = link.completions.get(frame.id)
+            if scope is not None:
+                scope.cancel()
         elif isinstance(frame, (f.Ok, f.Err)):
             self._reply(link, frame, on_registered)
         else:
@@ -574,6 +653,11 @@ class Provider:
         pending = link.pending.get(frame.id)
         if pending is None:
             log.warning("funduq answered %r, which this provider never asked", frame.id)
+            return
+        if pending.what == "register.llm":
+            link.pending.pop(frame.id, None)
+            if isinstance(frame, f.Err):
+                link.end("register.llm refused", RegisterRejected(frame.reason))
             return
         if pending.what == "register":
             link.pending.pop(frame.id, None)
@@ -624,6 +708,7 @@ class Provider:
             metadata=run.metadata,
             arrival=next(self._arrivals),
             _link=link,
+            _identity=self.identity,
         )
         held = _Run(ctx, entry)
         link.runs[run.run_id] = held
@@ -632,6 +717,39 @@ class Provider:
             admit(ctx)
         link.nursery.start_soon(self._run_task, link, held, name=f"run {run.run_id}")
         return f.Ok(id=offer.id, verdict="accepted")
+
+    def _complete(self, link: _Link, frame: f.Complete) -> None:
+        """A KYOK completion: runs in its own task, never awaited here."""
+        offering = self.offerings.get(frame.llm)
+        if offering is None or frame.id in link.completions:
+            link.queue(f.CompletionFailed(id=frame.id, message=f"no offering {frame.llm!r} here",
+                                          refusal={"reason": "unknown offering"}))
+            return
+        scope = link.completions[frame.id] = trio.CancelScope()
+        link.nursery.start_soon(self._completion_task, link, offering, frame, scope,
+                                name=f"completion {frame.id}")
+
+    async def _completion_task(self, link: _Link, offering: _Offering, frame: f.Complete,
+                               scope: trio.CancelScope) -> None:
+        ended: BaseModel | None = None
+        try:
+            with scope:
+                try:
+                    request = llm.CompletionRequest.from_frame(frame)
+                    async with _closing(offering.fn(request).__aiter__()) as stream:
+                        async for item in stream:
+                            await link.chunk(frame.id, llm.chunk_text(item))
+                    ended = f.CompletionEnd(id=frame.id)
+                except llm.Refusal as exc:
+                    ended = f.CompletionFailed(id=frame.id, message=exc.message,
+                                               refusal=exc.refusal)
+                except Exception as exc:
+                    log.exception("offering %s failed on %s", offering.name, frame.id)
+                    ended = f.CompletionFailed(id=frame.id, message=f"{type(exc).__name__}: {exc}")
+        finally:
+            link.completions.pop(frame.id, None)
+            if ended is not None:  # abandoned: funduq reads nothing more of it
+                link.queue(ended)
 
     async def _run_task(self, link: _Link, held: _Run) -> None:
         ctx = held.ctx

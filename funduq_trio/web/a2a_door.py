@@ -119,7 +119,11 @@ class A2ADoor:
         try:
             body = await request.get_data()
         except RequestEntityTooLarge:
-            return _json(a2a.error_response(None, InvalidRequestError(message="Payload too large")))
+            # The body is left unread: the connection must close after the answer.
+            response = _json(a2a.error_response(None, InvalidRequestError(
+                message="Payload too large")))
+            response.headers["Connection"] = "close"
+            return response
         try:
             call = a2a.parse_call(body, request.headers.get("A2A-Version"))
         except a2a.CallRejected as rejected:

@@ -1,11 +1,13 @@
 """The AG-UI door: `POST /agui/{provider}/{agent}`, a `RunAgentInput` in, an SSE
 stream of the run's AG-UI events out (DESIGN §5).
 
-- The body must be JSON (else 400 `invalid_json`) validating as ag-ui's
-  `RunAgentInput` (else 400 `invalid_run_input` with pydantic's details).
-  Either way nothing is recorded.
-- Request-level metadata (`actorChain`, `presenter`, `resolution`) rides in
-  `forwardedProps`.
+- The body must be JSON the provider link can carry (else 400 `invalid_json`:
+  not JSON, NaN/Infinity, a lone surrogate anywhere, nesting past 100 levels;
+  see `protocol/carriable.py`) validating as ag-ui's `RunAgentInput` (else
+  400 `invalid_run_input` with pydantic's details). Either way nothing is
+  recorded.
+- Request-level metadata (`actorChain`, `presenter`, `resolution`, `kyok`) rides
+  in `forwardedProps`.
 - Without `resume` entries it starts a run: an unseen `threadId` starts a new
   funduq thread, and the caller's `runId` is replaced by funduq's. Both of
   funduq's ids ride every event.
@@ -38,7 +40,6 @@ Errors are the broker's own exceptions, answered as JSON by the app
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,34 +57,17 @@ from ..broker.errors import (
     UnknownThread,
 )
 from ..broker.funduq import Funduq
+from ..protocol import carriable
 from .access import reader_of
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 # funduq's request-level keys, read off forwardedProps.
-METADATA_KEYS = ("actorChain", "presenter", "resolution")
+METADATA_KEYS = ("actorChain", "presenter", "resolution", "kyok")
 
 
 # Deeper bodies are refused before anything walks them recursively (validation,
 # the record's serializer): no real RunAgentInput comes near it.
-MAX_NESTING = 100
-
-
-def nesting(value: Any) -> int:
-    """How deep JSON containers nest in `value` (a scalar is 0), without recursing."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if deepest > MAX_NESTING:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+MAX_NESTING = carriable.MAX_NESTING
 
 
 class InvalidJSON(BadRequest):
@@ -136,13 +120,16 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
     async def agui_run(provider: str, agent: str) -> Any:
         raw_body = await request.get_data()  # 413 past max_body_bytes
         try:
-            body = json.loads(raw_body)
-        except (UnicodeDecodeError, ValueError) as exc:
+            body = carriable.loads(raw_body)
+        except (UnicodeDecodeError, ValueError) as exc:  # NotCarriable included
             raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
         except RecursionError:  # nested past Python's own limit
             raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels") from None
-        if nesting(body) > MAX_NESTING:
-            raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels")
+        # What the provider link cannot carry is refused here, before anything
+        # is recorded: one such run used to break its provider's link for good.
+        problem = carriable.problem(body)
+        if problem is not None:
+            raise InvalidJSON(f"request body cannot be carried to a provider: {problem}")
         try:
             run_input = RunAgentInput.model_validate(body)
         except ValidationError as exc:

@@ -4,7 +4,8 @@ Error policy (one place for the whole app): every error is JSON, never an HTML
 page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
 
 - HTTP errors (unknown route 404, wrong method 405, body over
-  ``max_body_bytes`` 413, a door's own 400s) keep their status; ``code`` is the
+  ``max_body_bytes`` 413 -- which also closes the connection, its body left
+  unread -- a door's own 400s) keep their status; ``code`` is the
   exception's ``error_code`` attribute if it has one, else its snake-cased name.
 - A broker error (`FunduqError`) escaping a handler maps by class, see
   `web/door_errors.py` `DOOR_ANSWERS`: unknown ids 404, refused input 400,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import trio
 from quart import Response, jsonify
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
@@ -29,6 +31,7 @@ from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
 from .door_errors import door_answer
+from .kyok import mount_kyok
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
@@ -47,6 +50,58 @@ def json_error(status: int, code: str, message: str, details: Any = None) -> Res
     response = jsonify(error_body(status, code, message, details))
     response.status_code = status
     return response
+
+
+def close_after(response: Response) -> Response:
+    """Close the connection once `response` is sent. For a refusal that leaves
+    the request's body unread (too large): on a keep-alive connection the
+    server would otherwise wait for, or misread, the rest of that body and the
+    connection wedges."""
+    response.headers["Connection"] = "close"
+    return response
+
+
+#: How long the last write of a closing response may take once shielded (a
+#: safety net: it is a memory-channel hand-off and a socket shutdown).
+CLOSE_WRITE_SECONDS = 5.0
+
+
+class CloseAfterResponse:
+    """ASGI middleware: a response that says ``Connection: close`` really closes.
+
+    hypercorn closes such a connection from inside the app's last `send`;
+    while the request's body is unread, that same send also tells quart-trio
+    the request is over, which cancels the task doing the send before the
+    socket is shut down -- the refused connection then stays open, waiting
+    for a body nobody reads. Shielding that last send lets the close finish.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        closing = False
+
+        async def shielded_last_send(message: Any) -> None:
+            nonlocal closing
+            if message["type"] == "http.response.start":
+                closing = any(
+                    name.lower() == b"connection" and value.lower() == b"close"
+                    for name, value in message.get("headers") or ()
+                )
+            if closing and message["type"] == "http.response.body" and not message.get(
+                "more_body", False
+            ):
+                with trio.move_on_after(CLOSE_WRITE_SECONDS) as cancel_scope:
+                    cancel_scope.shield = True
+                    await send(message)
+                return
+            await send(message)
+
+        await self.app(scope, receive, shielded_last_send)
 
 
 def _snake(name: str) -> str:
@@ -72,6 +127,7 @@ def create_app(funduq: Funduq) -> QuartTrio:
     # ensure_ascii stays on: a body may carry lone surrogates ("\ud800" is valid
     # JSON), which only escaped output can echo back without failing to encode.
     app.extensions["funduq"] = funduq
+    app.asgi_app = CloseAfterResponse(app.asgi_app)  # type: ignore[method-assign]
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -98,6 +154,8 @@ def create_app(funduq: Funduq) -> QuartTrio:
         for name, value in exc.get_headers():
             if name.lower() != "content-type":
                 response.headers[name] = value
+        if isinstance(exc, RequestEntityTooLarge):
+            close_after(response)
         return response
 
     @app.errorhandler(errors.FunduqError)
@@ -112,4 +170,5 @@ def create_app(funduq: Funduq) -> QuartTrio:
     mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
+    mount_kyok(app, funduq)
     return app

@@ -58,6 +58,8 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
                               lambda _, task_id: TaskNotFoundError(data=_task(task_id))),
     e.InvalidRunInput: DoorAnswer(400, "invalid_run_input", lambda exc, _: InvalidParamsError(
         message=str(exc) or "invalid run input")),
+    e.InvalidKyokOptIn: DoorAnswer(400, "invalid_kyok_opt_in", lambda exc, _: InvalidParamsError(
+        message=str(exc) or "invalid kyok opt-in", data={"reason": "invalid_kyok_opt_in"})),
     e.ThreadQueueFull: DoorAnswer(429, "thread_queue_full", lambda exc, _:
                                   UnsupportedOperationError(
         message=str(exc) or "This conversation already holds as many pending messages as it "

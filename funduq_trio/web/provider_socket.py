@@ -87,6 +87,7 @@ class ProviderSocket:
         )
         self._out_send, self._out_receive = trio.open_memory_channel[Any](OUTBOX_FRAMES)
         self._session: Any = None
+        self._llm: Any = None  # the KYOK side, once the link publishes offerings
         self._nursery: trio.Nursery | None = None
         self._close: L.Close | None = None  # how this side closes the socket
 
@@ -100,6 +101,14 @@ class ProviderSocket:
 
     def close(self, reason: str) -> None:
         self._perform(self.machine.close(reason))
+
+    # -- the KYOK relay's port (LlmLink): never blocks --------------------------
+
+    def send_complete(self, completion_id: str, request: dict[str, Any]) -> None:
+        self._perform(self.machine.complete(completion_id, request))
+
+    def send_abandon(self, completion_id: str) -> None:
+        self._perform(self.machine.abandon(completion_id))
 
     # -- performing the machine's actions -------------------------------------
 
@@ -134,9 +143,20 @@ class ProviderSocket:
                 self._session = self._funduq.attach_provider(
                     action.public_key, action.max_concurrent_runs, self
                 )
+            elif isinstance(action, L.Chunk):
+                if self._llm is not None:
+                    self._llm.chunk(action.completion_id, action.data)
+            elif isinstance(action, L.CompletionEnd):
+                if self._llm is not None:
+                    self._llm.end(action.completion_id)
+            elif isinstance(action, L.CompletionFailed):
+                if self._llm is not None:
+                    self._llm.failed(action.completion_id, action.message, action.refusal)
             elif isinstance(action, L.Detach):
                 if self._session is not None:
                     self._session.detach()
+                if self._llm is not None:
+                    self._llm.detach()
             elif isinstance(action, L.Close):
                 self._begin_close(action)
             else:
@@ -231,13 +251,20 @@ class ProviderSocket:
                 if isinstance(item, L.Close):
                     break
                 out = Outgoing()
-                out.add(encode_frame(item))
+                text = _encoded(item)
+                if text is None:
+                    continue
+                out.add(text)
                 while self.machine.peer_takes_batches:
                     try:
                         item = self._out_receive.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    if isinstance(item, L.Close) or not out.add(encode_frame(item)):
+                    if isinstance(item, L.Close):
+                        held = item
+                        break
+                    text = _encoded(item)
+                    if text is not None and not out.add(text):
                         held = item
                         break
                 await self._ws.send(out.message())
@@ -256,6 +283,8 @@ class ProviderSocket:
             for action in self.machine.receive(message):
                 if isinstance(action, L.Register):
                     await self._register(action)
+                elif isinstance(action, L.RegisterLlm):
+                    await self._register_llm(action)
                 elif isinstance(action, L.QueryThreadMessages):
                     nursery.start_soon(self._query, action)
                 else:
@@ -285,6 +314,17 @@ class ProviderSocket:
             error = f"funduq could not register these agents: {exc}"
         self._perform(self.machine.register_done(action.request_id, error))
 
+    async def _register_llm(self, action: L.RegisterLlm) -> None:
+        error: str | None = None
+        try:
+            if self._llm is None:
+                self._llm = self._funduq.kyok.attach(self.machine.public_key, self)
+            await self._llm.register(action.offerings)
+        except Exception as exc:
+            log.exception("register.llm from provider %s failed", self.machine.public_key)
+            error = f"funduq could not register these offerings: {exc}"
+        self._perform(self.machine.register_llm_done(action.request_id, error))
+
     async def _query(self, action: L.QueryThreadMessages) -> None:
         try:
             messages = await self._session.thread_messages(action.thread_id, action.limit)
@@ -293,6 +333,18 @@ class ProviderSocket:
             self._perform(self.machine.query_done(action.request_id, error=str(exc) or repr(exc)))
             return
         self._perform(self.machine.query_done(action.request_id, messages))
+
+
+def _encoded(frame: Any) -> str | None:
+    """The frame's text, or None (logged) for one the link cannot encode. The
+    machine and the lanes check what they send (protocol/carriable.py); this
+    is the last line: one bad frame must not take the link and every run on
+    it down."""
+    try:
+        return encode_frame(frame)
+    except ValueError:  # pydantic's serialization error (a lone surrogate) is one
+        log.exception("a %s frame could not be encoded: not sent", getattr(frame, "kind", "?"))
+        return None
 
 
 async def serve_provider_link(ws: Any, funduq: Any, waiting: WaitingLinks | None = None) -> None:

@@ -80,10 +80,19 @@ class Identified:
         return f"Identified({self.id!r}, {self.data!r})"
 
 
+#: Characters JSON leaves raw that line readers other than SSE's own (Python's
+#: str.splitlines, as httpx's aiter_lines uses) take for line breaks: escaped,
+#: so a provider's text can never split a frame for any reader.
+_LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def sse_frame(data: Any, event_id: int | None = None) -> bytes:
     """One SSE frame carrying `data` as compact JSON (and `event_id` as its id)."""
     try:
-        body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+        if not text.isascii() and ("\x85" in text or "\u2028" in text or "\u2029" in text):
+            text = text.translate(_LINE_BREAKERS)
+        body = text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: only \u-escaped JSON can carry it
         body = json.dumps(data, separators=(",", ":")).encode("ascii")
     if event_id is None:

@@ -1,0 +1,245 @@
+"""The record's schema, versioned: every version there has been, in order.
+
+``MIGRATIONS[n - 1]`` is the SQL that takes a file at version ``n - 1`` to
+version ``n``; version 1 is the schema as it stood before versions existed
+(commit d2191a5), which is what the files of existing users hold. A file
+carries its version in SQLite's ``PRAGMA user_version``, written in the same
+transaction as the step it marks, so a step is either wholly applied and
+marked, or not at all.
+
+Adding a table or a column is one new entry at the END of ``MIGRATIONS``.
+Never edit an entry that has been released: files in the field were made by
+it. A step is written for a file at exactly the version before it, so it may
+``ALTER TABLE``; no ``IF NOT EXISTS`` is needed except in version 1, which
+also runs on files made before versions (they hold its tables already).
+
+The planning below is pure (no I/O); ``upgrade`` is the thin part that runs
+the plan on a connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("funduq.record")
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One step: ``sql`` takes a file from ``version - 1`` to ``version``."""
+
+    version: int
+    why: str
+    sql: str
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "the record as first released (commit d2191a5)", """
+CREATE TABLE IF NOT EXISTS providers (
+    key TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    misdeclared INTEGER NOT NULL DEFAULT 0,
+    unanswered INTEGER NOT NULL DEFAULT 0,
+    abandoned INTEGER NOT NULL DEFAULT 0,
+    undelivered INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS providers_fingerprint ON providers (fingerprint);
+CREATE TABLE IF NOT EXISTS agents (
+    provider_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    card TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (provider_key, name)
+);
+CREATE TABLE IF NOT EXISTS threads (
+    id TEXT PRIMARY KEY,
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    segment_head TEXT,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    arrival INTEGER NOT NULL,
+    id TEXT PRIMARY KEY,
+    thread_id TEXT NOT NULL,
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    input TEXT NOT NULL,
+    caller_metadata TEXT NOT NULL DEFAULT '{}',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    started_at REAL,
+    completed_at REAL
+);
+CREATE INDEX IF NOT EXISTS runs_thread ON runs (thread_id, arrival);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, arrival);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    event TEXT NOT NULL,
+    PRIMARY KEY (run_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS messages (
+    thread_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    message_id TEXT NOT NULL,
+    run_id TEXT,
+    message TEXT NOT NULL,
+    PRIMARY KEY (thread_id, idx)
+) WITHOUT ROWID;
+"""),
+    Migration(2, "listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs) "
+              "and by status time (A2A ListTasks), and the threads bound to one key", """
+CREATE INDEX IF NOT EXISTS threads_segment_head ON threads (segment_head);
+CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival);
+CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
+    (provider_key, agent_name, COALESCE(completed_at, started_at, created_at), id);
+"""),
+    Migration(3, "KYOK (DESIGN §9): LLM providers' counters and their offerings", """
+CREATE TABLE IF NOT EXISTS llm_providers (
+    key TEXT PRIMARY KEY,
+    completions INTEGER NOT NULL DEFAULT 0,
+    refused INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS llm_offerings (
+    provider_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (provider_key, name)
+);
+"""),
+    # Next: Migration(4, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+)
+
+
+class SchemaTooNew(RuntimeError):
+    """The file was written by a newer build than this one: refuse to touch it."""
+
+
+def latest(migrations: tuple[Migration, ...] = MIGRATIONS) -> int:
+    return len(migrations)
+
+
+def check(migrations: tuple[Migration, ...]) -> None:
+    """The list is numbered 1, 2, 3, ... with no gap or repeat."""
+    numbers = [m.version for m in migrations]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"migrations must be numbered 1..n in order, not {numbers}")
+
+
+def plan(current: int, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[Migration]:
+    """The steps that take a file at ``current`` to the latest version, in
+    order (none when it is there already). A file newer than the list is
+    refused: this build cannot know what the newer one's tables mean."""
+    check(migrations)
+    if current < 0:
+        raise ValueError(f"schema version {current} is not a version")
+    if current > len(migrations):
+        raise SchemaTooNew(
+            f"schema version {current}, newer than this build of funduq-trio knows "
+            f"(up to {len(migrations)}); refusing to open it: run a build at least as "
+            "new as the one that wrote it")
+    return list(migrations[current:])
+
+
+def found_version(user_version: int, has_tables: bool) -> int:
+    """The version a file is at: its mark, except that a file made before
+    versions (tables, no mark) is at version 1 and an empty file at 0."""
+    if user_version == 0 and has_tables:
+        return 1
+    return user_version
+
+
+# -- the thin part: on a connection ----------------------------------------------
+
+
+def _version_of(conn: sqlite3.Connection) -> int:
+    return found_version(*_marks(conn))
+
+
+def _marks(conn: sqlite3.Connection) -> tuple[int, bool]:
+    user_version = conn.execute("PRAGMA user_version").fetchone()[0]
+    has_tables = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='runs'").fetchone() is not None
+    return user_version, has_tables
+
+
+def _mark_unversioned(conn: sqlite3.Connection, where: str) -> None:
+    """A file made before versions holds version 1's tables: write the mark."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if _marks(conn) == (0, True):
+            conn.execute("PRAGMA user_version=1")
+            log.info("%s: made before schema versions; marked as version 1", where)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def upgrade(conn: sqlite3.Connection, where: str = "the record",
+            migrations: tuple[Migration, ...] = MIGRATIONS,
+            before_step: Callable[[Migration], None] | None = None) -> list[int]:
+    """Bring the file on ``conn`` (autocommit mode) to the latest version, one
+    transaction per step, and return the versions applied. Each step takes the
+    write lock first and reads the version again under it, so two processes
+    opening one file at once apply each step once. Raises SchemaTooNew, with
+    nothing written, on a file newer than ``migrations``."""
+    try:
+        steps = plan(_version_of(conn), migrations)
+    except SchemaTooNew as exc:
+        raise SchemaTooNew(f"{where}: {exc}") from None
+    if _marks(conn) == (0, True):
+        _mark_unversioned(conn, where)
+    applied: list[int] = []
+    for step in steps:
+        if before_step is not None:
+            before_step(step)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            now = _version_of(conn)
+            if now >= step.version:
+                conn.execute("ROLLBACK")
+                if now > len(migrations):  # someone made it newer meanwhile
+                    raise SchemaTooNew(f"{where}: schema version {now}, newer than this "
+                                       f"build of funduq-trio knows (up to {len(migrations)})")
+                continue
+            # Statement by statement: executescript() would commit first.
+            for statement in statements(step.sql):
+                try:
+                    conn.execute(statement)
+                except sqlite3.Error as exc:
+                    exc.add_note(f"{where}: schema migration {step.version} ({step.why}) "
+                                 f"failed at: {statement}")
+                    raise
+            conn.execute(f"PRAGMA user_version={step.version:d}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        applied.append(step.version)
+        log.info("%s: schema upgraded to version %d (%s)", where, step.version, step.why)
+    return applied
+
+
+def statements(sql: str) -> list[str]:
+    """``sql`` cut into its statements (a trigger's body stays whole)."""
+    found, pending = [], ""
+    for piece in sql.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \t\r\n;"):
+                found.append(pending.strip())
+            pending = ""
+    if pending.strip(" \t\r\n;"):
+        raise ValueError(f"an incomplete statement in a migration: {pending.strip()!r}")
+    return found
