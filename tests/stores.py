@@ -14,6 +14,7 @@ import secrets
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 #: The PostgreSQL the tests use (their own schema per test in it).
@@ -97,3 +98,25 @@ def writes_held(data_dir: Path) -> Iterator[None]:
             yield
         finally:
             conn.execute("ROLLBACK")
+
+
+@contextlib.contextmanager
+def record_connection(path: Path) -> Iterator[Any]:
+    """A connection to the current test's record from outside funduq (as an
+    operator's shell or an older build would touch it): ``execute`` takes the
+    record's shared SQL (``?`` placeholders) on either store; what it wrote
+    is committed when the block ends. ``path`` is the SQLite file."""
+    if database_url is None:
+        conn = sqlite3.connect(path)
+        try:
+            with conn:
+                yield conn
+        finally:
+            conn.close()
+        return
+    import psycopg
+
+    from funduq_trio.broker.postgres import PgConnection
+
+    with psycopg.connect(database_url) as raw:  # commits at the end of the block
+        yield PgConnection(raw)

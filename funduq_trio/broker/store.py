@@ -772,11 +772,10 @@ async def run_store(store: SqlStore) -> AsyncIterator[SqlStore]:
 def open_store(settings: Settings) -> Any:
     """The store ``FUNDUQ_DATABASE_URL`` names (the data directory's SQLite
     file by default), as an async context manager."""
-    url = settings.database_url
-    if url is not None and url.startswith(("postgresql://", "postgres://")):
+    if settings.database_is_postgres:
         from .postgres import PostgresStore
 
-        return run_store(PostgresStore(url))
+        return run_store(PostgresStore(settings.database_url or ""))
     from .record import SqliteStore
 
     return run_store(SqliteStore(settings.database_path))
