@@ -230,12 +230,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"{PROG} serve: error: {exc}\n")
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         from .broker.schema import SchemaTooNew
+        from .broker.store import RecordUnreachable
         from .server import run_server
 
         too_new: BaseException | None = None
         try:
             run_server(settings)
-        except* SchemaTooNew as group:  # a record from a newer build: one line, no traceback
+        except* (SchemaTooNew, RecordUnreachable) as group:
+            # A record from a newer build, or a database that does not
+            # answer: one line, no traceback.
             too_new = group
             while isinstance(too_new, BaseExceptionGroup):
                 too_new = too_new.exceptions[0]

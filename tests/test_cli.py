@@ -129,3 +129,15 @@ async def test_call_by_name_says_when_no_agent_is_online(tmp_path):
         )
     assert done.returncode == 1
     assert "no online agent named 'echo'" in done.stderr.decode()
+
+
+def test_serve_says_in_one_line_when_its_postgresql_does_not_answer(tmp_path):
+    """A database that does not answer at start: exit 1 with one line naming
+    the database (never its password), no traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
+         str(tmp_path), "--database-url", "postgresql://funduq:hunter2@127.0.0.1:1/records"],
+        capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert "error: PostgreSQL database records on 127.0.0.1:1 does not answer" in result.stderr
+    assert "Traceback" not in result.stderr and "hunter2" not in result.stderr

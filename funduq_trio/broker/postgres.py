@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from . import schema
-from .store import SqlStore, _Write
+from .store import RecordUnreachable, SqlStore, _Write
 
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
@@ -255,7 +255,13 @@ class PostgresStore(SqlStore):
         return PgConnection(raw)
 
     def _open_sync(self) -> None:
-        conn = self._connect()
+        import psycopg
+
+        try:
+            conn = self._connect()
+        except psycopg.OperationalError as exc:
+            reason = " ".join(line.strip() for line in str(exc).splitlines()) or repr(exc)
+            raise RecordUnreachable(f"{self.where} does not answer: {reason}") from None
         try:
             upgrade(conn, self.where)
         except BaseException:

@@ -66,6 +66,11 @@ def iso(ts: float | None) -> str | None:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
 
 
+class RecordUnreachable(RuntimeError):
+    """The record could not be opened at start: its database does not answer
+    (the message says where and why, never a password)."""
+
+
 class Unrecordable(ValueError):
     """Text the record cannot keep outside JSON: a NUL character (PostgreSQL's
     text refuses it) or a lone surrogate (neither database's UTF-8 holds it).
