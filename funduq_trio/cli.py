@@ -34,6 +34,12 @@ FLAG_HELP = {
     "max_frame_bytes": "largest provider-link frame",
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
+    "push_allow_private": "allow A2A push notifications to loopback/private addresses (true/false)",
+    "push_max_attempts": "attempts at one push notification before its config gives up",
+    "push_backoff_seconds": "wait after a push notification's first failed attempt (doubles)",
+    "push_timeout_seconds": "how long one push notification POST may take",
+    "push_configs_per_task": "push notification configs one A2A task may hold",
+    "push_max_active": "push notification configs delivering at once (all tasks)",
 }
 
 

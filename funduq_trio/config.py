@@ -28,6 +28,12 @@ class Settings:
     max_frame_bytes: int = MiB
     max_body_bytes: int = MiB
     provider_keys: frozenset[str] | None = field(default=None)
+    push_allow_private: bool = False
+    push_max_attempts: int = 8
+    push_backoff_seconds: float = 1.0
+    push_timeout_seconds: float = 10.0
+    push_configs_per_task: int = 4
+    push_max_active: int = 1000
 
     @property
     def database_path(self) -> Path:
@@ -50,11 +56,13 @@ class Settings:
             "unserved_grace_seconds",
             "deliver_timeout_seconds",
             "undelivered_window_seconds",
+            "push_backoff_seconds",
         ):
             if getattr(self, name) < 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
-                        "max_body_bytes")
+                        "max_body_bytes", "push_max_attempts", "push_configs_per_task",
+                        "push_max_active")
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")
@@ -63,6 +71,9 @@ class Settings:
                 found.append(
                     f"{env_name('provider_keys')}: {key!r} is not a 64-hex Ed25519 public key"
                 )
+        if not self.push_timeout_seconds > 0:
+            found.append(f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "
+                         "must be more than 0")
         if self.database_url is not None:
             try:
                 _ = self.database_path
@@ -99,6 +110,11 @@ def parse_value(name: str, raw: str) -> Any:
             return keys or None
         if name == "data_dir":
             return Path(raw)
+        if kind in ("bool",):
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError("expected true or false")
+            return lowered in ("1", "true", "yes", "on")
         if kind in ("int",):
             return int(raw)
         if kind in ("float",):

@@ -39,6 +39,7 @@ from .inbox import Cancel
 from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
+from .pushes import Pushes
 from .record import Record, dumps, iso, open_record
 
 log = logging.getLogger("funduq")
@@ -97,6 +98,7 @@ class Funduq:
         self._answering: dict[str, int] = {}
         self._arrival = 0
         self._nursery: trio.Nursery | None = None
+        self.pushes: Pushes | None = None
         #: The context lanes start in (see _start_lane).
         self._context = contextvars.Context()
         self._stack = contextlib.AsyncExitStack()
@@ -118,6 +120,8 @@ class Funduq:
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             await self._restore()
+            self.pushes = Pushes(self)
+            await self._nursery.start(self.pushes.run)
             self.running = True
         except BaseException:
             await self._stack.__aexit__(None, None, None)
@@ -388,6 +392,7 @@ class Funduq:
             "funduq_threads_live": ("Threads with a live run.", len(self.threads)),
             "funduq_providers_attached": ("Provider links attached.",
                                           sum(s.live for s in self.providers.sessions.values())),
+            **(self.pushes.gauges() if self.pushes is not None else {}),
         }
 
     def live_record(self, run_id: str) -> dict[str, Any] | None:
@@ -493,6 +498,8 @@ class Funduq:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = st.QUEUED
             self._start_lane(row, arriving=False)
+            if self.pushes is not None:
+                self.pushes.resumed(run_id)
         finally:
             self._answering[tid] -= 1
             if not self._answering[tid]:

@@ -43,17 +43,27 @@ from a2a.utils.errors import (
 from quart import Response, jsonify, request
 from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 
+from .. import jose
 from ..broker.errors import FunduqError, RunNotPaused
+from ..broker.pushes import PushConfigNotFound, PushRefused
 from ..identity import InvalidActorChain
 from ..protocol import a2a, statuses
 from .sse import sse_response
 
 CARD_PATH = "/.well-known/agent-card.json"
+JWKS_PATH = "/.well-known/jwks.json"
 
 log = logging.getLogger("funduq_trio.a2a")
 
 #: What the broker raises on purpose about a request (the rest are bugs).
 CALLER_ERRORS = (FunduqError, InvalidActorChain)
+
+
+def push_error(exc: Exception) -> A2AError:
+    """The A2A error a refused or unknown push config reads as (the SDK's)."""
+    if isinstance(exc, PushConfigNotFound):
+        return TaskNotFoundError(message="Push notification config not found")
+    return InvalidParamsError(message=f"Invalid push notification config: {exc}")
 
 
 def mount_a2a_door(app: Any, funduq: Any) -> None:
@@ -77,11 +87,19 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
                 name=view.name,
                 description=view.description,
                 rpc_url=rpc_url,
+                rest_url=rpc_url,
                 published=view.card if isinstance(view.card, Mapping) else None,
+                identity=get_funduq().identity,
             )
         )
 
     app.add_url_rule(f"/a2a/<provider>/<agent>{CARD_PATH}", "a2a_card", card, methods=["GET"])
+
+    async def jwks() -> Response:
+        # The key behind the card signatures and the push notifications' JWS.
+        return jsonify(jose.jwks_of(get_funduq().identity))
+
+    app.add_url_rule(JWKS_PATH, "jwks", jwks, methods=["GET"])
 
 
 #: The brief's name for the same thing.
@@ -126,6 +144,8 @@ class A2ADoor:
             return _json(a2a.result_response(call, await self.perform(call)))
         except A2AError as exc:
             return _json(a2a.error_response(call, exc))
+        except (PushRefused, PushConfigNotFound) as exc:
+            return _json(a2a.error_response(call, push_error(exc)))
         except CALLER_ERRORS as exc:
             return _json(a2a.error_response(call, a2a.broker_error(exc, task_id=_task_id(call))))
         except Exception as exc:
@@ -171,9 +191,45 @@ class A2ADoor:
             return a2a.task_from_record(record, cancel_requested=True)
         if call.op == a2a.LIST:
             return await self.list_tasks(call.request)
+        if call.op in a2a.PUSH_OPS:
+            return await self.push_config(call.op, call.request)
         raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
 
+    async def push_config(self, op: str, req: Any) -> Any:
+        """The push-config operations, on tasks of this agent only."""
+        pushes = self.funduq.pushes
+        await self.run_record(req.task_id)
+        if op == a2a.PUSH_CREATE:
+            return await pushes.create(req.task_id, req, from_start=False)
+        if op == a2a.PUSH_GET:
+            return await pushes.get(req.task_id, req.id)
+        if op == a2a.PUSH_LIST:
+            return pb.ListTaskPushNotificationConfigsResponse(
+                configs=await pushes.list(req.task_id)
+            )
+        await pushes.delete(req.task_id, req.id)
+        return None
+
     async def deliver(self, call: a2a.Call) -> str:
+        """Hand the call's message to the broker (`_deliver`); with a push
+        config in the call's configuration, its target is checked first and
+        the config recorded for the task once there is one."""
+        configuration = call.request.configuration
+        inline = (
+            configuration.task_push_notification_config
+            if configuration.HasField("task_push_notification_config")
+            else None
+        )
+        if inline is not None:
+            await self.funduq.pushes.check_url(inline.url)
+        run_id = await self._deliver(call)
+        if inline is not None:
+            inline = _config_copy(inline)
+            answered = bool(call.request.message.task_id)
+            await self.funduq.pushes.create(run_id, inline, from_start=not answered)
+        return run_id
+
+    async def _deliver(self, call: a2a.Call) -> str:
         """Hand the call's message to the broker: the answer to the thread's
         paused task it names, or a new run. Returns the task (run) id."""
         message: pb.Message = call.request.message
@@ -270,6 +326,13 @@ class A2ADoor:
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
             yield [a2a.error_response(call, InternalError(message=str(exc) or None))]
+
+
+def _config_copy(config: pb.TaskPushNotificationConfig) -> pb.TaskPushNotificationConfig:
+    copy = pb.TaskPushNotificationConfig(id=config.id, url=config.url, token=config.token)
+    if config.HasField("authentication"):
+        copy.authentication.CopyFrom(config.authentication)
+    return copy
 
 
 def _task_id(call: a2a.Call) -> str | None:
