@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -112,15 +113,14 @@ def _number(value: int | float) -> str:
         raise ValueError("JCS has no spelling for NaN or infinities")
     if value == 0:
         return "0"
-    if value.is_integer() and abs(value) < 1e21:
-        return str(int(value))
     text = repr(value)  # the shortest round-tripping digits, as ES picks
     if "e" not in text:
-        return text
+        return text.removesuffix(".0")
     mantissa, exponent = text.split("e")
     exp = int(exponent)
     if -7 < exp < 21:  # ES writes these without an exponent
-        return format(value, "f").rstrip("0").rstrip(".")
+        plain = format(Decimal(text), "f")  # the same digits, positioned
+        return plain.rstrip("0").rstrip(".") if "." in plain else plain
     return f"{mantissa}e{'+' if exp > 0 else '-'}{abs(exp)}"
 
 

@@ -21,6 +21,7 @@ final status update was delivered is `done`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -164,8 +165,8 @@ class Pushes:
         # In the broker's own context, not the HTTP request's that made the
         # config (a deliverer outlives it; see Funduq._start_lane).
         self.funduq._context.run(
-            self._nursery.start_soon, self._deliverer, config, scope,
-            f"push {config.task_id}/{config.id}",
+            functools.partial(self._nursery.start_soon, name=f"push {config.task_id}/{config.id}"),
+            self._deliverer, config, scope,
         )
 
     def resumed(self, task_id: str) -> None:
@@ -313,6 +314,7 @@ class Pushes:
                 log.exception("push deliverer of %s/%s failed", *key)
         if self._scopes.get(key) is scope:
             del self._scopes[key]
+        self._note()
 
     async def _follow(self, config: PushConfig) -> None:
         task_id = config.task_id
