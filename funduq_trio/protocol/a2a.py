@@ -48,6 +48,7 @@ from a2a.server.request_handlers.response_helpers import (
 )
 from a2a.types import a2a_pb2 as pb
 from a2a.utils import constants
+from a2a.utils.error_handlers import build_rest_error_payload
 from a2a.utils.errors import (
     JSON_RPC_ERROR_CODE_MAP,
     A2AError,
@@ -99,6 +100,8 @@ ARTIFACT_EVENT_NAME = "a2a.artifact"
 
 V1 = constants.PROTOCOL_VERSION_1_0
 V03 = constants.PROTOCOL_VERSION_0_3
+#: The HTTP+JSON binding's "dialect": 1.0 shapes, no JSON-RPC envelope.
+REST = "rest"
 
 # AG-UI event type names, read off the package (never transcribed).
 _TEXT_DELTA_TYPES = frozenset(
@@ -935,6 +938,16 @@ def _parse_v03(
     return call
 
 
+def rest_call(op: str, request: ProtoMessage, params: Any, version_header: str | None) -> Call:
+    """A call of the HTTP+JSON binding (`request` built from its path, query
+    and body), checked as `parse_call` checks a JSON-RPC one; raises the
+    A2AError to answer."""
+    call = Call(None, op, op, REST, request, params if isinstance(params, dict) else {})
+    check_version(version_header, V1)
+    _validate(call)
+    return call
+
+
 def _validate(call: Call) -> None:
     """The checks the SDK's request handler makes before doing anything."""
     if call.op == EXTENDED_CARD:
@@ -992,6 +1005,8 @@ def error_response(
     (1.0: `error.data` is the typed-details list with a google.rpc.ErrorInfo
     whose metadata is the error's data; 0.3: `error.data` as given)."""
     rid = call.request_id if call is not None else request_id
+    if call is not None and call.dialect == REST:
+        return build_rest_error_payload(error)
     if call is not None and call.dialect == V03:
         return _v03_error_envelope(rid, error)
     return build_error_response(rid, error)
@@ -1025,6 +1040,9 @@ def result_response(call: Call, result: Any) -> dict[str, Any]:
     get), `ListTaskPushNotificationConfigsResponse` (list) or None (delete);
     0.3 calls get the v0.3 shapes the SDK's converters make of it.
     """
+    if call.dialect == REST:
+        rendered = _v1_result(call, result)
+        return {} if rendered is None else rendered
     if call.dialect == V1:
         return JSONRPC20Response(result=_v1_result(call, result), _id=call.request_id).data
     if call.op == SEND:
@@ -1067,6 +1085,8 @@ def result_response(call: Call, result: Any) -> dict[str, Any]:
 
 def stream_frame(call: Call, update: pb.StreamResponse) -> dict[str, Any]:
     """One streamed JSON-RPC answer (an SSE frame's data) in the call's dialect."""
+    if call.dialect == REST:
+        return MessageToDict(update, preserving_proto_field_name=False)
     if call.dialect == V1:
         result = MessageToDict(update, preserving_proto_field_name=False)
         return JSONRPC20Response(result=result, _id=call.request_id).data

@@ -48,6 +48,7 @@ from ..broker.errors import FunduqError, RunNotPaused
 from ..broker.pushes import PushConfigNotFound, PushRefused
 from ..identity import InvalidActorChain
 from ..protocol import a2a, statuses
+from .a2a_rest import mount_a2a_rest
 from .sse import sse_response
 
 CARD_PATH = "/.well-known/agent-card.json"
@@ -100,6 +101,7 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
         return jsonify(jose.jwks_of(get_funduq().identity))
 
     app.add_url_rule(JWKS_PATH, "jwks", jwks, methods=["GET"])
+    mount_a2a_rest(app, get_funduq)
 
 
 #: The brief's name for the same thing.
