@@ -268,3 +268,18 @@ async def test_backoff_waits_between_attempts_in_virtual_time(tmp_path, autojump
         await pushes._send(config, (1, 0), pb.StreamResponse())
     assert [round(t - start, 6) for t in times] == [0, 2.0, 6.0, 14.0]
     assert config.state == "given_up"
+
+
+def test_push_settings_are_read_and_checked() -> None:
+    from funduq_trio.config import Settings
+
+    assert Settings().push_allow_private is False
+    assert Settings.from_env({"FUNDUQ_PUSH_ALLOW_PRIVATE": "true"}).push_allow_private is True
+    assert Settings.from_env({"FUNDUQ_PUSH_ALLOW_PRIVATE": "off"}).push_allow_private is False
+    with pytest.raises(ValueError, match="FUNDUQ_PUSH_ALLOW_PRIVATE"):
+        Settings.from_env({"FUNDUQ_PUSH_ALLOW_PRIVATE": "maybe"})
+    problems = Settings(push_max_attempts=0, push_timeout_seconds=0,
+                        push_backoff_seconds=-1).problems()
+    assert any("FUNDUQ_PUSH_MAX_ATTEMPTS" in p for p in problems)
+    assert any("FUNDUQ_PUSH_TIMEOUT_SECONDS" in p for p in problems)
+    assert any("FUNDUQ_PUSH_BACKOFF_SECONDS" in p for p in problems)

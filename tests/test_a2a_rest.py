@@ -15,7 +15,7 @@ from a2a.client.client import Client
 from a2a.types import a2a_pb2 as pb
 from a2a.utils.errors import TaskNotCancelableError, TaskNotFoundError
 from push_support import push_receiver
-from support import HTTP_TIMEOUT, http_client
+from support import HTTP_TIMEOUT, http_client, sse_events
 from test_a2a_door import (  # noqa: F401 (fixture)
     a2a_door_mounted,
     artifact_text,
@@ -124,3 +124,33 @@ async def test_rest_errors_have_the_bindings_shape(tmp_path) -> None:
                 "configuration": {"taskPushNotificationConfig": {"url": "http://127.0.0.1/"}}})
             assert private.status_code == 400
             assert "FUNDUQ_PUSH_ALLOW_PRIVATE" in private.json()["error"]["message"]
+
+
+async def test_subscribe_and_cancel_over_rest(tmp_path) -> None:
+    async with broker_with_agents(tmp_path) as (info, agents):
+        fp = agents.provider.fingerprint
+        base = f"/a2a/{fp}/slow"
+        v1 = {"A2A-Version": "1.0"}
+        message = {"messageId": "s1", "role": "ROLE_USER", "parts": [{"text": "wait"}]}
+        async with http_client(info) as http:
+            sent = await http.post(f"{base}/message:send", headers=v1, json={
+                "message": message, "configuration": {"returnImmediately": True}})
+            assert sent.status_code == 200, sent.text
+            task_id = sent.json()["task"]["id"]
+            await agents.slow_started_any.wait()
+            async with http.stream("GET", f"{base}/tasks/{task_id}:subscribe",
+                                   headers=v1) as stream:
+                assert stream.headers["content-type"].startswith("text/event-stream")
+                events = sse_events(stream)
+                first = await anext(events)
+                assert first["task"]["id"] == task_id
+                assert first["task"]["status"]["state"] == "TASK_STATE_WORKING"
+                cancel = await http.post(f"{base}/tasks/{task_id}:cancel", headers=v1)
+                assert cancel.status_code == 200
+                assert cancel.json()["metadata"]["funduq/cancelRequested"] is True
+                agents.may_stop.set()
+                rest = [event async for event in events]
+            assert rest[-1]["statusUpdate"]["status"]["state"] == "TASK_STATE_CANCELED"
+            ended = await http.get(f"{base}/tasks/{task_id}:subscribe", headers=v1)
+            assert ended.status_code == 400
+            assert ended.json()["error"]["details"][0]["reason"] == "UNSUPPORTED_OPERATION"

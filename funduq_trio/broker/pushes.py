@@ -206,16 +206,37 @@ class Pushes:
         except TargetRefused as exc:
             raise PushRefused(str(exc)) from None
         if not self.settings.push_allow_private:
-            try:
-                addresses = await self._resolve(target.host, target.port)
-            except OSError:
-                addresses = []
+            addresses: list[str] = []
+            # A resolver that does not answer is a host funduq cannot vouch for.
+            with trio.move_on_after(self.settings.push_timeout_seconds):
+                try:
+                    addresses = await self._resolve(target.host, target.port)
+                except OSError:
+                    pass
             if push.any_blocked(addresses):
                 raise PushRefused(
                     "push url's host is not a public address (or does not resolve); "
                     "loopback and private targets need FUNDUQ_PUSH_ALLOW_PRIVATE"
                 )
         return target
+
+    async def vet(self, config: pb.TaskPushNotificationConfig) -> None:
+        """Refuse (PushRefused) a config `create` would refuse for its own
+        fields or for want of room -- so a door can check an inline config
+        before it starts the run the config is for."""
+        await self.check_url(config.url)
+        if len(config.token) > push.MAX_TOKEN_CHARS:
+            raise PushRefused(f"push token longer than {push.MAX_TOKEN_CHARS} characters")
+        if config.id and (len(config.id) > push.MAX_ID_CHARS or not config.id.isprintable()):
+            raise PushRefused(f"push config id must be printable, at most {push.MAX_ID_CHARS}")
+        if config.HasField("authentication"):
+            auth = config.authentication
+            if len(auth.scheme) + len(auth.credentials) > push.MAX_TOKEN_CHARS:
+                raise PushRefused("push authentication too long")
+        if len(self._scopes) >= self.settings.push_max_active:
+            raise PushRefused(
+                "funduq delivers to as many push configs as it may (FUNDUQ_PUSH_MAX_ACTIVE)"
+            )
 
     async def create(
         self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool
@@ -224,18 +245,12 @@ class Pushes:
         made with the task (`from_start`) gets every update; one added later
         gets those of events recorded from now on and the status updates of
         the turn now under way (a paused task's current status at once)."""
-        await self.check_url(config.url)
-        if len(config.token) > push.MAX_TOKEN_CHARS:
-            raise PushRefused(f"push token longer than {push.MAX_TOKEN_CHARS} characters")
+        await self.vet(config)
         config_id = config.id or secrets.token_hex(8)
-        if len(config_id) > push.MAX_ID_CHARS or not config_id.isprintable():
-            raise PushRefused(f"push config id must be printable, at most {push.MAX_ID_CHARS}")
         auth: dict[str, str] = {}
         if config.HasField("authentication"):
             auth = {"scheme": config.authentication.scheme,
                     "credentials": config.authentication.credentials}
-            if sum(len(v) for v in auth.values()) > push.MAX_TOKEN_CHARS:
-                raise PushRefused("push authentication too long")
         if from_start:
             cursor = (0, -1)
         else:
@@ -396,13 +411,18 @@ class Pushes:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
         if config.token:
             headers["X-A2A-Notification-Token"] = config.token
-        try:
-            # Streamed and never read: a receiver's answer is its status alone.
-            async with self._http.stream("POST", config.url, content=body,
-                                         headers=headers) as response:
-                status = response.status_code
-        except (httpx.HTTPError, OSError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+        status = None
+        # The whole POST is bounded, not only each of its reads and writes.
+        with trio.move_on_after(self.settings.push_timeout_seconds):
+            try:
+                # Streamed and never read: a receiver's answer is its status alone.
+                async with self._http.stream("POST", config.url, content=body,
+                                             headers=headers) as response:
+                    status = response.status_code
+            except (httpx.HTTPError, OSError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+        if status is None:
+            return f"no answer in {self.settings.push_timeout_seconds} s"
         if 200 <= status < 300:
             return None
         return f"HTTP {status}"

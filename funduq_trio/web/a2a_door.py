@@ -216,20 +216,19 @@ class A2ADoor:
         """Hand the call's message to the broker (`_deliver`); with a push
         config in the call's configuration, its target is checked first and
         the config recorded for the task once there is one."""
-        configuration = call.request.configuration
-        inline = (
-            configuration.task_push_notification_config
-            if configuration.HasField("task_push_notification_config")
-            else None
-        )
+        inline = _inline_push(call)
         if inline is not None:
-            await self.funduq.pushes.check_url(inline.url)
+            await self.funduq.pushes.vet(inline)
         run_id = await self._deliver(call)
+        await self._push_inline(call, inline, run_id)
+        return run_id
+
+    async def _push_inline(
+        self, call: a2a.Call, inline: pb.TaskPushNotificationConfig | None, run_id: str
+    ) -> None:
         if inline is not None:
-            inline = _config_copy(inline)
             answered = bool(call.request.message.task_id)
             await self.funduq.pushes.create(run_id, inline, from_start=not answered)
-        return run_id
 
     async def _deliver(self, call: a2a.Call) -> str:
         """Hand the call's message to the broker: the answer to the thread's
@@ -285,10 +284,14 @@ class A2ADoor:
         """Check the call and start what it asks for, then return the stream
         (everything that can fail upfront has failed by the time this returns)."""
         if call.op == a2a.STREAM:
-            run_id = await self.deliver(call)
+            inline = _inline_push(call)
+            if inline is not None:
+                await self.funduq.pushes.vet(inline)
+            run_id = await self._deliver(call)
             # Taken before anything else can happen to the run: the stream then
             # shows it from its arrival, however fast the provider is.
             record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
+            await self._push_inline(call, inline, run_id)
         else:
             record = await self.run_record(call.request.id)
             if record.get("status") in statuses.TERMINAL:
@@ -330,7 +333,12 @@ class A2ADoor:
             yield [a2a.error_response(call, InternalError(message=str(exc) or None))]
 
 
-def _config_copy(config: pb.TaskPushNotificationConfig) -> pb.TaskPushNotificationConfig:
+def _inline_push(call: a2a.Call) -> pb.TaskPushNotificationConfig | None:
+    """The push config a SendMessage carries in its configuration, if any."""
+    configuration = call.request.configuration
+    if not configuration.HasField("task_push_notification_config"):
+        return None
+    config = configuration.task_push_notification_config
     copy = pb.TaskPushNotificationConfig(id=config.id, url=config.url, token=config.token)
     if config.HasField("authentication"):
         copy.authentication.CopyFrom(config.authentication)
