@@ -171,6 +171,35 @@ async def test_a_paused_task_pushes_through_the_answer(tmp_path) -> None:
         assert "".join(texts) == 'resumed with "yes"'
 
 
+async def test_a_deliverer_that_lags_past_a_pause_still_pushes_the_pause(tmp_path) -> None:
+    """The receiver is down while the task pauses and is answered: once it is
+    back, the pause's INPUT_REQUIRED arrives in its place, once."""
+    async with push_receiver() as receiver:
+        receiver.down()
+        async with broker_with_agents(
+            tmp_path, push_allow_private=True, push_backoff_seconds=0.001,
+            push_max_attempts=10_000,
+        ) as (info, agents):
+            fp = agents.provider.fingerprint
+            task = await send_with_push(info, fp, receiver.url, agent="asker")
+            assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            answer = await call(info, fp, "asker", rpc("SendMessage", {
+                "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+            assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+            pushes = info.funduq.pushes
+            await pushes.wait_until(lambda: pushes.failed_attempts >= 1)
+            assert receiver.received == []
+            await receiver.up()
+            await delivered_all(info)
+        states = [b["statusUpdate"]["status"]["state"] for b in receiver.bodies()
+                  if "statusUpdate" in b]
+        assert states.count("TASK_STATE_INPUT_REQUIRED") == 1
+        paused_at = states.index("TASK_STATE_INPUT_REQUIRED")
+        assert 0 < paused_at < len(states) - 1
+        assert states[-1] == "TASK_STATE_COMPLETED"
+        assert states[paused_at + 1] == "TASK_STATE_WORKING"
+
+
 async def test_push_configs_are_created_read_listed_and_deleted(tmp_path) -> None:
     async with (
         push_receiver() as receiver,

@@ -36,7 +36,7 @@ from a2a.types import a2a_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
 from .. import jose
-from ..protocol import a2a, push, statuses
+from ..protocol import a2a, agui, push, statuses
 from ..protocol.push import SETTLE, TargetRefused
 
 log = logging.getLogger("funduq.pushes")
@@ -338,17 +338,39 @@ class Pushes:
             await self._finish(config, DONE, "task not found")
             return
         projection = a2a.TaskProjection(task_id=task_id, context_id=str(record["threadId"]))
+        #: An interrupt's RUN_FINISHED not yet known to have closed its turn.
+        interrupted: tuple[int, dict[str, Any]] | None = None
         while True:
             follow = self.funduq.follow(task_id, after_seq=projection.last_seq)
             async with contextlib.aclosing(follow) as bursts:
                 async for burst in bursts:
                     for seq, event in burst:
+                        if interrupted is not None:
+                            # The task paused there and was answered before
+                            # this deliverer got that far (it lagged, or
+                            # funduq restarted since): the pause's status
+                            # update, at the place a live one has.
+                            at, finished = interrupted
+                            paused = {"status": statuses.INPUT_REQUIRED,
+                                      "metadata": {"interrupts": agui.interrupts_of(finished)}}
+                            await self._send(config, (at, SETTLE), projection.settle(paused))
+                        interrupted = (
+                            (seq, event)
+                            if isinstance(event, dict) and agui.outcome_of(event) == "interrupt"
+                            else None
+                        )
                         for index, update in enumerate(projection.apply(seq, event)):
                             await self._send(config, (seq, index), update)
             resumed = self._resumed.setdefault(task_id, trio.Event())
             record = await self.funduq.wait_run(task_id)
+            recorded = max((e["seq"] for e in record.get("events") or ()), default=0)
+            if recorded > projection.last_seq:
+                # A pause was answered before this read it (wait_run waited
+                # for the next turn): follow what that turn recorded first.
+                continue
             settled = projection.settle(record)
             await self._send(config, (projection.last_seq, SETTLE), settled)
+            interrupted = None
             if record.get("status") in statuses.TERMINAL:
                 await self._finish(config, DONE, None)
                 return
