@@ -175,7 +175,7 @@ class A2ADoor:
 
     async def perform(self, call: a2a.Call) -> Any:
         if call.op == a2a.SEND:
-            run_id = await self.deliver(call)
+            run_id = await self.deliver_with_push(call)
             blocking = not call.request.configuration.return_immediately
             record = (
                 await self.funduq.wait_run(run_id)
@@ -212,14 +212,13 @@ class A2ADoor:
         await pushes.delete(req.task_id, req.id)
         return None
 
-    async def deliver(self, call: a2a.Call) -> str:
-        """Hand the call's message to the broker (`_deliver`); with a push
-        config in the call's configuration, its target is checked first and
-        the config recorded for the task once there is one."""
+    async def deliver_with_push(self, call: a2a.Call) -> str:
+        """`deliver`, and with a push config in the call's configuration: its
+        target checked first, the config recorded for the task once there is one."""
         inline = _inline_push(call)
         if inline is not None:
             await self.funduq.pushes.vet(inline)
-        run_id = await self._deliver(call)
+        run_id = await self.deliver(call)
         await self._push_inline(call, inline, run_id)
         return run_id
 
@@ -230,7 +229,7 @@ class A2ADoor:
             answered = bool(call.request.message.task_id)
             await self.funduq.pushes.create(run_id, inline, from_start=not answered)
 
-    async def _deliver(self, call: a2a.Call) -> str:
+    async def deliver(self, call: a2a.Call) -> str:
         """Hand the call's message to the broker: the answer to the thread's
         paused task it names, or a new run. Returns the task (run) id."""
         message: pb.Message = call.request.message
@@ -287,7 +286,7 @@ class A2ADoor:
             inline = _inline_push(call)
             if inline is not None:
                 await self.funduq.pushes.vet(inline)
-            run_id = await self._deliver(call)
+            run_id = await self.deliver(call)
             # Taken before anything else can happen to the run: the stream then
             # shows it from its arrival, however fast the provider is.
             record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
