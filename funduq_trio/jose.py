@@ -34,6 +34,8 @@ __all__ = [
 b64url = _b64url
 b64url_decode = _b64url_decode
 
+#: JCS numbers are IEEE doubles: integers past 2**53 - 1 have no exact spelling.
+MAX_EXACT_INT = 2**53 - 1
 #: Nesting JCS accepts (a card's extension params are caller-shaped JSON).
 MAX_DEPTH = 64
 
@@ -108,6 +110,8 @@ def verify_compact_jws(token: str, jwk: Mapping[str, Any]) -> tuple[dict[str, An
 def _number(value: int | float) -> str:
     """ECMAScript's Number-to-String, as JCS requires."""
     if isinstance(value, int):
+        if abs(value) > MAX_EXACT_INT:
+            raise ValueError(f"{value} is past the integers a JSON number holds exactly")
         return str(value)
     if not math.isfinite(value):
         raise ValueError("JCS has no spelling for NaN or infinities")

@@ -627,7 +627,10 @@ def agent_card(
             pb.AgentSkill(id=name, name=name, description=card.description, tags=[name])
         )
     if identity is not None:
-        sign_card(card, identity)
+        try:
+            sign_card(card, identity)
+        except ValueError:  # no canonical form (a published number JCS cannot spell)
+            del card.signatures[:]
     return agent_card_to_dict(card)
 
 
