@@ -115,6 +115,30 @@ async def test_the_card_is_signed_by_the_key_in_jwks(tmp_path) -> None:
         )
 
 
+async def test_a2a_sdks_own_verifier_accepts_the_served_card(tmp_path) -> None:
+    from a2a.utils.signing import InvalidSignaturesError, create_signature_verifier
+    from jwt.api_jwk import PyJWK
+
+    async with broker_with_agents(tmp_path) as (info, agents):
+        fp = agents.provider.fingerprint
+        async with http_client(info) as http:
+            served = (await http.get(f"/a2a/{fp}/echo/.well-known/agent-card.json")).json()
+            (jwk,) = (await http.get("/.well-known/jwks.json")).json()["keys"]
+    asked: list[Any] = []
+
+    def key_of(kid: str | None, jku: str | None) -> PyJWK:
+        asked.append(kid)
+        return PyJWK(jwk)
+
+    verify = create_signature_verifier(key_of, ["EdDSA"])
+    card = ParseDict(served, pb.AgentCard(), ignore_unknown_fields=True)
+    verify(card)
+    assert asked == [jwk["kid"]]
+    card.skills[0].description = "something else"
+    with pytest.raises(InvalidSignaturesError):
+        verify(card)
+
+
 def test_the_card_declares_both_bindings() -> None:
     card = a2a.agent_card(name="echo", description="d", rpc_url="http://x/a2a/p/echo",
                           rest_url="http://x/a2a/p/echo")
