@@ -312,3 +312,35 @@ def test_push_settings_are_read_and_checked() -> None:
     assert any("FUNDUQ_PUSH_MAX_ATTEMPTS" in p for p in problems)
     assert any("FUNDUQ_PUSH_TIMEOUT_SECONDS" in p for p in problems)
     assert any("FUNDUQ_PUSH_BACKOFF_SECONDS" in p for p in problems)
+
+
+async def test_a_deleted_config_gets_nothing_more_and_active_configs_are_bounded(tmp_path) -> None:
+    async with (
+        push_receiver() as receiver,
+        broker_with_agents(tmp_path, push_allow_private=True, push_max_active=2)
+        as (info, agents),
+    ):
+        fp = agents.provider.fingerprint
+        task = await send_with_push(info, fp, receiver.url, agent="asker", token="kept")
+        tid = task["id"]
+        made = await call(info, fp, "asker", rpc("CreateTaskPushNotificationConfig", {
+            "taskId": tid, "id": "dropped", "url": receiver.url, "token": "dropped"}))
+        assert "result" in made, made
+        await receiver.wait_for(3)  # "kept": started + paused; "dropped": paused (as it stands)
+        tokens = [h["x-a2a-notification-token"] for h, _ in receiver.received]
+        assert sorted(tokens) == ["dropped", "kept", "kept"]
+        # Two configs deliver: a third, on any task, is refused (and starts nothing).
+        refused = await call(info, fp, "asker", rpc("SendMessage", {
+            "message": message("third"),
+            "configuration": {"taskPushNotificationConfig": {"url": receiver.url}}}))
+        assert "FUNDUQ_PUSH_MAX_ACTIVE" in refused["error"]["message"]
+        deleted = await call(info, fp, "asker", rpc("DeleteTaskPushNotificationConfig",
+                                                    {"taskId": tid, "id": "dropped"}))
+        assert deleted["result"] is None
+        answer = await call(info, fp, "asker", rpc("SendMessage", {
+            "message": message("yes", taskId=tid, contextId=task["contextId"])}))
+        assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+        await delivered_all(info)
+        tokens = [h["x-a2a-notification-token"] for h, _ in receiver.received]
+        assert tokens.count("dropped") == 1
+        assert tokens.count("kept") > 3
