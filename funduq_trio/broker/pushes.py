@@ -109,6 +109,10 @@ def _config(row: Any) -> PushConfig:
 Resolver = Callable[[str, int], Any]
 
 
+def _starts_a_turn(event: Any) -> bool:
+    return isinstance(event, dict) and event.get("type") == agui.RUN_STARTED
+
+
 async def _resolve(host: str, port: int) -> list[str]:
     infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
     return [info[4][0] for info in infos]
@@ -345,11 +349,13 @@ class Pushes:
             async with contextlib.aclosing(follow) as bursts:
                 async for burst in bursts:
                     for seq, event in burst:
-                        if interrupted is not None:
+                        if interrupted is not None and _starts_a_turn(event):
                             # The task paused there and was answered before
                             # this deliverer got that far (it lagged, or
                             # funduq restarted since): the pause's status
-                            # update, at the place a live one has.
+                            # update, at the place a live one has. (An
+                            # interrupt followed by anything else, e.g.
+                            # funduq's RUN_ERROR, was no pause.)
                             at, finished = interrupted
                             paused = {"status": statuses.INPUT_REQUIRED,
                                       "metadata": {"interrupts": agui.interrupts_of(finished)}}
