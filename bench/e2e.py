@@ -21,7 +21,7 @@ over websockets, real HTTP callers on both doors.
   websocket round trips (a frame the link answers `err` at once: websocket
   read, frame decode, outbox, write; no broker). Ratios are printed.
 
-    python bench/e2e.py                       # 2,000 runs over 100 threads, 12 events each
+    python bench/e2e.py                       # 1,000 runs over 100 threads, 12 events each
     python bench/e2e.py --runs 500 --threads 50 --profile /tmp/server.raw
 
 Bounded: fixed counts, a `--time-limit` on the whole load, loopback only;
@@ -239,7 +239,7 @@ def offer_figures(results: list[dict[str, Any]], stamps: dict[str, dict[str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=100,
                         help="conversations (concurrent callers)")
     parser.add_argument("--deltas", type=int, default=8, help="text deltas per run (events = +4)")
@@ -253,6 +253,10 @@ def main() -> None:
     parser.add_argument("--client", choices=["httpx", "lean"], default="httpx",
                         help="the callers' HTTP client (and the healthz baseline's): httpx, "
                         "or a lean h11 client that leaves the server more of the cores")
+    parser.add_argument("--provider", choices=["sdk", "raw"], default="sdk",
+                        help="sdk: the SDK provider, batching its frames; raw: the same agent "
+                        "with no batch extension on either side, one frame per websocket "
+                        "message (every event, ok and finish), as a third-party provider")
     parser.add_argument("--provider-cli", action="store_true",
                         help="use `funduq-trio provider` itself (no offer stamps)")
     parser.add_argument("--warmup", type=int, default=50, help="runs before measuring")
@@ -281,7 +285,8 @@ def main() -> None:
             for i in range(args.providers):
                 providers.append(h.ProviderChild(server.ws_url, workdir, i, deltas=args.deltas,
                                                  max_concurrent=args.max_concurrent,
-                                                 use_cli=args.provider_cli))
+                                                 use_cli=args.provider_cli,
+                                                 unbatched=args.provider == "raw"))
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -305,8 +310,9 @@ def main() -> None:
 
     print(f"  measuring {build}")
     print(f"e2e: {args.runs} runs over {args.threads} threads ({args.door} doors), "
-          f"{load.events_per_run} events each, {args.providers} SDK provider process(es) "
-          f"over websockets, server in its own process, SQLite on disk, {args.client} callers"
+          f"{load.events_per_run} events each, {args.providers} {args.provider} provider "
+          f"process(es) over websockets, server in its own process, SQLite on disk, "
+          f"{args.client} callers"
           + (f", offered at {args.rate:g} runs/s" if args.rate else ", as fast as they go"))
     print(f"  wall time           {seconds:10.2f} s")
     print(f"  runs/s              {runs_per_s:10.1f}")
