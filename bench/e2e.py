@@ -38,6 +38,7 @@ from typing import Any
 
 import harness as h
 import httpx
+import profile_shares
 import trio
 
 
@@ -195,7 +196,8 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
         pids = {"server": server.pid, **{f"provider{i}": p.pid for i, p in enumerate(providers)},
                 "callers (this process)": __import__("os").getpid()}
         cpu = h.CpuWatch(pids)
-        profiler = h.Profiler(server.pid, Path(args.profile)) if args.profile else None
+        profiler = (h.Profiler(server.pid, Path(args.profile), rate=args.profile_rate)
+                    if args.profile else None)
         sched_before = server.scheduler() if args.sched_stats else None
         server_cpu_before = h.proc_cpu(server.pid)
         round_trips_before = await h.offer_round_trips(client, server.url)
@@ -265,6 +267,8 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--profile", metavar="RAW",
                         help="py-spy record --gil -f raw the server during the load into RAW")
+    parser.add_argument("--profile-rate", type=int, default=200,
+                        help="py-spy samples a second (more: finer shares, more py-spy CPU)")
     parser.add_argument("--time-limit", type=float, default=600, help="seconds for the load")
     parser.add_argument("--sched-stats", action="store_true",
                         help="diagnostic: count the server's trio scheduler rounds during the "
@@ -371,6 +375,9 @@ def main() -> None:
         print(f"  runs/s / healthz req/s ratio: {runs_per_s / hz['per_s']:.3f}; server CPU "
               f"{hz['server_cpu_ms']:.2f} ms per healthz, a run costs "
               f"{cpu_per_run / hz['server_cpu_ms']:.1f} healthz of server CPU")
+        print(f"  in healthz units ({args.provider} provider): server CPU per run "
+              f"{cpu_per_run / hz['server_cpu_ms']:.2f} healthz (goal <= 1.5), "
+              f"runs/s / healthz req/s {runs_per_s / hz['per_s']:.3f} (goal >= 0.6)")
         print(f"baseline, provider-link websocket round trips ({args.providers} links, "
               f"{max(1, args.threads // args.providers)} in flight each): {ws['per_s']:.1f} msg/s "
               f"(p50 {ws['p50_ms']:.2f} ms, p99 {ws['p99_ms']:.2f} ms)")
@@ -381,6 +388,9 @@ def main() -> None:
     if args.profile:
         print(f"py-spy profile of the server during the load ({args.profile}):")
         print(h.summarize_profile(Path(args.profile)))
+        print("where the server's CPU went (bench/profile_shares.py), ms/run from the "
+              "server CPU per run above:")
+        print(profile_shares.format_shares(Path(args.profile), cpu_per_run))
     sys.stdout.flush()
     if not_completed:
         sys.exit(1)
