@@ -56,6 +56,14 @@ STAGES: list[tuple[str, str]] = [
     ("hypercorn connection tasks", r"\(.*/hypercorn/"),
 ]
 
+#: Inclusive stages less what a funduq frame inside them accounts for: what
+#: serving a request costs before and after funduq's own handler (the lever
+#: of serving the doors as plain ASGI).
+OUTSIDE_FUNDUQ: list[tuple[str, str]] = [
+    ("quart machinery, no funduq frame below", r"\(.*/quart(_trio)?/"),
+]
+_FUNDUQ_WEB = re.compile(r"\(/funduq_trio/(web|broker|protocol)/")
+
 _FRAME = re.compile(r"^(.*) \((.*):(\d+)\)$")
 
 
@@ -93,6 +101,9 @@ def shares(raw: Path) -> tuple[int, dict[str, int], dict[str, int]]:
         text = ";".join(f.replace(" (", " (/") for f in frames)
         for stage, pattern in STAGES:
             if re.search(pattern, text):
+                stages[stage] = stages.get(stage, 0) + count
+        for stage, pattern in OUTSIDE_FUNDUQ:
+            if re.search(pattern, text) and not _FUNDUQ_WEB.search(text):
                 stages[stage] = stages.get(stage, 0) + count
     return total, layers, stages
 
