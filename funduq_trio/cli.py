@@ -53,6 +53,12 @@ FLAG_HELP = {
     "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",
     "kyok_secret": "KYOK token secret, 32+ chars (default: generated, kept in the data dir)",
     "public_url": "URL agents reach funduq at, for KYOK's baseUrl (default: where it serves)",
+    "push_allow_private": "allow A2A push notifications to loopback/private addresses (true/false)",
+    "push_max_attempts": "attempts at one push notification before its config gives up",
+    "push_backoff_seconds": "wait after a push notification's first failed attempt (doubles)",
+    "push_timeout_seconds": "how long one push notification POST may take",
+    "push_configs_per_task": "push notification configs one A2A task may hold",
+    "push_max_active": "push notification configs delivering at once (all tasks)",
 }
 
 

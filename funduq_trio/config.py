@@ -55,6 +55,12 @@ class Settings:
     #: reach funduq at (unset: where it serves).
     kyok_secret: str | None = None
     public_url: str | None = None
+    push_allow_private: bool = False
+    push_max_attempts: int = 8
+    push_backoff_seconds: float = 1.0
+    push_timeout_seconds: float = 10.0
+    push_configs_per_task: int = 4
+    push_max_active: int = 1000
 
     @property
     def database_is_postgres(self) -> bool:
@@ -82,6 +88,7 @@ class Settings:
             "unserved_grace_seconds",
             "deliver_timeout_seconds",
             "undelivered_window_seconds",
+            "push_backoff_seconds",
         ):
             if getattr(self, name) < 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
@@ -90,7 +97,8 @@ class Settings:
                          "must be a finite number of seconds, at least 0 (0 = no keepalive)")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
                         "max_body_bytes", "lane_inbox_reports", "max_chain_hops",
-                        "max_spent_proofs")
+                        "max_spent_proofs", "push_max_attempts", "push_configs_per_task",
+                        "push_max_active")
         at_least_one += LIMITS_AT_LEAST_ONE
         for name in at_least_one:
             if getattr(self, name) < 1:
@@ -114,6 +122,9 @@ class Settings:
                     or url.fragment:
                 found.append(f"{env_name('public_url')}={self.public_url!r}: an absolute "
                              "http(s) URL without query or fragment")
+        if not self.push_timeout_seconds > 0:
+            found.append(f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "
+                         "must be more than 0")
         if self.database_is_postgres:
             found += _postgres_problems(self.database_url or "")
         elif self.database_url is not None and not self.database_url.startswith("sqlite:///"):
@@ -169,6 +180,11 @@ def parse_value(name: str, raw: str) -> Any:
             return keys or None
         if name == "data_dir":
             return Path(raw)
+        if kind in ("bool",):
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError("expected true or false")
+            return lowered in ("1", "true", "yes", "on")
         if kind in ("int",):
             return int(raw)
         if kind in ("float",):

@@ -263,7 +263,7 @@ async def test_agent_card_through_the_sdk_resolver(tmp_path) -> None:
             assert card.capabilities.streaming is True
             assert {(i.url, i.protocol_binding, i.protocol_version)
                     for i in card.supported_interfaces} == {
-                (url, "JSONRPC", "1.0"), (url, "JSONRPC", "0.3")}
+                (url, "JSONRPC", "1.0"), (url, "JSONRPC", "0.3"), (url, "HTTP+JSON", "1.0")}
             assert [s.id for s in card.skills] == ["echo"]
 
             # The full 64-hex key names the same agent.

@@ -494,10 +494,15 @@ def test_version_header_rules() -> None:
     assert "not supported" in error["message"]
 
 
-def test_push_notifications_are_not_supported() -> None:
+def test_push_config_methods_parse_in_both_dialects() -> None:
     params = {"taskId": "run_1", "url": "https://example.com/hook"}
-    error = rejected(rpc("CreateTaskPushNotificationConfig", params), "1.0")["error"]
-    assert error["code"] == -32003
+    call = a2a.parse_call(rpc("CreateTaskPushNotificationConfig", params), "1.0")
+    assert call.op == a2a.PUSH_CREATE and call.request.url == "https://example.com/hook"
+    old = {"taskId": "run_1", "pushNotificationConfig": {"url": "https://example.com/hook"}}
+    call = a2a.parse_call(rpc("tasks/pushNotificationConfig/set", old), None)
+    assert call.op == a2a.PUSH_CREATE and call.request.task_id == "run_1"
+    call = a2a.parse_call(rpc("tasks/pushNotificationConfig/list", {"id": "run_1"}), None)
+    assert call.op == a2a.PUSH_LIST and call.request.task_id == "run_1"
 
 
 # -------------------------------------------------------------------- rendering

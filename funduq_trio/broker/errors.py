@@ -89,3 +89,11 @@ class RecordUnavailable(FunduqError):
 class ProofsBusy(FunduqError):
     """funduq already keeps as many fresh spent proofs as it may
     (FUNDUQ_MAX_SPENT_PROOFS); a new proof cannot be accepted until some expire."""
+
+
+class PushRefused(FunduqError):
+    """A push notification config funduq will not take (the message says why)."""
+
+
+class PushConfigNotFound(FunduqError):
+    """No such push notification config of that task."""

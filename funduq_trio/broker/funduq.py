@@ -45,6 +45,7 @@ from .kyok import Grant, Kyok, KyokRefusal, load_or_create_secret
 from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
+from .pushes import Pushes
 from .run_machine import Input, Move, RunMachine, Settle
 from .store import Store, dumps, iso, keepable, open_store, record_trouble
 
@@ -136,6 +137,7 @@ class Funduq:
         self._reopen: dict[str, list[Any]] = {}
         self._arrival = 0
         self._nursery: trio.Nursery | None = None
+        self.pushes: Pushes | None = None
         #: The context lanes start in (see _start_lane).
         self._context = contextvars.Context()
         self._stack = contextlib.AsyncExitStack()
@@ -164,6 +166,8 @@ class Funduq:
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             await self._restore()
+            self.pushes = Pushes(self)
+            await self._nursery.start(self.pushes.run)
             self.running = True
         except BaseException:
             await self._stack.__aexit__(None, None, None)
@@ -597,6 +601,7 @@ class Funduq:
             "funduq_threads_live": ("Threads with a live run.", len(self.threads)),
             "funduq_providers_attached": ("Provider links attached.",
                                           sum(s.live for s in self.providers.sessions.values())),
+            **(self.pushes.gauges() if self.pushes is not None else {}),
         }
 
     def live_record(self, run_id: str) -> dict[str, Any] | None:
@@ -756,6 +761,8 @@ class Funduq:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = move.to
             self._start_lane(row, arriving=False)
+            if self.pushes is not None:
+                self.pushes.resumed(run_id)
         except BaseException:
             if run_id not in self.lanes:
                 self.waiting.release(run_id)

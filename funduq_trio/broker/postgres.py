@@ -123,6 +123,23 @@ CREATE TABLE llm_offerings (
     PRIMARY KEY (provider_key, name)
 );
 """),
+    _migration(4, """
+CREATE TABLE push_configs (
+    task_id TEXT NOT NULL,
+    id TEXT COLLATE "C" NOT NULL,
+    url TEXT NOT NULL,
+    token TEXT NOT NULL DEFAULT '',
+    authentication TEXT NOT NULL DEFAULT '{}',
+    created_at DOUBLE PRECISION NOT NULL,
+    cursor_seq BIGINT NOT NULL DEFAULT 0,
+    cursor_index BIGINT NOT NULL DEFAULT -1,
+    state TEXT NOT NULL DEFAULT 'delivering',
+    attempts BIGINT NOT NULL DEFAULT 0,
+    last_error TEXT,
+    PRIMARY KEY (task_id, id)
+);
+CREATE INDEX push_configs_state ON push_configs (state);
+"""),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").

@@ -40,6 +40,9 @@ T = TypeVar("T")
 log = logging.getLogger("funduq.record")
 
 COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
+#: A push config's columns as the stores read them (pushes._config).
+PUSH_COLUMNS = "task_id, id, url, token, authentication, cursor_seq, cursor_index, state"
+PUSH_DELIVERING = "delivering"
 #: An LLM provider's counters (KYOK; kyok.COUNTERS).
 LLM_COUNTERS = ("completions", "refused", "failed")
 
@@ -164,6 +167,24 @@ class Store(Protocol):
     def set_llm_counter_soon(self, key: str, counter: str, value: int) -> PendingWrite: ...
 
     async def llm_providers_and_offerings(self) -> tuple[list[Any], list[Any]]: ...
+
+    async def push_configs_delivering(self) -> list[Any]: ...
+
+    async def put_push_config(self, task_id: str, config_id: str, url: str, token: str,
+                              authentication: str, cursor: tuple[int, int], *,
+                              per_task: int, active: int) -> tuple[str, int] | None: ...
+
+    async def push_config(self, task_id: str, config_id: str) -> Any: ...
+
+    async def push_configs(self, task_id: str) -> list[Any]: ...
+
+    async def delete_push_config(self, task_id: str, config_id: str) -> bool: ...
+
+    async def end_push_config(self, task_id: str, config_id: str, state: str,
+                              error: str | None) -> None: ...
+
+    async def push_delivered(self, task_id: str, config_id: str, cursor: tuple[int, int],
+                             attempts: int) -> None: ...
 
     # -- reads
     async def providers_and_agents(self) -> tuple[list[Any], list[Any]]: ...
@@ -528,6 +549,87 @@ class SqlStore:
                     conn.execute("SELECT provider_key, name, description, metadata "
                                  "FROM llm_offerings").fetchall())
         return await self.read(read)
+
+    # Push notifications (DESIGN §10): each config and its delivery cursor.
+
+    async def push_configs_delivering(self) -> list[Any]:
+        """Every push config still delivering (``PUSH_COLUMNS``)."""
+        return cast(list[Any], await self.read(lambda c: c.execute(
+            f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE state=?",
+            (PUSH_DELIVERING,)).fetchall()))
+
+    async def put_push_config(self, task_id: str, config_id: str, url: str, token: str,
+                              authentication: str, cursor: tuple[int, int], *,
+                              per_task: int, active: int) -> tuple[str, int] | None:
+        """Record a push config (replacing one of that id, cursor and all),
+        delivering from ``cursor``; or, writing nothing, why not: ("per_task",
+        configs the task has) at ``per_task``, ("active", configs delivering)
+        at ``active``, ("unrecordable", 0) for text the record cannot keep."""
+        if not keepable(task_id, config_id, url, token, authentication):
+            return "unrecordable", 0
+
+        def apply(conn: Any) -> tuple[str, int] | None:
+            existing = conn.execute("SELECT 1 FROM push_configs WHERE task_id=? AND id=?",
+                                    (task_id, config_id)).fetchone()
+            if existing is None:
+                count = int(conn.execute("SELECT COUNT(*) FROM push_configs WHERE task_id=?",
+                                         (task_id,)).fetchone()[0])
+                if count >= per_task:
+                    return "per_task", count
+                count = int(conn.execute("SELECT COUNT(*) FROM push_configs WHERE state=?",
+                                         (PUSH_DELIVERING,)).fetchone()[0])
+                if count >= active:
+                    return "active", count
+            conn.execute(
+                "INSERT INTO push_configs (task_id, id, url, token, authentication, created_at, "
+                "cursor_seq, cursor_index, state, attempts, last_error) "
+                "VALUES (?,?,?,?,?,?,?,?,?,0,NULL) ON CONFLICT (task_id, id) DO UPDATE SET "
+                "url=excluded.url, token=excluded.token, authentication=excluded.authentication, "
+                "created_at=excluded.created_at, cursor_seq=excluded.cursor_seq, "
+                "cursor_index=excluded.cursor_index, state=excluded.state, attempts=0, "
+                "last_error=NULL",
+                (task_id, config_id, url, token, authentication, time.time(), cursor[0],
+                 cursor[1], PUSH_DELIVERING))
+            return None
+
+        return cast(tuple[str, int] | None, await self.write(apply))
+
+    async def push_config(self, task_id: str, config_id: str) -> Any:
+        """One push config (``PUSH_COLUMNS``), or None."""
+        if not keepable(task_id, config_id):
+            return None
+        return await self.read(lambda c: c.execute(
+            f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? AND id=?",
+            (task_id, config_id)).fetchone())
+
+    async def push_configs(self, task_id: str) -> list[Any]:
+        """A task's push configs (``PUSH_COLUMNS``), oldest first."""
+        if not keepable(task_id):
+            return []
+        return cast(list[Any], await self.read(lambda c: c.execute(
+            f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? ORDER BY created_at, id",
+            (task_id,)).fetchall()))
+
+    async def delete_push_config(self, task_id: str, config_id: str) -> bool:
+        if not keepable(task_id, config_id):
+            return False
+        return bool(await self.write(lambda c: c.execute(
+            "DELETE FROM push_configs WHERE task_id=? AND id=?",
+            (task_id, config_id)).rowcount))
+
+    async def end_push_config(self, task_id: str, config_id: str, state: str,
+                              error: str | None) -> None:
+        """A config stops delivering: done, or given up with its last error."""
+        await self.write(lambda c: c.execute(
+            "UPDATE push_configs SET state=?, last_error=? WHERE task_id=? AND id=?",
+            (state, error, task_id, config_id)))
+
+    async def push_delivered(self, task_id: str, config_id: str, cursor: tuple[int, int],
+                             attempts: int) -> None:
+        """The receiver acknowledged the update at ``cursor`` after ``attempts``."""
+        await self.write(lambda c: c.execute(
+            "UPDATE push_configs SET cursor_seq=?, cursor_index=?, attempts=attempts+? "
+            "WHERE task_id=? AND id=?", (cursor[0], cursor[1], attempts, task_id, config_id)))
 
     # -- the reads the broker makes -----------------------------------------------------
 

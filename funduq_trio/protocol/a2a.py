@@ -50,13 +50,13 @@ from a2a.server.request_handlers.response_helpers import (
 )
 from a2a.types import a2a_pb2 as pb
 from a2a.utils import constants
+from a2a.utils.error_handlers import build_rest_error_payload
 from a2a.utils.errors import (
     JSON_RPC_ERROR_CODE_MAP,
     A2AError,
     ExtendedAgentCardNotConfiguredError,
     InvalidParamsError,
     InvalidRequestError,
-    PushNotificationNotSupportedError,
     VersionNotSupportedError,
 )
 from a2a.utils.proto_utils import parse_lenient, validate_proto_required_fields
@@ -67,6 +67,8 @@ from google.protobuf.message import Message as ProtoMessage
 from jsonrpc.jsonrpc2 import JSONRPC20Request, JSONRPC20Response
 from packaging.version import InvalidVersion, Version
 
+from .. import jose
+from ..identity import Identity
 from . import carriable, statuses
 
 __all__ = [
@@ -108,6 +110,8 @@ TOO_DEEP = "(nested too deep for A2A metadata; the run's record holds it as sent
 
 V1 = constants.PROTOCOL_VERSION_1_0
 V03 = constants.PROTOCOL_VERSION_0_3
+#: The HTTP+JSON binding's "dialect": 1.0 shapes, no JSON-RPC envelope.
+REST = "rest"
 
 # AG-UI event type names, read off the package (never transcribed).
 _TEXT_DELTA_TYPES = frozenset(
@@ -641,14 +645,18 @@ def agent_card(
     description: str,
     rpc_url: str,
     published: Mapping[str, Any] | None = None,
+    rest_url: str | None = None,
+    identity: Identity | None = None,
 ) -> dict[str, Any]:
     """The agent's A2A card as served at `.well-known/agent-card.json`.
 
     Built as the SDK's `AgentCard` and rendered by the SDK's own
     `agent_card_to_dict` (the 1.0 card plus the 0.3 fields older clients read).
-    It offers one JSON-RPC URL under both protocol versions, streaming, and the
-    skills (and version, provider, modes, links) of the card the provider
-    published for the agent.
+    It offers one JSON-RPC URL under both protocol versions (and, given
+    `rest_url`, the HTTP+JSON binding under 1.0), streaming, push
+    notifications, and the skills (and version, provider, modes, links) of the
+    card the provider published for the agent. Given funduq's `identity`, the
+    card is signed (`signatures`: see `sign_card`).
     """
     published = dict(published or {})
     card = pb.AgentCard(
@@ -656,7 +664,7 @@ def agent_card(
         description=description or str(published.get("description") or "") or name,
         version=str(published.get("version") or "0.0.0"),
         capabilities=pb.AgentCapabilities(
-            streaming=True, push_notifications=False, extended_agent_card=False
+            streaming=True, push_notifications=True, extended_agent_card=False
         ),
     )
     for version in (V1, V03):
@@ -665,6 +673,14 @@ def agent_card(
                 url=rpc_url,
                 protocol_binding=constants.TransportProtocol.JSONRPC.value,
                 protocol_version=version,
+            )
+        )
+    if rest_url is not None:
+        card.supported_interfaces.append(
+            pb.AgentInterface(
+                url=rest_url,
+                protocol_binding=constants.TransportProtocol.HTTP_JSON.value,
+                protocol_version=V1,
             )
         )
     for key, target in (
@@ -691,7 +707,44 @@ def agent_card(
         card.skills.append(
             pb.AgentSkill(id=name, name=name, description=card.description, tags=[name])
         )
+    if identity is not None:
+        try:
+            sign_card(card, identity)
+        except ValueError:  # no canonical form (a published number JCS cannot spell)
+            del card.signatures[:]
     return agent_card_to_dict(card)
+
+
+def _without_empty(value: Any) -> Any:
+    """The card's JSON with empty strings, lists and objects dropped, as A2A's
+    canonical card form (and the SDK's verifier) has it; None when empty."""
+    if isinstance(value, dict):
+        kept = {k: c for k, v in value.items() if (c := _without_empty(v)) is not None}
+        return kept or None
+    if isinstance(value, list):
+        items = [c for v in value if (c := _without_empty(v)) is not None]
+        return items or None
+    if isinstance(value, str) and not value:
+        return None
+    return value
+
+
+def canonical_card(card: pb.AgentCard) -> bytes:
+    """The bytes a card signature covers: the card's ProtoJSON without
+    `signatures` and without empty values, in JCS (RFC 8785) form."""
+    rendered = MessageToDict(card)
+    rendered.pop("signatures", None)
+    return jose.canonical_json(_without_empty(rendered) or {})
+
+
+def sign_card(card: pb.AgentCard, identity: Identity) -> None:
+    """Replace the card's `signatures` with one by funduq's identity: a JWS
+    over `canonical_card` with the payload detached (protected header
+    `{"alg": "EdDSA", "kid": <fingerprint>, "typ": "JOSE"}`; the key is at
+    `/.well-known/jwks.json`)."""
+    del card.signatures[:]
+    protected, signature = jose.detached_jws(identity, canonical_card(card))
+    card.signatures.append(pb.AgentCardSignature(protected=protected, signature=signature))
 
 
 def _skill(raw: Any, index: int) -> pb.AgentSkill | None:
@@ -724,7 +777,14 @@ SEND, STREAM, GET, CANCEL, SUBSCRIBE, LIST = (
     "subscribe",
     "list",
 )
-PUSH_CONFIG, EXTENDED_CARD = "push-config", "extended-card"
+PUSH_CREATE, PUSH_GET, PUSH_LIST, PUSH_DELETE = (
+    "push-create",
+    "push-get",
+    "push-list",
+    "push-delete",
+)
+PUSH_OPS = frozenset({PUSH_CREATE, PUSH_GET, PUSH_LIST, PUSH_DELETE})
+EXTENDED_CARD = "extended-card"
 STREAMING_OPS = frozenset({STREAM, SUBSCRIBE})
 
 #: 1.0 method name -> (operation, request type). Names as the SDK's dispatcher.
@@ -735,14 +795,14 @@ METHODS_V1: dict[str, tuple[str, type[ProtoMessage]]] = {
     "ListTasks": (LIST, pb.ListTasksRequest),
     "CancelTask": (CANCEL, pb.CancelTaskRequest),
     "SubscribeToTask": (SUBSCRIBE, pb.SubscribeToTaskRequest),
-    "CreateTaskPushNotificationConfig": (PUSH_CONFIG, pb.TaskPushNotificationConfig),
-    "GetTaskPushNotificationConfig": (PUSH_CONFIG, pb.GetTaskPushNotificationConfigRequest),
+    "CreateTaskPushNotificationConfig": (PUSH_CREATE, pb.TaskPushNotificationConfig),
+    "GetTaskPushNotificationConfig": (PUSH_GET, pb.GetTaskPushNotificationConfigRequest),
     "ListTaskPushNotificationConfigs": (
-        PUSH_CONFIG,
+        PUSH_LIST,
         pb.ListTaskPushNotificationConfigsRequest,
     ),
     "DeleteTaskPushNotificationConfig": (
-        PUSH_CONFIG,
+        PUSH_DELETE,
         pb.DeleteTaskPushNotificationConfigRequest,
     ),
     "GetExtendedAgentCard": (EXTENDED_CARD, pb.GetExtendedAgentCardRequest),
@@ -764,24 +824,24 @@ METHODS_V03: dict[str, tuple[str, type, Any]] = {
         v03.to_core_subscribe_to_task_request,
     ),
     "tasks/pushNotificationConfig/set": (
-        PUSH_CONFIG,
+        PUSH_CREATE,
         types_v03.SetTaskPushNotificationConfigRequest,
-        None,
+        v03.to_core_create_task_push_notification_config_request,
     ),
     "tasks/pushNotificationConfig/get": (
-        PUSH_CONFIG,
+        PUSH_GET,
         types_v03.GetTaskPushNotificationConfigRequest,
-        None,
+        v03.to_core_get_task_push_notification_config_request,
     ),
     "tasks/pushNotificationConfig/list": (
-        PUSH_CONFIG,
+        PUSH_LIST,
         types_v03.ListTaskPushNotificationConfigRequest,
-        None,
+        v03.to_core_list_task_push_notification_config_request,
     ),
     "tasks/pushNotificationConfig/delete": (
-        PUSH_CONFIG,
+        PUSH_DELETE,
         types_v03.DeleteTaskPushNotificationConfigRequest,
-        None,
+        v03.to_core_delete_task_push_notification_config_request,
     ),
     "agent/getAuthenticatedExtendedCard": (
         EXTENDED_CARD,
@@ -975,10 +1035,18 @@ def _parse_v03(
     return call
 
 
+def rest_call(op: str, request: ProtoMessage, params: Any, version_header: str | None) -> Call:
+    """A call of the HTTP+JSON binding (`request` built from its path, query
+    and body), checked as `parse_call` checks a JSON-RPC one; raises the
+    A2AError to answer."""
+    call = Call(None, op, op, REST, request, params if isinstance(params, dict) else {})
+    check_version(version_header, V1)
+    _validate(call)
+    return call
+
+
 def _validate(call: Call) -> None:
     """The checks the SDK's request handler makes before doing anything."""
-    if call.op == PUSH_CONFIG:
-        raise PushNotificationNotSupportedError()
     if call.op == EXTENDED_CARD:
         raise ExtendedAgentCardNotConfiguredError()
     request = call.request
@@ -1034,6 +1102,8 @@ def error_response(
     (1.0: `error.data` is the typed-details list with a google.rpc.ErrorInfo
     whose metadata is the error's data; 0.3: `error.data` as given)."""
     rid = call.request_id if call is not None else request_id
+    if call is not None and call.dialect == REST:
+        return build_rest_error_payload(error)
     if call is not None and call.dialect == V03:
         return _v03_error_envelope(rid, error)
     return build_error_response(rid, error)
@@ -1044,6 +1114,8 @@ def _v1_result(call: Call, result: Any) -> Any:
         if isinstance(result, pb.Task):
             return MessageToDict(pb.SendMessageResponse(task=result))
         return MessageToDict(pb.SendMessageResponse(message=result))
+    if call.op == PUSH_DELETE:
+        return None
     if call.op == LIST:
         rendered = MessageToDict(
             result,
@@ -1060,10 +1132,14 @@ def _v1_result(call: Call, result: Any) -> Any:
 def result_response(call: Call, result: Any) -> dict[str, Any]:
     """The JSON-RPC success answer to a non-streaming call.
 
-    `result` is a 1.0 `Task` (SendMessage, GetTask, CancelTask) or
-    `ListTasksResponse` (ListTasks); 0.3 calls get the v0.3 shapes the SDK's
-    converters make of it.
+    `result` is a 1.0 `Task` (SendMessage, GetTask, CancelTask),
+    `ListTasksResponse` (ListTasks), `TaskPushNotificationConfig` (create,
+    get), `ListTaskPushNotificationConfigsResponse` (list) or None (delete);
+    0.3 calls get the v0.3 shapes the SDK's converters make of it.
     """
+    if call.dialect == REST:
+        rendered = _v1_result(call, result)
+        return {} if rendered is None else rendered
     if call.dialect == V1:
         return JSONRPC20Response(result=_v1_result(call, result), _id=call.request_id).data
     if call.op == SEND:
@@ -1075,6 +1151,23 @@ def result_response(call: Call, result: Any) -> dict[str, Any]:
             root=types_v03.GetTaskSuccessResponse(
                 id=call.request_id, result=v03.to_compat_task(result)
             )
+        )
+    elif call.op in (PUSH_CREATE, PUSH_GET):
+        config = v03.to_compat_task_push_notification_config(result)
+        response = (
+            types_v03.SetTaskPushNotificationConfigSuccessResponse
+            if call.op == PUSH_CREATE
+            else types_v03.GetTaskPushNotificationConfigSuccessResponse
+        )
+        compat = response(id=call.request_id, result=config)
+    elif call.op == PUSH_LIST:
+        compat = types_v03.ListTaskPushNotificationConfigSuccessResponse(
+            id=call.request_id,
+            result=[v03.to_compat_task_push_notification_config(c) for c in result.configs],
+        )
+    elif call.op == PUSH_DELETE:
+        compat = types_v03.DeleteTaskPushNotificationConfigSuccessResponse(
+            id=call.request_id, result=None
         )
     elif call.op == CANCEL:
         compat = types_v03.CancelTaskResponse(
@@ -1089,6 +1182,8 @@ def result_response(call: Call, result: Any) -> dict[str, Any]:
 
 def stream_frame(call: Call, update: pb.StreamResponse) -> dict[str, Any]:
     """One streamed JSON-RPC answer (an SSE frame's data) in the call's dialect."""
+    if call.dialect == REST:
+        return MessageToDict(update, preserving_proto_field_name=False)
     if call.dialect == V1:
         result = MessageToDict(update, preserving_proto_field_name=False)
         return JSONRPC20Response(result=result, _id=call.request_id).data

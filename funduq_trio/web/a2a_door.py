@@ -55,14 +55,17 @@ from a2a.utils.task import decode_page_token, encode_page_token
 from quart import Response, jsonify, request
 from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 
+from .. import jose
 from ..broker.errors import FunduqError, RunNotPaused
 from ..identity import InvalidActorChain
 from ..protocol import a2a, statuses
+from .a2a_rest import mount_a2a_rest
 from .access import reader_of
 from .door_errors import a2a_error
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 CARD_PATH = "/.well-known/agent-card.json"
+JWKS_PATH = "/.well-known/jwks.json"
 
 log = logging.getLogger("funduq_trio.a2a")
 
@@ -91,11 +94,20 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
                 name=view.name,
                 description=view.description,
                 rpc_url=rpc_url,
+                rest_url=rpc_url,
                 published=view.card if isinstance(view.card, Mapping) else None,
+                identity=get_funduq().identity,
             )
         )
 
     app.add_url_rule(f"/a2a/<provider>/<agent>{CARD_PATH}", "a2a_card", card, methods=["GET"])
+
+    async def jwks() -> Response:
+        # The key behind the card signatures and the push notifications' JWS.
+        return jsonify(jose.jwks_of(get_funduq().identity))
+
+    app.add_url_rule(JWKS_PATH, "jwks", jwks, methods=["GET"])
+    mount_a2a_rest(app, get_funduq)
 
 
 #: The brief's name for the same thing.
@@ -181,7 +193,7 @@ class A2ADoor:
 
     async def perform(self, call: a2a.Call) -> Any:
         if call.op == a2a.SEND:
-            run_id = await self.deliver(call)
+            run_id = await self.deliver_with_push(call)
             blocking = not call.request.configuration.return_immediately
             record = (
                 await self.funduq.wait_run(run_id)
@@ -199,7 +211,41 @@ class A2ADoor:
             return a2a.task_from_record(record, cancel_requested=True)
         if call.op == a2a.LIST:
             return await self.list_tasks(call.request)
+        if call.op in a2a.PUSH_OPS:
+            return await self.push_config(call.op, call.request)
         raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
+
+    async def push_config(self, op: str, req: Any) -> Any:
+        """The push-config operations, on tasks of this agent only."""
+        pushes = self.funduq.pushes
+        await self.run_record(req.task_id)
+        if op == a2a.PUSH_CREATE:
+            return await pushes.create(req.task_id, req, from_start=False)
+        if op == a2a.PUSH_GET:
+            return await pushes.get(req.task_id, req.id)
+        if op == a2a.PUSH_LIST:
+            return pb.ListTaskPushNotificationConfigsResponse(
+                configs=await pushes.list(req.task_id)
+            )
+        await pushes.delete(req.task_id, req.id)
+        return None
+
+    async def deliver_with_push(self, call: a2a.Call) -> str:
+        """`deliver`, and with a push config in the call's configuration: its
+        target checked first, the config recorded for the task once there is one."""
+        inline = _inline_push(call)
+        if inline is not None:
+            await self.funduq.pushes.vet(inline)
+        run_id = await self.deliver(call)
+        await self._push_inline(call, inline, run_id)
+        return run_id
+
+    async def _push_inline(
+        self, call: a2a.Call, inline: pb.TaskPushNotificationConfig | None, run_id: str
+    ) -> None:
+        if inline is not None:
+            answered = bool(call.request.message.task_id)
+            await self.funduq.pushes.create(run_id, inline, from_start=not answered)
 
     async def deliver(self, call: a2a.Call) -> str:
         """Hand the call's message to the broker: the answer to the paused task
@@ -292,10 +338,14 @@ class A2ADoor:
         at a pause waits through the answer (see `stream`)."""
         cursor = None
         if call.op == a2a.STREAM:
+            inline = _inline_push(call)
+            if inline is not None:
+                await self.funduq.pushes.vet(inline)
             run_id = await self.deliver(call)
             # Taken before anything else can happen to the run: the stream then
             # shows it from its arrival, however fast the provider is.
             record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
+            await self._push_inline(call, inline, run_id)
         else:
             try:
                 cursor = read_cursor(request.headers.get(LAST_EVENT_ID))
@@ -385,6 +435,18 @@ class A2ADoor:
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
             yield [a2a.error_response(call, InternalError(message=str(exc) or None))]
+
+
+def _inline_push(call: a2a.Call) -> pb.TaskPushNotificationConfig | None:
+    """The push config a SendMessage carries in its configuration, if any."""
+    configuration = call.request.configuration
+    if not configuration.HasField("task_push_notification_config"):
+        return None
+    config = configuration.task_push_notification_config
+    copy = pb.TaskPushNotificationConfig(id=config.id, url=config.url, token=config.token)
+    if config.HasField("authentication"):
+        copy.authentication.CopyFrom(config.authentication)
+    return copy
 
 
 def _task_id(call: a2a.Call) -> str | None:

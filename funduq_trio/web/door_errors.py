@@ -92,6 +92,12 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
     e.ProofsBusy: DoorAnswer(503, "proofs_busy", lambda exc, _: UnsupportedOperationError(
         message=str(exc) or "funduq cannot accept another proof right now; retry later",
         data={"reason": "proofs_busy"})),
+    # The answers a2a-sdk's own server gives a refused or unknown push config.
+    e.PushRefused: DoorAnswer(400, "push_config_refused", lambda exc, _: InvalidParamsError(
+        message=f"Invalid push notification config: {exc}")),
+    e.PushConfigNotFound: DoorAnswer(404, "push_config_not_found", lambda exc, _:
+                                     TaskNotFoundError(
+        message="Push notification config not found")),
     e.FunduqError: DoorAnswer(400, "bad_request", lambda exc, _: InternalError(
         message=str(exc) or "bad request")),
 }

@@ -1,0 +1,395 @@
+"""Push notifications: the durable outbox and its deliverers (DESIGN §10).
+
+A push config (task, id, url, token) is a row of `push_configs` that also holds
+its delivery cursor: the place, in the task's update order, of the last update
+the receiver acknowledged with a 2xx. One deliverer task per config that is
+still delivering follows the run from the record (`Funduq.follow`), projects
+each event into the A2A stream updates a SendStreamingMessage stream carries
+(`TaskProjection`), skips what the cursor says went out already, POSTs the
+rest one at a time, in order, and moves the cursor durably after each 2xx. So
+a restart of funduq loses no update and repeats none (one exception: a crash
+between a receiver's 2xx and the cursor's commit repeats that one update, with
+the same `jti`). At start every config not finished resumes.
+
+An update that fails (no connection, a timeout, a non-2xx answer) is tried
+again after `protocol.push.backoff_delay`; after FUNDUQ_PUSH_MAX_ATTEMPTS
+attempts at one update the config gives up: it is recorded `given_up` with the
+last error and nothing more goes to it. A config whose task ended and whose
+final status update was delivered is `done`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+from a2a.types import a2a_pb2 as pb
+from google.protobuf.json_format import MessageToDict
+
+from .. import jose
+from ..protocol import a2a, agui, push, statuses
+from ..protocol.push import SETTLE, TargetRefused
+from .errors import PushConfigNotFound, PushRefused
+from .store import PUSH_DELIVERING
+
+log = logging.getLogger("funduq.pushes")
+
+DELIVERING, DONE, GIVEN_UP = PUSH_DELIVERING, "done", "given_up"
+
+
+class _GiveUp(Exception):
+    pass
+
+
+@dataclass
+class PushConfig:
+    task_id: str
+    id: str
+    url: str
+    token: str
+    authentication: dict[str, Any]
+    cursor: tuple[int, int]
+    state: str = DELIVERING
+
+    def as_proto(self) -> pb.TaskPushNotificationConfig:
+        config = pb.TaskPushNotificationConfig(
+            id=self.id, task_id=self.task_id, url=self.url, token=self.token
+        )
+        if self.authentication:
+            config.authentication.CopyFrom(
+                pb.AuthenticationInfo(
+                    scheme=str(self.authentication.get("scheme") or ""),
+                    credentials=str(self.authentication.get("credentials") or ""),
+                )
+            )
+        return config
+
+
+def _config(row: Any) -> PushConfig:
+    """A push config from its row (``store.PUSH_COLUMNS``)."""
+    task_id, cid, url, token, auth, seq, index, state = row
+    return PushConfig(task_id, cid, url, token, json.loads(auth), (seq, index), state)
+
+
+Resolver = Callable[[str, int], Any]
+
+
+def _starts_a_turn(event: Any) -> bool:
+    return isinstance(event, dict) and event.get("type") == agui.RUN_STARTED
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+class Pushes:
+    """The push configs of every task and their deliverers. Made and run by
+    the facade: ``await nursery.start(pushes.run)``."""
+
+    def __init__(self, funduq: Any, *, resolve: Resolver = _resolve) -> None:
+        self.funduq = funduq
+        self.settings = funduq.settings
+        self.record = funduq.record
+        self._resolve = resolve
+        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
+        self._resumed: dict[str, trio.Event] = {}
+        self._http: httpx.AsyncClient | None = None
+        #: Counters (GET /metrics) and a wake-up for whoever watches them.
+        self.delivered = 0
+        self.failed_attempts = 0
+        self.given_up = 0
+        self._changed = trio.Event()
+
+    # -- life
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # The table is the record's (schema migration 4 on either store).
+        rows = await self.record.push_configs_delivering()
+        timeout = httpx.Timeout(self.settings.push_timeout_seconds)
+        async with httpx.AsyncClient(
+            timeout=timeout, follow_redirects=False, trust_env=False
+        ) as http, trio.open_nursery() as nursery:
+            self._http = http
+            self._nursery = nursery
+            for row in rows:
+                self._start(_config(row))
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _start(self, config: PushConfig) -> None:
+        assert self._nursery is not None
+        scope = trio.CancelScope()
+        self._scopes[(config.task_id, config.id)] = scope
+        # In the broker's own context, not the HTTP request's that made the
+        # config (a deliverer outlives it; see Funduq._start_lane).
+        self.funduq._context.run(
+            functools.partial(self._nursery.start_soon, name=f"push {config.task_id}/{config.id}"),
+            self._deliverer, config, scope,
+        )
+
+    def resumed(self, task_id: str) -> None:
+        """The paused task took an answer: its deliverers follow it again."""
+        event = self._resumed.pop(task_id, None)
+        if event is not None:
+            event.set()
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        return {
+            "funduq_push_delivered": ("Push notifications a receiver acknowledged.",
+                                      self.delivered),
+            "funduq_push_failed_attempts": ("Push notification attempts that failed.",
+                                            self.failed_attempts),
+            "funduq_push_given_up": ("Push configs given up after the last attempt.",
+                                     self.given_up),
+            "funduq_push_delivering": ("Push configs with a deliverer.", len(self._scopes)),
+        }
+
+    async def wait_until(self, condition: Callable[[], bool]) -> None:
+        """Wait until `condition()` holds, re-checked whenever a delivery
+        succeeds, fails or gives up (for tests and operators' tools)."""
+        while not condition():
+            await self._changed.wait()
+
+    def _note(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- configs (the door's operations)
+
+    async def check_url(self, url: str) -> push.Target:
+        """The target, or PushRefused: http(s), bounded, and -- unless
+        FUNDUQ_PUSH_ALLOW_PRIVATE -- a host on public addresses only."""
+        try:
+            target = push.check_target(url)
+        except TargetRefused as exc:
+            raise PushRefused(str(exc)) from None
+        if not self.settings.push_allow_private:
+            addresses: list[str] = []
+            # A resolver that does not answer is a host funduq cannot vouch for.
+            with trio.move_on_after(self.settings.push_timeout_seconds):
+                try:
+                    addresses = await self._resolve(target.host, target.port)
+                except OSError:
+                    pass
+            if push.any_blocked(addresses):
+                raise PushRefused(
+                    "push url's host is not a public address (or does not resolve); "
+                    "loopback and private targets need FUNDUQ_PUSH_ALLOW_PRIVATE"
+                )
+        return target
+
+    async def vet(self, config: pb.TaskPushNotificationConfig) -> None:
+        """Refuse (PushRefused) a config `create` would refuse for its own
+        fields or for want of room -- so a door can check an inline config
+        before it starts the run the config is for."""
+        await self.check_url(config.url)
+        if len(config.token) > push.MAX_TOKEN_CHARS:
+            raise PushRefused(f"push token longer than {push.MAX_TOKEN_CHARS} characters")
+        if config.id and (len(config.id) > push.MAX_ID_CHARS or not config.id.isprintable()):
+            raise PushRefused(f"push config id must be printable, at most {push.MAX_ID_CHARS}")
+        if config.HasField("authentication"):
+            auth = config.authentication
+            if len(auth.scheme) + len(auth.credentials) > push.MAX_TOKEN_CHARS:
+                raise PushRefused("push authentication too long")
+        if len(self._scopes) >= self.settings.push_max_active:
+            raise PushRefused(
+                "funduq delivers to as many push configs as it may (FUNDUQ_PUSH_MAX_ACTIVE)"
+            )
+
+    async def create(
+        self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool
+    ) -> pb.TaskPushNotificationConfig:
+        """Record a config for the task and start delivering to it. A config
+        made with the task (`from_start`) gets every update; one added later
+        gets those of events recorded from now on and the status updates of
+        the turn now under way (a paused task's current status at once)."""
+        await self.vet(config)
+        config_id = config.id or secrets.token_hex(8)
+        auth: dict[str, str] = {}
+        if config.HasField("authentication"):
+            auth = {"scheme": config.authentication.scheme,
+                    "credentials": config.authentication.credentials}
+        if from_start:
+            cursor = (0, -1)
+        else:
+            record = await self.funduq.get_run(task_id)
+            last = max((e["seq"] for e in (record or {}).get("events") or ()), default=0)
+            cursor = (last, SETTLE - 1)  # the status as it stands is still to go
+        row = PushConfig(task_id, config_id, config.url, config.token, auth, cursor)
+        refused = await self.record.put_push_config(
+            task_id, config_id, row.url, row.token, json.dumps(auth), cursor,
+            per_task=self.settings.push_configs_per_task, active=self.settings.push_max_active)
+        if refused is not None:
+            why, count = refused
+            raise PushRefused({
+                "per_task": f"task has {count} push configs already "
+                            "(FUNDUQ_PUSH_CONFIGS_PER_TASK)",
+                "active": "funduq delivers to as many push configs as it may "
+                          "(FUNDUQ_PUSH_MAX_ACTIVE)",
+                "unrecordable": "push config holds a character funduq cannot record "
+                                "(NUL or a lone surrogate)",
+            }[why])
+        old = self._scopes.pop((task_id, config_id), None)
+        if old is not None:  # replaced: the old deliverer stops
+            old.cancel()
+        self._start(row)
+        return row.as_proto()
+
+    async def get(self, task_id: str, config_id: str) -> pb.TaskPushNotificationConfig:
+        row = await self.record.push_config(task_id, config_id)
+        if row is None:
+            raise PushConfigNotFound(config_id)
+        return _config(row).as_proto()
+
+    async def list(self, task_id: str) -> list[pb.TaskPushNotificationConfig]:
+        rows = await self.record.push_configs(task_id)
+        return [_config(r).as_proto() for r in rows]
+
+    async def delete(self, task_id: str, config_id: str) -> None:
+        deleted = await self.record.delete_push_config(task_id, config_id)
+        if not deleted:
+            raise PushConfigNotFound(config_id)
+        scope = self._scopes.pop((task_id, config_id), None)
+        if scope is not None:
+            scope.cancel()
+
+    # -- delivery
+
+    async def _deliverer(self, config: PushConfig, scope: trio.CancelScope) -> None:
+        key = (config.task_id, config.id)
+        with scope:
+            try:
+                await self._follow(config)
+            except _GiveUp:
+                pass
+            except Exception:
+                log.exception("push deliverer of %s/%s failed", *key)
+        if self._scopes.get(key) is scope:
+            del self._scopes[key]
+        self._note()
+
+    async def _follow(self, config: PushConfig) -> None:
+        task_id = config.task_id
+        record = await self.funduq.get_run(task_id)
+        if record is None:
+            await self._finish(config, DONE, "task not found")
+            return
+        projection = a2a.TaskProjection(task_id=task_id, context_id=str(record["threadId"]))
+        #: An interrupt's RUN_FINISHED not yet known to have closed its turn.
+        interrupted: tuple[int, dict[str, Any]] | None = None
+        while True:
+            follow = self.funduq.follow(task_id, after_seq=projection.last_seq)
+            async with contextlib.aclosing(follow) as bursts:
+                async for burst in bursts:
+                    for seq, event in burst:
+                        if interrupted is not None and _starts_a_turn(event):
+                            # The task paused there and was answered before
+                            # this deliverer got that far (it lagged, or
+                            # funduq restarted since): the pause's status
+                            # update, at the place a live one has. (An
+                            # interrupt followed by anything else, e.g.
+                            # funduq's RUN_ERROR, was no pause.)
+                            at, finished = interrupted
+                            paused = {"status": statuses.INPUT_REQUIRED,
+                                      "metadata": {"interrupts": agui.interrupts_of(finished)}}
+                            await self._send(config, (at, SETTLE), projection.settle(paused))
+                        interrupted = (
+                            (seq, event)
+                            if isinstance(event, dict) and agui.outcome_of(event) == "interrupt"
+                            else None
+                        )
+                        for index, update in enumerate(projection.apply(seq, event)):
+                            await self._send(config, (seq, index), update)
+            resumed = self._resumed.setdefault(task_id, trio.Event())
+            record = await self.funduq.wait_run(task_id)
+            recorded = max((e["seq"] for e in record.get("events") or ()), default=0)
+            if recorded > projection.last_seq:
+                # A pause was answered before this read it (wait_run waited
+                # for the next turn): follow what that turn recorded first.
+                continue
+            settled = projection.settle(record)
+            await self._send(config, (projection.last_seq, SETTLE), settled)
+            interrupted = None
+            if record.get("status") in statuses.TERMINAL:
+                await self._finish(config, DONE, None)
+                return
+            # Paused: wait for the answer (unless it came already).
+            while task_id not in self.funduq.lanes:
+                current = await self.funduq.get_run(task_id)
+                if current is None or current.get("status") != statuses.INPUT_REQUIRED:
+                    break
+                await resumed.wait()
+                resumed = self._resumed.setdefault(task_id, trio.Event())
+
+    async def _finish(self, config: PushConfig, state: str, error: str | None) -> None:
+        config.state = state
+        await self.record.end_push_config(config.task_id, config.id, state, error)
+
+    async def _send(
+        self, config: PushConfig, key: tuple[int, int], update: pb.StreamResponse
+    ) -> None:
+        """POST one update until a 2xx (then move the cursor) or give up."""
+        if key <= config.cursor:
+            return  # the receiver has it
+        body = json.dumps(MessageToDict(update), separators=(",", ":")).encode("utf-8")
+        failures = 0
+        while True:
+            error = await self._attempt(config, key, body)
+            if error is None:
+                break
+            failures += 1
+            self.failed_attempts += 1
+            self._note()
+            log.info("push to %s for %s failed (%d): %s", config.url, config.task_id,
+                     failures, error)
+            if failures >= self.settings.push_max_attempts:
+                self.given_up += 1
+                await self._finish(config, GIVEN_UP, error)
+                self._note()
+                raise _GiveUp
+            await trio.sleep(push.backoff_delay(failures, self.settings.push_backoff_seconds))
+        await self.record.push_delivered(config.task_id, config.id, key, failures + 1)
+        config.cursor = key
+        self.delivered += 1
+        self._note()
+
+    async def _attempt(self, config: PushConfig, key: tuple[int, int], body: bytes) -> str | None:
+        """One POST; None on a 2xx, else what went wrong."""
+        assert self._http is not None
+        try:
+            await self.check_url(config.url)  # again: DNS may have changed since
+        except PushRefused as exc:
+            return str(exc)
+        identity = self.funduq.identity
+        claims = push.delivery_claims(issuer=identity.fingerprint, task_id=config.task_id,
+                                      config_id=config.id, key=key, body=body, now=time.time())
+        token = jose.compact_jws(identity, json.dumps(claims, separators=(",", ":")).encode())
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        if config.token:
+            headers["X-A2A-Notification-Token"] = config.token
+        status = None
+        # The whole POST is bounded, not only each of its reads and writes.
+        with trio.move_on_after(self.settings.push_timeout_seconds):
+            try:
+                # Streamed and never read: a receiver's answer is its status alone.
+                async with self._http.stream("POST", config.url, content=body,
+                                             headers=headers) as response:
+                    status = response.status_code
+            except (httpx.HTTPError, OSError) as exc:
+                return f"{type(exc).__name__}: {exc}"
+        if status is None:
+            return f"no answer in {self.settings.push_timeout_seconds} s"
+        if 200 <= status < 300:
+            return None
+        return f"HTTP {status}"
