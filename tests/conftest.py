@@ -25,7 +25,7 @@ ONE_STORE = {
     "test_a2a_mapping", "test_cli", "test_identity", "test_link_machine", "test_run_machine",
     "test_provider_sdk", "test_provider_link", "test_link_batches",
     "test_broker_record", "test_crash_restart", "test_record_schema",
-    "test_kyok_units", "test_kyok_forwarder",
+    "test_kyok_units", "test_kyok_forwarder", "test_a2a_signed_card", "test_provider_link_asgi",
 }
 
 

@@ -1,9 +1,10 @@
 """The record as an interface: the ``Store`` protocol, and what its two stores
 (SQLite, ``record.py``; PostgreSQL, ``postgres.py``) share.
 
-The broker (the facade, the registry, the lanes) speaks to the record only in
-the domain's words -- insert a run, move it, append its events, read its
-thread -- and never writes SQL. Both stores keep the same two promises:
+The broker (the facade, the registry, the lanes, KYOK, the push outbox) speaks
+to the record only in the domain's words -- insert a run, move it, append its
+events, read its thread -- and never writes SQL. Both stores keep the same two
+promises:
 
 * **guarded status writes**: ``move`` is ``UPDATE runs ... WHERE status IN
   (legal sources)`` and reports whether the run moved; what goes with the move
