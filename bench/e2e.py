@@ -21,7 +21,7 @@ over websockets, real HTTP callers on both doors.
   websocket round trips (a frame the link answers `err` at once: websocket
   read, frame decode, outbox, write; no broker). Ratios are printed.
 
-    python bench/e2e.py                       # 2,000 runs over 100 threads, 12 events each
+    python bench/e2e.py                       # 1,000 runs over 100 threads, 12 events each
     python bench/e2e.py --runs 500 --threads 50 --profile /tmp/server.raw
 
 Bounded: fixed counts, a `--time-limit` on the whole load, loopback only;
@@ -38,6 +38,7 @@ from typing import Any
 
 import harness as h
 import httpx
+import profile_shares
 import trio
 
 
@@ -195,7 +196,8 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
         pids = {"server": server.pid, **{f"provider{i}": p.pid for i, p in enumerate(providers)},
                 "callers (this process)": __import__("os").getpid()}
         cpu = h.CpuWatch(pids)
-        profiler = h.Profiler(server.pid, Path(args.profile)) if args.profile else None
+        profiler = (h.Profiler(server.pid, Path(args.profile), rate=args.profile_rate)
+                    if args.profile else None)
         sched_before = server.scheduler() if args.sched_stats else None
         server_cpu_before = h.proc_cpu(server.pid)
         round_trips_before = await h.offer_round_trips(client, server.url)
@@ -239,7 +241,7 @@ def offer_figures(results: list[dict[str, Any]], stamps: dict[str, dict[str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=100,
                         help="conversations (concurrent callers)")
     parser.add_argument("--deltas", type=int, default=8, help="text deltas per run (events = +4)")
@@ -253,6 +255,10 @@ def main() -> None:
     parser.add_argument("--client", choices=["httpx", "lean"], default="httpx",
                         help="the callers' HTTP client (and the healthz baseline's): httpx, "
                         "or a lean h11 client that leaves the server more of the cores")
+    parser.add_argument("--provider", choices=["sdk", "raw"], default="sdk",
+                        help="sdk: the SDK provider, batching its frames; raw: the same agent "
+                        "with no batch extension on either side, one frame per websocket "
+                        "message (every event, ok and finish), as a third-party provider")
     parser.add_argument("--provider-cli", action="store_true",
                         help="use `funduq-trio provider` itself (no offer stamps)")
     parser.add_argument("--warmup", type=int, default=50, help="runs before measuring")
@@ -261,6 +267,8 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--profile", metavar="RAW",
                         help="py-spy record --gil -f raw the server during the load into RAW")
+    parser.add_argument("--profile-rate", type=int, default=200,
+                        help="py-spy samples a second (more: finer shares, more py-spy CPU)")
     parser.add_argument("--time-limit", type=float, default=600, help="seconds for the load")
     parser.add_argument("--sched-stats", action="store_true",
                         help="diagnostic: count the server's trio scheduler rounds during the "
@@ -281,7 +289,8 @@ def main() -> None:
             for i in range(args.providers):
                 providers.append(h.ProviderChild(server.ws_url, workdir, i, deltas=args.deltas,
                                                  max_concurrent=args.max_concurrent,
-                                                 use_cli=args.provider_cli))
+                                                 use_cli=args.provider_cli,
+                                                 unbatched=args.provider == "raw"))
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -305,8 +314,9 @@ def main() -> None:
 
     print(f"  measuring {build}")
     print(f"e2e: {args.runs} runs over {args.threads} threads ({args.door} doors), "
-          f"{load.events_per_run} events each, {args.providers} SDK provider process(es) "
-          f"over websockets, server in its own process, SQLite on disk, {args.client} callers"
+          f"{load.events_per_run} events each, {args.providers} {args.provider} provider "
+          f"process(es) over websockets, server in its own process, SQLite on disk, "
+          f"{args.client} callers"
           + (f", offered at {args.rate:g} runs/s" if args.rate else ", as fast as they go"))
     print(f"  wall time           {seconds:10.2f} s")
     print(f"  runs/s              {runs_per_s:10.1f}")
@@ -365,6 +375,9 @@ def main() -> None:
         print(f"  runs/s / healthz req/s ratio: {runs_per_s / hz['per_s']:.3f}; server CPU "
               f"{hz['server_cpu_ms']:.2f} ms per healthz, a run costs "
               f"{cpu_per_run / hz['server_cpu_ms']:.1f} healthz of server CPU")
+        print(f"  in healthz units ({args.provider} provider): server CPU per run "
+              f"{cpu_per_run / hz['server_cpu_ms']:.2f} healthz (goal <= 1.5), "
+              f"runs/s / healthz req/s {runs_per_s / hz['per_s']:.3f} (goal >= 0.6)")
         print(f"baseline, provider-link websocket round trips ({args.providers} links, "
               f"{max(1, args.threads // args.providers)} in flight each): {ws['per_s']:.1f} msg/s "
               f"(p50 {ws['p50_ms']:.2f} ms, p99 {ws['p99_ms']:.2f} ms)")
@@ -375,6 +388,9 @@ def main() -> None:
     if args.profile:
         print(f"py-spy profile of the server during the load ({args.profile}):")
         print(h.summarize_profile(Path(args.profile)))
+        print("where the server's CPU went (bench/profile_shares.py), ms/run from the "
+              "server CPU per run above:")
+        print(profile_shares.format_shares(Path(args.profile), cpu_per_run))
     sys.stdout.flush()
     if not_completed:
         sys.exit(1)

@@ -236,7 +236,8 @@ class ProviderChild:
     """A stamping SDK provider in a child process (see `provider_main`)."""
 
     def __init__(self, ws_url: str, workdir: Path, index: int, *, deltas: int,
-                 max_concurrent: int | None = None, use_cli: bool = False) -> None:
+                 max_concurrent: int | None = None, use_cli: bool = False,
+                 unbatched: bool = False) -> None:
         self.key_file = workdir / f"provider-{index}.key"
         self.stamps_path = workdir / f"provider-{index}.stamps.json"
         self.log_path = workdir / f"provider-{index}.log"
@@ -249,6 +250,10 @@ class ProviderChild:
         argv += ["--url", ws_url, "--key-file", str(self.key_file), "--echo-deltas", str(deltas)]
         if max_concurrent is not None:
             argv += ["--max-concurrent", str(max_concurrent)]
+        if unbatched:
+            if use_cli:
+                raise ValueError("the unbatched (raw) provider is the bench's own, not the CLI")
+            argv += ["--unbatched"]
         self.use_cli = use_cli
         self.proc = subprocess.Popen([*DIE_WITH_PARENT, *argv], stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
@@ -315,13 +320,46 @@ class StampingConnection:
         await self.inner.aclose(reason)
 
 
-def stamping_connector(stamps: dict[str, dict[str, float]]) -> Any:
+class UnbatchedConnection:
+    """Makes the SDK provider behave like a third-party provider that knows
+    nothing of the `batch` extension: funduq's hello loses its `extensions`
+    (so the SDK writes one frame per websocket message: every event, every
+    `ok`, every `finish` its own frame) and the provider's `connect` lists
+    none (so funduq sends it one frame per message too). Neither field is
+    part of what the handshake signs."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def receive(self) -> Any:
+        text = await self.inner.receive()
+        if isinstance(text, str) and '"kind":"hello"' in text:
+            message = json.loads(text)
+            if message.get("kind") == "hello":
+                message.pop("extensions", None)
+                text = json.dumps(message, separators=(",", ":"))
+        return text
+
+    async def send(self, text: str) -> None:
+        if '"kind":"connect"' in text:
+            message = json.loads(text)
+            if message.get("kind") == "connect":
+                message.pop("extensions", None)
+                text = json.dumps(message, separators=(",", ":"))
+        await self.inner.send(text)
+
+    async def aclose(self, reason: str = "") -> None:
+        await self.inner.aclose(reason)
+
+
+def stamping_connector(stamps: dict[str, dict[str, float]], unbatched: bool = False) -> Any:
     from funduq_trio.provider import websocket_connector
 
     inner_connect = websocket_connector()
 
     async def connect(nursery: Any, url: str) -> StampingConnection:
-        return StampingConnection(await inner_connect(nursery, url), stamps)
+        conn = await inner_connect(nursery, url)
+        return StampingConnection(UnbatchedConnection(conn) if unbatched else conn, stamps)
 
     return connect
 
@@ -339,11 +377,13 @@ def provider_main(argv: list[str]) -> int:
     parser.add_argument("--echo-deltas", type=int, default=8)
     parser.add_argument("--max-concurrent", type=int, default=None)
     parser.add_argument("--stamps", required=True)
+    parser.add_argument("--unbatched", action="store_true",
+                        help="one frame per websocket message, like a provider without batches")
     args = parser.parse_args(argv)
     identity = Identity.load_or_create(args.key_file)
     stamps: dict[str, dict[str, float]] = {}
     provider = Provider(identity, args.url, max_concurrent_runs=args.max_concurrent,
-                        connector=stamping_connector(stamps))
+                        connector=stamping_connector(stamps, args.unbatched))
     provider.add_agent(make_echo(args.echo_deltas), name="echo")
     print(f"bench provider: key {identity.public_key_hex} (fingerprint {identity.fingerprint})",
           flush=True)

@@ -9,7 +9,12 @@ machine; this module only does I/O.
 
 Mounting: `mount_provider_socket(app, funduq)` (or
 `register_provider_socket(app, lambda: funduq)` where the facade is found
-later) adds the route to a quart-trio app.
+later) adds the route to a quart-trio app. The route is served straight on
+ASGI (`AsgiWebsocket`), in front of quart: quart-trio moves every websocket
+message through a task of its own, a blinker signal and a second memory
+channel, which cost more server CPU than the link's own work for a provider
+that sends one frame per event (bench/README.md, "Where a run's milliseconds
+go"). Other websocket paths still reach quart (and its 404).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from quart import websocket
 
 from funduq_trio.broker.errors import FunduqError
 from funduq_trio.identity import new_nonce
@@ -28,6 +32,8 @@ from funduq_trio.protocol.frames import Outgoing, encode_frame
 
 __all__ = [
     "OUTBOX_FRAMES",
+    "PROVIDER_LINK_PATH",
+    "AsgiWebsocket",
     "ProviderSocket",
     "WaitingLinks",
     "mount_provider_socket",
@@ -40,6 +46,8 @@ log = logging.getLogger("funduq_trio.provider_socket")
 #: reading while funduq keeps queueing past this is closed (1008), so a stuck
 #: peer cannot grow the server's memory without bound.
 OUTBOX_FRAMES = 10_000
+#: Where providers dial in (DESIGN §5).
+PROVIDER_LINK_PATH = "/ws/provider"
 #: How long a closing link keeps reading for the provider to go.
 CLOSE_GRACE_SECONDS = 2.0
 _CLOSE_REASON_BYTES = 123  # RFC 6455: a close reason fits in 123 bytes
@@ -352,14 +360,60 @@ async def serve_provider_link(ws: Any, funduq: Any, waiting: WaitingLinks | None
     await ProviderSocket(ws, funduq, waiting).run()
 
 
+class AsgiWebsocket:
+    """The few websocket calls `ProviderSocket` makes, straight on an ASGI
+    connection's `receive` / `send`: one await per message, no task or
+    channel in between. Like quart-trio, a disconnect cancels the link's
+    handler (`gone`), so `ProviderSocket.run` ends as it always has."""
+
+    def __init__(self, receive: Any, send: Any, gone: Callable[[], None]) -> None:
+        self._receive = receive
+        self._send = send
+        self._gone = gone
+
+    async def accept(self) -> None:
+        await self._send({"type": "websocket.accept"})
+
+    async def receive(self) -> str | bytes:
+        while True:
+            event = await self._receive()
+            kind = event["type"]
+            if kind == "websocket.receive":
+                text = event.get("text")
+                return text if text is not None else (event.get("bytes") or b"")
+            if kind == "websocket.disconnect":
+                self._gone()
+                await trio.sleep_forever()  # cancelled at once: the handler's end
+
+    async def send(self, data: str | bytes) -> None:
+        if isinstance(data, str):
+            await self._send({"type": "websocket.send", "text": data})
+        else:
+            await self._send({"type": "websocket.send", "bytes": data})
+
+    async def close(self, code: int, reason: str = "") -> None:
+        await self._send({"type": "websocket.close", "code": code, "reason": reason})
+
+
 def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None:
-    """Add `WS /ws/provider` to a quart-trio app; `funduq_getter()` returns the
+    """Serve `WS /ws/provider` for a quart-trio app, in front of its own
+    routing (see the module's docstring); `funduq_getter()` returns the
     `Funduq` facade when a connection arrives."""
     waiting = WaitingLinks()  # this app's links that have not said connect yet
+    quart_asgi = app.asgi_app
 
-    @app.websocket("/ws/provider")
-    async def provider_socket() -> None:
-        await serve_provider_link(websocket._get_current_object(), funduq_getter(), waiting)
+    async def asgi_app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket" or scope["path"] != PROVIDER_LINK_PATH:
+            await quart_asgi(scope, receive, send)
+            return
+        with trio.CancelScope() as handler:
+            ws = AsgiWebsocket(receive, send, handler.cancel)
+            try:
+                await serve_provider_link(ws, funduq_getter(), waiting)
+            except Exception:  # noqa: BLE001 - logged by ProviderSocket.run; hypercorn closes
+                pass
+
+    app.asgi_app = asgi_app
 
 
 def mount_provider_socket(app: Any, funduq: Any) -> None:
