@@ -94,6 +94,7 @@ __all__ = [
     "BATCH_BYTES",
     "Outgoing",
     "batch_items",
+    "message_frames",
     "batch_text",
     "wire_bytes",
     "decode_frame",
@@ -516,6 +517,26 @@ def batch_items(batch: Batch, *, accept: frozenset[str]) -> Iterator[Frame | Fra
             yield decode_object(item, accept=accept)
         except FrameError as exc:
             yield FrameError(f"batch item {index}: {exc.reason}", exc.id)
+
+
+def message_frames(
+    text: str | bytes, *, accept: frozenset[str], in_batch: frozenset[str]
+) -> Iterator[Frame | FrameError]:
+    """One message's frames in order, each decoded on its own: the frame
+    itself, or a batch's items (`batch_items` with `in_batch`, which never
+    lists "batch": a nested batch is an item that does not decode); a message
+    that does not decode yields its FrameError. Both ends of the link read
+    every message through this (protocol/link.py, protocol/provider_link.py),
+    and stop iterating once a violation closed the link."""
+    try:
+        frame = decode_frame(text, accept=accept)
+    except FrameError as exc:
+        yield exc
+        return
+    if isinstance(frame, Batch):
+        yield from batch_items(frame, accept=in_batch)
+    else:
+        yield frame
 
 
 def encode_frame(frame: BaseModel) -> str:
