@@ -374,9 +374,13 @@ class LinkMachine:
                 actions += self._undecodable(item)
             else:
                 actions += self._receive_attached(item)
-            if self.state is State.CLOSED:
+            if self._closed():
                 break  # nothing after a violation is read
         return actions
+
+    def _closed(self) -> bool:
+        # A method, not an inline test: the state may change under the loop's feet.
+        return self.state is State.CLOSED
 
     def _undecodable(self, exc: f.FrameError) -> list[Action]:
         if exc.id is not None:
