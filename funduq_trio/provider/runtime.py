@@ -502,6 +502,8 @@ class Provider:
                 elif isinstance(action, P.Attached):
                     return action.peer_takes_batches
                 elif isinstance(action, P.End):
+                    if action.fault is P.Fault.KEY_MISMATCH:
+                        raise FunduqKeyMismatch(f"{action.reason} (at {self.url})")
                     if action.fault is not None:
                         raise _FAULTS[action.fault](action.reason)
                     raise LinkLost(action.reason)
