@@ -279,7 +279,7 @@ def test_a_violation_mid_batch_ends_the_link_and_nothing_after_it_is_read(bad, w
 
 def test_both_sides_read_a_batch_through_the_one_rule():
     """The same nested batch, read by funduq's machine and the provider's:
-    both refuse it with the same words (frames.message_frames)."""
+    both refuse it with the same words (frames.read_message)."""
     nested = {"kind": "batch", "frames": [{"kind": "finish", "runId": "r"}]}
     server = L.LinkMachine(FUNDUQ, NONCE)
     proof = PROVIDER.sign(identity.provider_connect_payload(FUNDUQ.public_key_hex, NONCE, PNONCE))

@@ -368,24 +368,10 @@ class LinkMachine:
             return self._violation(reason, CLOSE_TOO_BIG)
         if self.state is State.AWAIT_CONNECT:
             return self._receive_connect(text)
-        actions: list[Action] = []
-        for item in f.message_frames(text, accept=f.FROM_PROVIDER, in_batch=f.IN_BATCH):
-            if isinstance(item, f.FrameError):
-                actions += self._undecodable(item)
-            else:
-                actions += self._receive_attached(item)
-            if self._closed():
-                break  # nothing after a violation is read
-        return actions
-
-    def _closed(self) -> bool:
-        # A method, not an inline test: the state may change under the loop's feet.
-        return self.state is State.CLOSED
-
-    def _undecodable(self, exc: f.FrameError) -> list[Action]:
-        if exc.id is not None:
-            return [Send(f.Err(id=exc.id, reason=exc.reason))]
-        return self._violation(exc.reason)
+        return f.read_message(
+            text, accept=f.FROM_PROVIDER, in_batch=f.IN_BATCH, on_frame=self._receive_attached,
+            answer_err=lambda err: [Send(err)], violation=self._violation,
+            closed=lambda: self.state is State.CLOSED)
 
     def _receive_connect(self, text: str | bytes) -> list[Action]:
         try:

@@ -71,7 +71,7 @@ While ATTACHED:
   Notice; `err` without an id (funduq's complaint about something sent) ->
   Notice. The link stays up: funduq is the side that keeps state.
 * `batch {frames}` -> each item in order exactly as if it had come alone
-  (`frames.message_frames`, the same reading funduq's side does); nothing
+  (`frames.read_message`, the same reading funduq's side does); nothing
   after a violation is read. A batch never nests.
 
 Protocol violations (End with "protocol error: ..."):
@@ -299,24 +299,10 @@ class ProviderLinkMachine:
             if self.state is State.AWAIT_HELLO:
                 return self._receive_hello(frame)
             return self._receive_connect_reply(frame)
-        actions: list[Action] = []
-        for item in f.message_frames(text, accept=f.FROM_FUNDUQ, in_batch=f.IN_FUNDUQ_BATCH):
-            if isinstance(item, f.FrameError):
-                actions += self._undecodable(item)
-            else:
-                actions += self._receive_attached(item)
-            if self._closed():
-                break  # nothing after a violation is read
-        return actions
-
-    def _closed(self) -> bool:
-        # A method, not an inline test: the state may change under the loop's feet.
-        return self.state is State.CLOSED
-
-    def _undecodable(self, exc: f.FrameError) -> list[Action]:
-        if exc.id is not None:
-            return [_send(f.Err(id=exc.id, reason=exc.reason))]
-        return self._violation(exc.reason)
+        return f.read_message(
+            text, accept=f.FROM_FUNDUQ, in_batch=f.IN_FUNDUQ_BATCH, on_frame=self._receive_attached,
+            answer_err=lambda err: [_send(err)], violation=self._violation,
+            closed=lambda: self.state is State.CLOSED)
 
     def _receive_hello(self, frame: Any) -> list[Action]:
         if not isinstance(frame, f.Hello):
