@@ -836,3 +836,21 @@ async def test_an_event_the_link_cannot_carry_fails_its_run_alone(autojump_clock
         error, finish = await link.run_frames("r2")
         assert "lone surrogate" in error.event["message"] and finish == f.Finish(run_id="r2")
         nursery.cancel_scope.cancel()
+
+
+async def test_stray_replies_keep_the_link_and_a_second_hello_drops_it(autojump_clock):
+    """The runtime performs its machine's answers (protocol/provider_link.py):
+    an ok to an id it never asked and funduq's id-less complaint are only
+    logged, the link serving on; a hello on an attached link is a protocol
+    error, and the runtime reconnects."""
+    async with serving({"echo": make_echo(deltas=1)}) as (fake, provider, link):
+        await link.send(f.Ok(id="register-99"))
+        await link.send(f.Err(reason="your last report was odd"))
+        await link.offer("o1", "r1")
+        assert (await link.until(f.Ok, id="o1")).verdict == "accepted"
+        assert (await link.run_frames("r1"))[-1] == f.Finish(run_id="r1")
+        assert len(fake.dials) == 1
+        await link.send(f.Hello(funduq_key=FUNDUQ.public_key_hex, nonce=new_nonce()))
+        await (await fake.next_link()).attach()
+        assert len(fake.dials) == 2
+        assert provider.last_end_reason == "protocol error: unexpected 'hello' on an attached link"

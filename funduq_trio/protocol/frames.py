@@ -39,8 +39,8 @@ server both use it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -94,6 +94,8 @@ __all__ = [
     "BATCH_BYTES",
     "Outgoing",
     "batch_items",
+    "message_frames",
+    "read_message",
     "batch_text",
     "wire_bytes",
     "decode_frame",
@@ -516,6 +518,57 @@ def batch_items(batch: Batch, *, accept: frozenset[str]) -> Iterator[Frame | Fra
             yield decode_object(item, accept=accept)
         except FrameError as exc:
             yield FrameError(f"batch item {index}: {exc.reason}", exc.id)
+
+
+def message_frames(
+    text: str | bytes, *, accept: frozenset[str], in_batch: frozenset[str]
+) -> Iterator[Frame | FrameError]:
+    """One message's frames in order, each decoded on its own: the frame
+    itself, or a batch's items (`batch_items` with `in_batch`, which never
+    lists "batch": a nested batch is an item that does not decode); a message
+    that does not decode yields its FrameError. Both ends of the link read
+    every message through this, by way of `read_message`."""
+    try:
+        frame = decode_frame(text, accept=accept)
+    except FrameError as exc:
+        yield exc
+        return
+    if isinstance(frame, Batch):
+        yield from batch_items(frame, accept=in_batch)
+    else:
+        yield frame
+
+
+_Action = TypeVar("_Action")
+
+
+def read_message(
+    text: str | bytes,
+    *,
+    accept: frozenset[str],
+    in_batch: frozenset[str],
+    on_frame: Callable[[Frame], list[_Action]],
+    answer_err: Callable[[Err], list[_Action]],
+    violation: Callable[[str], list[_Action]],
+    closed: Callable[[], bool],
+) -> list[_Action]:
+    """One attached link end's reading of a message (funduq's in
+    protocol/link.py, the SDK's in protocol/provider_link.py): each of its
+    `message_frames` in order, as if it had come alone. A frame goes to
+    `on_frame`; one that does not decode is answered `err {id, reason}` when
+    it carried a usable id and is a `violation` otherwise; nothing after the
+    item that closed the link is read."""
+    actions: list[_Action] = []
+    for item in message_frames(text, accept=accept, in_batch=in_batch):
+        if not isinstance(item, FrameError):
+            actions += on_frame(item)
+        elif item.id is not None:
+            actions += answer_err(Err(id=item.id, reason=item.reason))
+        else:
+            actions += violation(item.reason)
+        if closed():
+            break
+    return actions
 
 
 def encode_frame(frame: BaseModel) -> str:

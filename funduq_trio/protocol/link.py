@@ -368,29 +368,10 @@ class LinkMachine:
             return self._violation(reason, CLOSE_TOO_BIG)
         if self.state is State.AWAIT_CONNECT:
             return self._receive_connect(text)
-        try:
-            frame = f.decode_frame(text, accept=f.FROM_PROVIDER)
-        except f.FrameError as exc:
-            return self._undecodable(exc)
-        if isinstance(frame, f.Batch):
-            return self._receive_batch(frame)
-        return self._receive_attached(frame)
-
-    def _undecodable(self, exc: f.FrameError) -> list[Action]:
-        if exc.id is not None:
-            return [Send(f.Err(id=exc.id, reason=exc.reason))]
-        return self._violation(exc.reason)
-
-    def _receive_batch(self, batch: f.Batch) -> list[Action]:
-        actions: list[Action] = []
-        for item in f.batch_items(batch, accept=f.IN_BATCH):
-            if isinstance(item, f.FrameError):
-                actions += self._undecodable(item)
-            else:
-                actions += self._receive_attached(item)
-            if self.state is State.CLOSED:
-                break
-        return actions
+        return f.read_message(
+            text, accept=f.FROM_PROVIDER, in_batch=f.IN_BATCH, on_frame=self._receive_attached,
+            answer_err=lambda err: [Send(err)], violation=self._violation,
+            closed=lambda: self.state is State.CLOSED)
 
     def _receive_connect(self, text: str | bytes) -> list[Action]:
         try:

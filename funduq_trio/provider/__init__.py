@@ -8,7 +8,8 @@
     trio.run(provider.run)
 
 Depends on trio, trio-websocket, pydantic, ag-ui-protocol, cryptography and
-`funduq_trio.protocol.frames` / `funduq_trio.identity` only: never on the
+the I/O-free `funduq_trio.protocol` modules (frames, the link machine of
+`protocol/provider_link.py`) and `funduq_trio.identity` only: never on the
 broker or the web app. See docs/provider-link.md for the wire protocol.
 """
 

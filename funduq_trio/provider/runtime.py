@@ -32,8 +32,15 @@ key against a pinned one, publishes its agents and then:
   dropped link are cancelled: funduq has already failed them
   (`provider_left_holding_it`) and would ignore anything more about them.
 
+What is protocol (the handshake and its checks, decoding, batches, request
+ids, what is a violation) is decided by `protocol/provider_link.py`'s
+I/O-free `ProviderLinkMachine`; this module is its trio shell: it feeds the
+machine each message and performs the actions it answers (docs/provider-link.md,
+"The SDK's machine").
+
 This package imports only trio, trio-websocket, pydantic, ag-ui-protocol,
-cryptography, `funduq_trio.protocol.frames` and `funduq_trio.identity`.
+cryptography, `funduq_trio.protocol` (frames, carriable, provider_link) and
+`funduq_trio.identity`.
 """
 
 from __future__ import annotations
@@ -53,15 +60,9 @@ import trio
 from ag_ui.core import RunAgentInput, RunErrorEvent
 from pydantic import BaseModel, ValidationError
 
-from funduq_trio.identity import (
-    Identity,
-    funduq_connect_payload,
-    new_nonce,
-    provider_connect_payload,
-    verify,
-)
-from funduq_trio.protocol import carriable
+from funduq_trio.identity import Identity, new_nonce
 from funduq_trio.protocol import frames as f
+from funduq_trio.protocol import provider_link as P
 
 from . import llm
 from .transport import Connection, Connector, LinkLost, websocket_connector
@@ -110,8 +111,12 @@ class QueryFailed(Exception):
     """funduq answered a query with `err`."""
 
 
-class _ProtocolError(Exception):
-    """funduq sent something this SDK cannot follow; the link is dropped."""
+#: The machine's faults, as the exceptions `Provider.run` raises.
+_FAULTS: dict[P.Fault, type[Exception]] = {
+    P.Fault.CONNECT_REJECTED: ConnectRejected,
+    P.Fault.KEY_MISMATCH: FunduqKeyMismatch,
+    P.Fault.REGISTER_REJECTED: RegisterRejected,
+}
 
 
 @dataclass(frozen=True)
@@ -202,9 +207,10 @@ class _Offering:
 
 @dataclass
 class _Pending:
-    what: str  # "register" | "register.llm" | "query"
+    """A query waiting for funduq's answer (P.QueryAnswered)."""
+
     done: trio.Event = field(default_factory=trio.Event)
-    frame: Any = None
+    answer: P.QueryAnswered | None = None
 
 
 def _wants_ctx(fn: Callable[..., Any]) -> bool:
@@ -230,22 +236,23 @@ REPORTS_PER_YIELD = 64
 
 
 class _Link:
-    """One connection's state: its outbox, the runs accepted on it, and the
-    replies it waits for. Dies with the connection."""
+    """One attached connection's trio side: its machine, its outbox, the
+    runs and completions running on it, and the queries waiting for replies.
+    Dies with the connection."""
 
     def __init__(
         self,
         conn: Connection,
+        machine: P.ProviderLinkMachine,
         nursery: trio.Nursery,
         *,
-        max_frame_bytes: int,
         report_window: int,
         batch: bool = False,
     ) -> None:
         self.conn = conn
+        self.machine = machine
         self.nursery = nursery
         self.batch = batch
-        self.max_frame_bytes = max_frame_bytes
         self.out_send, self.out_receive = trio.open_memory_channel[tuple[str, bool]](math.inf)
         self.credits = trio.Semaphore(report_window)
         self._unyielded = 0  # reports queued since this link last yielded
@@ -254,8 +261,6 @@ class _Link:
         self.pending: dict[str, _Pending] = {}
         self.end_reason: str | None = None
         self.fatal: BaseException | None = None
-        self.registered = False
-        self._ids = itertools.count(1)
 
     def end(self, reason: str, fatal: BaseException | None = None) -> None:
         if self.end_reason is None:
@@ -265,15 +270,25 @@ class _Link:
             pending.done.set()
         self.nursery.cancel_scope.cancel()
 
-    def next_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
+    def queue(self, actions: list[P.Action]) -> None:
+        """Queue the control frames of the machine's Send actions (never
+        blocks, never waits behind credits). Only Sends are expected here."""
+        for action in actions:
+            assert isinstance(action, P.Send) and not action.flow, action
+            try:
+                self.out_send.send_nowait((action.text, False))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass
 
-    def queue(self, frame: BaseModel) -> None:
-        """Queue a control frame (never blocks, never waits behind credits)."""
-        try:
-            self.out_send.send_nowait((f.encode_frame(frame), False))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+    async def _send_flow(self, actions: list[P.Action]) -> None:
+        """Queue a report or chunk under a credit (none when the link is gone)."""
+        for action in actions:
+            assert isinstance(action, P.Send) and action.flow, action
+            await self._credit()
+            try:
+                self.out_send.send_nowait((action.text, True))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                self.credits.release()
 
     async def _credit(self) -> None:
         """Take a report credit. With one free, yield to the scheduler only
@@ -294,53 +309,28 @@ class _Link:
     async def report(self, run_id: str, event: Any, seq: int) -> None:
         if not isinstance(event, (dict, BaseModel)):
             raise TypeError(f"the agent yielded {type(event).__name__}, not an AG-UI event")
-        frame = f.Report(run_id=run_id, event=event, seq=seq)
-        # Refused here, failing this run alone: the encoder would turn NaN into
-        # null, and funduq refuses a lone surrogate as a malformed event anyway.
-        problem = carriable.problem(frame.event, max_nesting=None)
-        if problem is not None:
-            raise ValueError(f"event #{seq} cannot be carried by the link: it holds {problem}")
-        text = f.encode_frame(frame)
-        size = f.wire_bytes(text)
-        if size > self.max_frame_bytes:
-            raise ValueError(
-                f"event #{seq} is {size} bytes on the wire, over the "
-                f"link's frame limit of {self.max_frame_bytes}"
-            )
-        await self._credit()
-        try:
-            self.out_send.send_nowait((text, True))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            self.credits.release()
+        await self._send_flow(self.machine.report(run_id, event, seq))
 
     async def chunk(self, completion_id: str, data: str) -> None:
         """A KYOK chunk: flow-controlled like a report."""
-        text = f.encode_frame(f.Chunk(id=completion_id, data=data))
-        size = f.wire_bytes(text)
-        if size > self.max_frame_bytes:
-            raise ValueError(f"a chunk of {size} bytes is over the link's frame limit of "
-                             f"{self.max_frame_bytes}")
-        await self._credit()
-        try:
-            self.out_send.send_nowait((text, True))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            self.credits.release()
+        await self._send_flow(self.machine.chunk(completion_id, data))
 
     async def query_thread_messages(
         self, thread_id: str, limit: int | None
     ) -> list[dict[str, Any]]:
-        request_id = self.next_id("query")
-        pending = self.pending[request_id] = _Pending("query")
-        self.queue(f.QueryThreadMessages(id=request_id, thread_id=thread_id, limit=limit))
+        request_id, actions = self.machine.query_thread_messages(thread_id, limit)
+        if not actions:  # the machine is closed: the link is gone
+            raise LinkLost(self.end_reason or "link lost")
+        pending = self.pending[request_id] = _Pending()
+        self.queue(actions)
         await pending.done.wait()
         self.pending.pop(request_id, None)
-        reply = pending.frame
-        if reply is None:
+        answer = pending.answer
+        if answer is None:
             raise LinkLost(self.end_reason or "link lost")
-        if isinstance(reply, f.Err):
-            raise QueryFailed(reply.reason)
-        payload = reply.payload if isinstance(reply.payload, dict) else {}
-        return list(payload.get("messages") or [])
+        if answer.error is not None:
+            raise QueryFailed(answer.error)
+        return list(answer.messages or [])
 
 
 class Provider:
@@ -497,76 +487,52 @@ class Provider:
             raise error
         return reason
 
-    async def _receive(self, conn: Connection) -> Any:
-        text = await conn.receive()
-        try:
-            return f.decode_frame(text, accept=f.FROM_FUNDUQ)
-        except f.FrameError as exc:
-            raise _ProtocolError(exc.reason) from None
-
-    async def _handshake(self, conn: Connection) -> bool:
-        """Prove our key (and check funduq's); True when funduq takes batches."""
-        hello = await self._receive(conn)
-        if not isinstance(hello, f.Hello):
-            raise _ProtocolError(f"expected hello, got {hello.kind!r}")
-        if self.funduq_key is not None and hello.funduq_key != self.funduq_key:
-            raise FunduqKeyMismatch(
-                f"funduq at {self.url} presents key {hello.funduq_key}, not the pinned "
-                f"{self.funduq_key}"
-            )
-        nonce = new_nonce()
-        proof = self.identity.sign(provider_connect_payload(hello.funduq_key, hello.nonce, nonce))
-        await conn.send(
-            f.encode_frame(
-                f.Connect(
-                    public_key=self.identity.public_key_hex,
-                    nonce=nonce,
-                    proof=proof,
-                    max_concurrent_runs=self.max_concurrent_runs,
-                    extensions=list(f.EXTENSIONS),
-                )
-            )
-        )
-        reply = await self._receive(conn)
-        if isinstance(reply, f.ConnectErr):
-            raise ConnectRejected(reply.reason)
-        if not isinstance(reply, f.ConnectOk):
-            raise _ProtocolError(f"expected connect.ok, got {reply.kind!r}")
-        payload = funduq_connect_payload(hello.nonce, nonce)
-        if reply.answer is None:
-            if self.funduq_key is not None:
-                raise FunduqKeyMismatch("funduq sent no answer to prove its pinned key")
-        elif not verify(hello.funduq_key, payload, reply.answer):
-            raise FunduqKeyMismatch("funduq's connect.ok answer does not verify under its key")
-        return "batch" in (hello.extensions or ())
+    async def _handshake(self, conn: Connection, machine: P.ProviderLinkMachine) -> bool:
+        """Feed the machine until it attaches; True when funduq takes batches.
+        Raises the machine's fault, or LinkLost with why the link ended."""
+        while True:
+            try:
+                text = await conn.receive()
+            except LinkLost as exc:
+                machine.connection_lost(str(exc))
+                raise
+            for action in machine.receive(text):
+                if isinstance(action, P.Send):
+                    await conn.send(action.text)
+                elif isinstance(action, P.Attached):
+                    return action.peer_takes_batches
+                elif isinstance(action, P.End):
+                    if action.fault is P.Fault.KEY_MISMATCH:
+                        raise FunduqKeyMismatch(f"{action.reason} (at {self.url})")
+                    if action.fault is not None:
+                        raise _FAULTS[action.fault](action.reason)
+                    raise LinkLost(action.reason)
+                else:  # pragma: no cover - the machine emits nothing else before attaching
+                    raise AssertionError(f"unexpected {action!r} during the handshake")
 
     async def _serve(self, conn: Connection, on_registered: Callable[[], None] | None) -> str:
+        machine = P.ProviderLinkMachine(
+            self.identity,
+            new_nonce(),
+            funduq_key=self.funduq_key,
+            max_concurrent_runs=self.max_concurrent_runs,
+            max_frame_bytes=self.max_frame_bytes,
+        )
         try:
-            batch = await self._handshake(conn)
+            batch = await self._handshake(conn, machine)
         except LinkLost as exc:
             return str(exc)
-        except _ProtocolError as exc:
-            return f"protocol error: {exc}"
         async with trio.open_nursery() as nursery:
-            link = _Link(
-                conn,
-                nursery,
-                max_frame_bytes=self.max_frame_bytes,
-                report_window=self.report_window,
-                batch=batch,
-            )
+            link = _Link(conn, machine, nursery, report_window=self.report_window, batch=batch)
             self._link = link
             nursery.start_soon(self._writer, link)
             nursery.start_soon(self._reader, link, on_registered)
             if self.offerings:
                 # Before `register`: its ok then also says the offerings are in.
-                llm_id = link.next_id("register.llm")
-                link.pending[llm_id] = _Pending("register.llm")
-                link.queue(f.RegisterLlm(id=llm_id,
-                                         offerings=[o.spec for o in self.offerings.values()]))
-            register_id = link.next_id("register")
-            link.pending[register_id] = _Pending("register")
-            link.queue(f.Register(id=register_id, agents=[a.spec for a in self.agents.values()]))
+                _, actions = machine.register_llm([o.spec for o in self.offerings.values()])
+                link.queue(actions)
+            _, actions = machine.register([a.spec for a in self.agents.values()])
+            link.queue(actions)
         if self._link is link:
             self._link = None
         if link.fatal is not None:
@@ -594,112 +560,77 @@ class Provider:
                 for _ in range(reports):
                     link.credits.release()
         except LinkLost as exc:
-            link.end(str(exc))
+            self._perform(link, link.machine.connection_lost(str(exc)), None)
 
     async def _reader(self, link: _Link, on_registered: Callable[[], None] | None) -> None:
         try:
             while True:
                 text = await link.conn.receive()
-                try:
-                    frame = f.decode_frame(text, accept=f.FROM_FUNDUQ)
-                except f.FrameError as exc:
-                    self._undecodable(link, exc)
-                    continue
-                if not isinstance(frame, f.Batch):
-                    self._handle(link, frame, on_registered)
-                    continue
-                for item in f.batch_items(frame, accept=f.IN_FUNDUQ_BATCH):
-                    if isinstance(item, f.FrameError):
-                        self._undecodable(link, item)
-                    else:
-                        self._handle(link, item, on_registered)
+                self._perform(link, link.machine.receive(text), on_registered)
         except LinkLost as exc:
-            link.end(str(exc))
-        except _ProtocolError as exc:
-            link.end(f"protocol error: {exc}")
+            self._perform(link, link.machine.connection_lost(str(exc)), on_registered)
 
-    @staticmethod
-    def _undecodable(link: _Link, exc: f.FrameError) -> None:
-        if exc.id is None:
-            raise _ProtocolError(exc.reason)
-        link.queue(f.Err(id=exc.id, reason=exc.reason))
-
-    def _handle(self, link: _Link, frame: Any, on_registered: Callable[[], None] | None) -> None:
-        """One frame from funduq on an attached link."""
-        if isinstance(frame, f.Offer):
-            link.queue(self._answer(link, frame))
-        elif isinstance(frame, f.Cancel):
-            run = link.runs.get(frame.run_id)
-            if run is not None:
-                run.ctx.cancel_requested = True
-                run.scope.cancel()
-        elif isinstance(frame, f.Complete):
-            self._complete(link, frame)
-        elif isinstance(frame, f.Abandon):
-            scope = link.completions.get(frame.id)
-            if scope is not None:
-                scope.cancel()
-        elif isinstance(frame, (f.Ok, f.Err)):
-            self._reply(link, frame, on_registered)
-        else:
-            raise _ProtocolError(f"unexpected {frame.kind!r} on an attached link")
-
-    def _reply(
-        self, link: _Link, frame: f.Ok | f.Err, on_registered: Callable[[], None] | None
+    def _perform(
+        self, link: _Link, actions: list[P.Action], on_registered: Callable[[], None] | None
     ) -> None:
-        if frame.id is None:
-            log.warning("funduq complained: %s", getattr(frame, "reason", frame))
-            return
-        pending = link.pending.get(frame.id)
-        if pending is None:
-            log.warning("funduq answered %r, which this provider never asked", frame.id)
-            return
-        if pending.what == "register.llm":
-            link.pending.pop(frame.id, None)
-            if isinstance(frame, f.Err):
-                link.end("register.llm refused", RegisterRejected(frame.reason))
-            return
-        if pending.what == "register":
-            link.pending.pop(frame.id, None)
-            if isinstance(frame, f.Err):
-                link.end("register refused", RegisterRejected(frame.reason))
-                return
-            link.registered = True
-            self.registrations += 1
-            self._registered.set()
-            self._registered = trio.Event()
-            log.info("attached to %s serving %s", self.url, ", ".join(self.agents) or "nothing")
-            if on_registered is not None:
-                on_registered()
-            return
-        pending.frame = frame
-        pending.done.set()
+        """Carry out the machine's actions for one message from funduq, in order."""
+        for action in actions:
+            if isinstance(action, P.Send):
+                link.queue([action])
+            elif isinstance(action, P.OfferArrived):
+                verdict, reason = self._answer(link, action.offer)
+                link.queue(link.machine.answer(action.offer.id, verdict, reason))
+            elif isinstance(action, P.CancelArrived):
+                run = link.runs.get(action.run_id)
+                if run is not None:
+                    run.ctx.cancel_requested = True
+                    run.scope.cancel()
+            elif isinstance(action, P.CompletionRequested):
+                self._complete(link, action.request)
+            elif isinstance(action, P.CompletionAbandoned):
+                scope = link.completions.get(action.completion_id)
+                if scope is not None:
+                    scope.cancel()
+            elif isinstance(action, P.QueryAnswered):
+                pending = link.pending.get(action.request_id)
+                if pending is not None:
+                    pending.answer = action
+                    pending.done.set()
+            elif isinstance(action, P.Registered):
+                self._on_registered(on_registered)
+            elif isinstance(action, P.Notice):
+                log.warning("%s", action.message)
+            elif isinstance(action, P.End):
+                fatal = _FAULTS[action.fault](action.reason) if action.fault else None
+                link.end(action.reason, fatal)
+            else:  # pragma: no cover - Attached comes only during the handshake
+                raise AssertionError(f"unexpected {action!r} on an attached link")
+
+    def _on_registered(self, on_registered: Callable[[], None] | None) -> None:
+        self.registrations += 1
+        self._registered.set()
+        self._registered = trio.Event()
+        log.info("attached to %s serving %s", self.url, ", ".join(self.agents) or "nothing")
+        if on_registered is not None:
+            on_registered()
 
     # -- offers and runs ------------------------------------------------------------
 
-    def _answer(self, link: _Link, offer: f.Offer) -> f.Ok:
-        """Decide an offer from what is already known. Never awaits."""
+    def _answer(self, link: _Link, offer: f.Offer) -> tuple[str, str | None]:
+        """Decide an offer from what is already known: (verdict, reason). Never awaits."""
         run = offer.run
         entry = self.agents.get(run.agent_name)
         if entry is None:
-            return f.Ok(
-                id=offer.id,
-                verdict="refused",
-                reason=f"agent {run.agent_name!r} is not served by this provider",
-            )
+            return "refused", f"agent {run.agent_name!r} is not served by this provider"
         try:
             run_input = RunAgentInput.model_validate(run.run_input)
         except ValidationError as exc:
-            return f.Ok(
-                id=offer.id,
-                verdict="refused",
-                reason="input does not validate as RunAgentInput: "
-                + describe_validation_error(exc),
-            )
+            return "refused", ("input does not validate as RunAgentInput: "
+                               + describe_validation_error(exc))
         if run.run_id in link.runs:
-            return f.Ok(id=offer.id, verdict="declined")
+            return "declined", None
         if self.max_concurrent_runs is not None and len(link.runs) >= self.max_concurrent_runs:
-            return f.Ok(id=offer.id, verdict="declined")
+            return "declined", None
         ctx = RunContext(
             run_id=run.run_id,
             thread_id=run.thread_id,
@@ -716,14 +647,14 @@ class Provider:
         if callable(admit):
             admit(ctx)
         link.nursery.start_soon(self._run_task, link, held, name=f"run {run.run_id}")
-        return f.Ok(id=offer.id, verdict="accepted")
+        return "accepted", None
 
     def _complete(self, link: _Link, frame: f.Complete) -> None:
         """A KYOK completion: runs in its own task, never awaited here."""
         offering = self.offerings.get(frame.llm)
         if offering is None or frame.id in link.completions:
-            link.queue(f.CompletionFailed(id=frame.id, message=f"no offering {frame.llm!r} here",
-                                          refusal={"reason": "unknown offering"}))
+            link.queue(link.machine.completion_failed(
+                frame.id, f"no offering {frame.llm!r} here", {"reason": "unknown offering"}))
             return
         scope = link.completions[frame.id] = trio.CancelScope()
         link.nursery.start_soon(self._completion_task, link, offering, frame, scope,
@@ -731,7 +662,7 @@ class Provider:
 
     async def _completion_task(self, link: _Link, offering: _Offering, frame: f.Complete,
                                scope: trio.CancelScope) -> None:
-        ended: BaseModel | None = None
+        ended: list[P.Action] | None = None
         try:
             with scope:
                 try:
@@ -739,13 +670,13 @@ class Provider:
                     async with _closing(offering.fn(request).__aiter__()) as stream:
                         async for item in stream:
                             await link.chunk(frame.id, llm.chunk_text(item))
-                    ended = f.CompletionEnd(id=frame.id)
+                    ended = link.machine.completion_end(frame.id)
                 except llm.Refusal as exc:
-                    ended = f.CompletionFailed(id=frame.id, message=exc.message,
-                                               refusal=exc.refusal)
+                    ended = link.machine.completion_failed(frame.id, exc.message, exc.refusal)
                 except Exception as exc:
                     log.exception("offering %s failed on %s", offering.name, frame.id)
-                    ended = f.CompletionFailed(id=frame.id, message=f"{type(exc).__name__}: {exc}")
+                    ended = link.machine.completion_failed(
+                        frame.id, f"{type(exc).__name__}: {exc}")
         finally:
             link.completions.pop(frame.id, None)
             if ended is not None:  # abandoned: funduq reads nothing more of it
@@ -783,7 +714,7 @@ class Provider:
             release = getattr(held.entry.fn, "release", None)
             if callable(release):
                 release(ctx)
-            link.queue(f.Finish(run_id=ctx.run_id))
+            link.queue(link.machine.finish(ctx.run_id))
 
 
 def _closing(iterator: Any) -> AbstractAsyncContextManager[Any]:
