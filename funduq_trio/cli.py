@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
+import re
 import sys
 from typing import Any
 
+from . import __version__
 from .config import Settings, env_name, parse_value
 
 PROG = "funduq-trio"
@@ -35,6 +36,10 @@ FLAG_HELP = {
     "max_body_bytes": "largest HTTP request body",
     "provider_keys": "comma-separated allowlist of provider public keys (default: any key)",
     "operator_token": "the operator's bearer token (default: generated, kept in the data dir)",
+    "cors_origins": "comma-separated origins browsers may call the doors from (default: none)",
+    "log_level": "debug, info, warning or error",
+    "log_format": "text or json (one object per line)",
+    "access_log": "log each HTTP request (true/false)",
 }
 
 
@@ -63,6 +68,7 @@ def _settings_parser(sub: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="funduq: an agent broker on trio")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _settings_parser(sub)
     sub.add_parser(
@@ -87,21 +93,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def as_given(message: str, flagged: set[str]) -> str:
+    """Name each setting in `message` the way the user gave it: `--port 70000`
+    for a flag, `FUNDUQ_PORT=70000` for a variable (messages are written with
+    the variable's name); and keep it to one line."""
+    for name in flagged:
+        pattern = re.escape(env_name(name)) + r"(?![A-Z0-9_])(=?)"
+        message = re.sub(pattern, lambda m, n=name: flag_name(n) + (" " if m[1] else ""),
+                         message)
+    return " ".join(message.splitlines())
+
+
+def flags_given(args: argparse.Namespace) -> set[str]:
+    """The Settings fields set by a flag on this command line."""
+    return {f.name for f in dataclasses.fields(Settings) if getattr(args, f.name, None) is not None}
+
+
 def settings_from_args(args: argparse.Namespace, env: Any = None) -> Settings:
-    """Environment first, flags over it; ValueError with the variable's name when bad."""
+    """Environment first, flags over it; ValueError naming each bad setting as
+    it was given (flag or variable)."""
     overrides = {}
-    for f in dataclasses.fields(Settings):
-        raw = getattr(args, f.name, None)
-        if raw is not None:
-            try:
-                overrides[f.name] = parse_value(f.name, raw)
-            except ValueError as exc:
-                message = str(exc).replace(env_name(f.name), flag_name(f.name), 1)
-                raise ValueError(message) from None
-    settings = Settings.from_env(env, **overrides)
+    flagged = flags_given(args)
+    for name in sorted(flagged):
+        try:
+            overrides[name] = parse_value(name, getattr(args, name))
+        except ValueError as exc:
+            raise ValueError(as_given(str(exc), flagged)) from None
+    try:
+        settings = Settings.from_env(env, **overrides)
+    except ValueError as exc:
+        raise ValueError(as_given(str(exc), flagged)) from None
     problems = settings.problems()
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError(as_given("; ".join(problems), flagged))
     return settings
 
 
@@ -187,6 +211,28 @@ async def _call(
     return state, "".join(artifacts.values()), error
 
 
+def serve_command(args: argparse.Namespace) -> int:
+    """`serve`: every way it cannot start is one line on stderr and status 2,
+    and nothing is created before the settings are known to be good."""
+    from .logs import configure_logging
+    from .server import StartupError, listen_socket, prepare_storage, run_server
+
+    flagged = flags_given(args)
+    try:
+        settings = settings_from_args(args)
+        configure_logging(settings.log_level, settings.log_format)
+        listener = listen_socket(settings)
+        try:
+            prepare_storage(settings)
+        except BaseException:
+            listener.close()
+            raise
+        return run_server(settings, listener, __version__)
+    except (ValueError, StartupError) as exc:
+        print(f"{PROG} serve: error: {as_given(str(exc), flagged)}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["provider"]:
@@ -197,15 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        try:
-            settings = settings_from_args(args)
-        except ValueError as exc:
-            parser.exit(2, f"{PROG} serve: error: {exc}\n")
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        from .server import run_server
-
-        run_server(settings)
-        return 0
+        return serve_command(args)
     if args.command == "call":
         url = args.url
         if args.agent is not None:
