@@ -35,9 +35,10 @@ def test_flags_override_the_environment():
     [
         (["--port", "eighty"], {}, "--port"),
         ([], {"FUNDUQ_PORT": "99999"}, "FUNDUQ_PORT"),
-        (["--thread-queue-limit", "0"], {}, "FUNDUQ_THREAD_QUEUE_LIMIT"),
-        (["--provider-keys", "abc"], {}, "FUNDUQ_PROVIDER_KEYS"),
-        (["--database-url", "postgres://x"], {}, "FUNDUQ_DATABASE_URL"),
+        # Named as given: the flag when a flag was used.
+        (["--thread-queue-limit", "0"], {}, "--thread-queue-limit 0"),
+        (["--provider-keys", "abc"], {}, "--provider-keys"),
+        (["--database-url", "postgres://x"], {}, "--database-url postgres://x"),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
     ],
 )

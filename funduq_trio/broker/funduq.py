@@ -207,6 +207,9 @@ class Funduq:
         return lane
 
     def _lane_ended(self, lane: Lane) -> None:
+        log.debug("run %s ended %s%s", lane.run_id, lane.status,
+                  f" ({lane.metadata['failureReason']})"
+                  if "failureReason" in (lane.metadata or {}) else "")
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
         thread = lane.thread
@@ -318,6 +321,7 @@ class Funduq:
                 del self._reserved[tid]
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
+        log.debug("run %s queued on thread %s for %s/%s", run_id, tid, key[:16], agent)
         return RunTicket(run_id, tid)
 
     def _reserve(self, thread_id: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 from quart import websocket
 
-from funduq_trio.identity import new_nonce
+from funduq_trio.identity import fingerprint_of, new_nonce
 from funduq_trio.protocol import link as L
 from funduq_trio.protocol.frames import Outgoing, encode_frame
 
@@ -106,6 +106,9 @@ class ProviderSocket:
                 self._session = self._funduq.attach_provider(
                     action.public_key, action.max_concurrent_runs, self
                 )
+                log.info("provider %s attached (key %s, max concurrent runs %s)",
+                         self._session.fingerprint, action.public_key,
+                         action.max_concurrent_runs or "unlimited")
             elif isinstance(action, L.Detach):
                 if self._session is not None:
                     self._session.detach()
@@ -163,10 +166,30 @@ class ProviderSocket:
             log.exception("provider link failed")
             raise
         finally:
+            why = self.machine.close_reason or self._peer_close()
             self._perform(self.machine.connection_lost())
-            log.info(
-                "provider link %s closed: %s", self.machine.public_key, self.machine.close_reason
-            )
+            self._log_end(why)
+
+    def _peer_close(self) -> str:
+        """Why the link ended when funduq did not end it. A disconnect event
+        (see `remember_close_codes`) means the provider's side closed the
+        stream; hypercorn reports a provider's own close frame as 1006 too,
+        so the code is shown only when it says more than that."""
+        scope = getattr(self._ws, "scope", None) or {}
+        if CLOSE_CODE_KEY not in scope:
+            return "connection lost"
+        code = scope[CLOSE_CODE_KEY]
+        return "the provider closed the connection" + (
+            f" (close code {code})" if code not in (1000, 1001, 1005, 1006, None) else "")
+
+    def _log_end(self, why: str) -> None:
+        if self.machine.public_key is not None:
+            log.info("provider %s left: %s", fingerprint_of(self.machine.public_key), why)
+        elif self.machine.claimed_key is not None:
+            log.info("refused a provider link claiming key %r: %s",
+                     self.machine.claimed_key[:80], why)
+        else:
+            log.info("refused a provider link before it claimed a key: %s", why)
 
     async def _writer(self) -> None:
         """Write queued frames in order. To a provider that takes batches,
@@ -245,9 +268,35 @@ async def serve_provider_link(ws: Any, funduq: Any) -> None:
     await ProviderSocket(ws, funduq).run()
 
 
+#: Where `remember_close_codes` leaves the close code in a websocket's scope.
+CLOSE_CODE_KEY = "funduq.close_code"
+
+
+def remember_close_codes(asgi_app: Any) -> Any:
+    """Wrap an ASGI app so a websocket's scope keeps the close code of its
+    `websocket.disconnect`: quart cancels the handler without telling it, and
+    a provider that says goodbye (1000) is not a lost connection."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "websocket":
+            await asgi_app(scope, receive, send)
+            return
+
+        async def receiving() -> Any:
+            event = await receive()
+            if event.get("type") == "websocket.disconnect":
+                scope[CLOSE_CODE_KEY] = event.get("code")
+            return event
+
+        await asgi_app(scope, receiving, send)
+
+    return app
+
+
 def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None:
     """Add `WS /ws/provider` to a quart-trio app; `funduq_getter()` returns the
     `Funduq` facade when a connection arrives."""
+    app.asgi_app = remember_close_codes(app.asgi_app)
 
     @app.websocket("/ws/provider")
     async def provider_socket() -> None:
