@@ -26,6 +26,7 @@ from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .cors import mount_cors
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
@@ -113,6 +114,7 @@ def create_app(funduq: Funduq) -> QuartTrio:
     async def bad_actor_chain(exc: InvalidActorChain) -> Response:
         return json_error(403, "invalid_actor_chain", str(exc))
 
+    mount_cors(app, settings.cors_origins)
     mount_reads(app, funduq)
     mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
