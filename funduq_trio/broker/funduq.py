@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from ..config import OPERATOR_TOKEN, Settings
-from ..identity import Identity, dispatch_hop
+from ..identity import Identity, dispatch_hop, fingerprint_of
 from ..protocol import agui, reasons
 from ..protocol import statuses as st
 from ..secret_file import load_or_create
@@ -261,6 +261,15 @@ class Funduq:
 
     async def roster(self) -> list[dict[str, Any]]:
         return [v.as_json() for v in self.providers.roster()]
+
+    def provider_quality(self) -> list[dict[str, Any]]:
+        """Every provider funduq has met: online or not, its quality counters
+        and the allowance they are withdrawn at (the operator's view)."""
+        providers = self.providers
+        return [{"provider": key, "fingerprint": fingerprint_of(key),
+                 "online": key in providers.sessions and providers.sessions[key].live,
+                 "counters": dict(counts), "allowance": providers.allowance}
+                for key, counts in sorted(providers.counters.items())]
 
     async def _provider_thread_messages(self, key: str, thread_id: str,
                                         limit: int | None) -> list[dict[str, Any]]:

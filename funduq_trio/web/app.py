@@ -27,6 +27,7 @@ from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
 from .cors import mount_cors
+from .operator import mount_operator_page
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
@@ -116,6 +117,7 @@ def create_app(funduq: Funduq) -> QuartTrio:
 
     mount_cors(app, settings.cors_origins)
     mount_reads(app, funduq)
+    mount_operator_page(app, funduq)
     mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
