@@ -90,7 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--context-id", default=None, help="continue this thread (A2A contextId)")
     call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")
     call.add_argument("text", help="the message text")
+    _quality_parser(sub)
     return parser
+
+
+def _quality_parser(sub: Any) -> None:
+    quality = sub.add_parser(
+        "quality",
+        help="list or reset providers' quality counters (in the record; server stopped)",
+        description="Read or reset the providers' quality counters in the record file. "
+        "Stop the server first: a running funduq keeps its counters in memory.",
+    )
+    actions = quality.add_subparsers(dest="quality_command", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="every provider and its counters")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    reset = actions.add_parser("reset", help="zero one provider's counters")
+    reset.add_argument("provider", metavar="PROVIDER_KEY",
+                       help="the provider's 64-hex public key or 16-hex fingerprint")
+    for action in (listing, reset):
+        for name in ("data_dir", "database_url"):
+            action.add_argument(flag_name(name), dest=name, default=None, metavar=env_name(name),
+                                help=f"as for serve [env {env_name(name)}]")
 
 
 def as_given(message: str, flagged: set[str]) -> str:
@@ -233,6 +253,36 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
 
 
+def quality_command(args: argparse.Namespace) -> int:
+    """`quality list | reset`: on the record file `serve` would open."""
+    import json
+
+    from .admin import AdminError, list_quality, reset_quality
+
+    flagged = {n for n in ("data_dir", "database_url") if getattr(args, n) is not None}
+    try:
+        overrides = {n: parse_value(n, getattr(args, n)) for n in flagged}
+        path = Settings.from_env(None, **overrides).database_path
+        if args.quality_command == "reset":
+            key = reset_quality(path, args.provider)
+            print(f"reset the quality counters of provider {key}")
+            return 0
+        providers = list_quality(path)
+    except (ValueError, AdminError) as exc:
+        print(f"{PROG} quality: error: {as_given(str(exc), flagged)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"providers": providers}, indent=2))
+        return 0
+    from .broker.record import COUNTERS
+
+    print("fingerprint       " + " ".join(f"{c:>11}" for c in COUNTERS) + "  key")
+    for p in providers:
+        print(f"{p['fingerprint']:<17} " + " ".join(f"{p[c]:>11}" for c in COUNTERS)
+              + f"  {p['provider']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["provider"]:
@@ -253,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{PROG} call: error: {exc}", file=sys.stderr)
                 return 1
         return call(url, args.text, context_id=args.context_id, stream=not args.no_stream)
+    if args.command == "quality":
+        return quality_command(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
