@@ -87,8 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", required=True, help="the agent's A2A URL, or the server's with --agent"
     )
     call.add_argument("--agent", default=None, help="look the agent up by name in GET /agents")
-    call.add_argument("--context-id", default=None, help="continue this thread (A2A contextId)")
+    call.add_argument("--thread", "--context-id", dest="context_id", default=None,
+                      help="continue this thread (its id, the A2A contextId; see -v)")
     call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")
+    call.add_argument("-v", "--verbose", action="store_true",
+                      help="print the run's and thread's ids (on stderr)")
+    call.add_argument("--json", action="store_true",
+                      help="print one JSON object: ids, state, reply and every response")
     call.add_argument("text", help="the message text")
     _quality_parser(sub)
     return parser
@@ -170,30 +175,93 @@ def agent_url(server: str, name: str) -> str:
     return f"{server}/a2a/{online[0]['fingerprint']}/{name}"
 
 
-def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True) -> int:
-    """Send `text` to the A2A agent at `url`; print the reply's text. 0 when the
-    task completed (or the agent answered with a message), 1 otherwise."""
-    import asyncio
+def card_problem(url: str) -> str | None:
+    """What funduq says when the agent's card cannot be had (None: it can).
+    a2a-sdk's own error for a missing card is a web link; funduq's JSON
+    error says which agent or provider is unknown."""
+    import httpx
 
     try:
-        state, reply, error = asyncio.run(_call(url.rstrip("/"), text, context_id, stream))
+        response = httpx.get(f"{url}/.well-known/agent-card.json", timeout=30)
+    except httpx.HTTPError as exc:
+        return f"cannot reach {url}: {exc}"
+    if response.status_code == 200:
+        return None
+    try:
+        error = response.json()["error"]
+        return f"{error['message']} ({response.status_code} {error['code']})"
+    except (ValueError, KeyError, TypeError):
+        return f"{url}: HTTP {response.status_code}"
+
+
+@dataclasses.dataclass
+class CallResult:
+    """What one `call` saw: the run's final state, its text, its ids."""
+
+    state: str = "TASK_STATE_UNSPECIFIED"
+    reply: str = ""
+    error: str = ""
+    run_id: str = ""
+    thread_id: str = ""
+    responses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True,
+         verbose: bool = False, as_json: bool = False) -> int:
+    """Send `text` to the A2A agent at `url`; print the reply's text as it
+    arrives (with `verbose`, the run's and thread's ids on stderr; with
+    `as_json`, one JSON object with everything at the end). 0 when the task
+    completed (or the agent answered with a message), 1 otherwise."""
+    import asyncio
+    import json
+
+    url = url.rstrip("/")
+    problem = card_problem(url)
+    if problem is not None:
+        print(f"{PROG} call: error: {problem}", file=sys.stderr)
+        return 1
+    shown = ""
+
+    def on_reply(reply: str) -> None:
+        nonlocal shown
+        if as_json or not reply.startswith(shown):
+            return
+        sys.stdout.write(reply[len(shown):])
+        sys.stdout.flush()
+        shown = reply
+
+    def on_ids(run_id: str, thread_id: str) -> None:
+        if verbose:
+            print(f"run: {run_id}\nthread: {thread_id}", file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(_call(url, text, context_id, stream, on_reply, on_ids))
     except Exception as exc:  # noqa: BLE001 -- network, card, JSON-RPC: one line, no traceback
+        if shown:
+            print()
         print(f"{PROG} call: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if reply:
-        print(reply)
-    if error:
-        print(f"{PROG} call: {state}: {error}", file=sys.stderr)
-    return 0 if state in ("TASK_STATE_COMPLETED", "message") else 1
+    if as_json:
+        print(json.dumps({"runId": result.run_id, "threadId": result.thread_id,
+                          "state": result.state, "reply": result.reply, "error": result.error,
+                          "responses": result.responses}, indent=2))
+    else:
+        if result.reply != shown:  # a reply that did not extend what was shown
+            sys.stdout.write(("\n" if shown else "") + result.reply)
+        if result.reply:
+            print()
+        if result.error:
+            print(f"{PROG} call: {result.state}: {result.error}", file=sys.stderr)
+    return 0 if result.state in ("TASK_STATE_COMPLETED", "message") else 1
 
 
-async def _call(
-    url: str, text: str, context_id: str | None, stream: bool
-) -> tuple[str, str, str]:
+async def _call(url: str, text: str, context_id: str | None, stream: bool,
+                on_reply: Any, on_ids: Any) -> CallResult:
     import uuid
 
     from a2a.client import ClientConfig, create_client
     from a2a.types import Message, Part, Role, SendMessageRequest, TaskState
+    from google.protobuf.json_format import MessageToDict
 
     def texts(parts: Any) -> str:
         return "".join(p.text for p in parts if p.HasField("text"))
@@ -202,33 +270,49 @@ async def _call(
     if context_id:
         message.context_id = context_id
     artifacts: dict[str, str] = {}
-    state, error = "TASK_STATE_UNSPECIFIED", ""
+    result = CallResult()
+
+    def saw_ids(run_id: str, thread_id: str) -> None:
+        if run_id and not result.run_id:
+            result.run_id, result.thread_id = run_id, thread_id
+            on_ids(run_id, thread_id)
+
     client = await create_client(url, client_config=ClientConfig(streaming=stream))
     try:
         async for response in client.send_message(SendMessageRequest(message=message)):
+            result.responses.append(MessageToDict(response))
             if response.HasField("message"):
-                return "message", texts(response.message.parts), ""
+                result.state, result.reply = "message", texts(response.message.parts)
+                saw_ids(response.message.task_id, response.message.context_id)
+                on_reply(result.reply)
+                return result
             if response.HasField("task"):
                 task = response.task
+                saw_ids(task.id, task.context_id)
                 artifacts = {a.artifact_id: texts(a.parts) for a in task.artifacts}
                 status = task.status
             elif response.HasField("artifact_update"):
                 update = response.artifact_update
+                saw_ids(update.task_id, update.context_id)
                 artifact = update.artifact
                 before = artifacts.get(artifact.artifact_id, "") if update.append else ""
                 artifacts[artifact.artifact_id] = before + texts(artifact.parts)
+                on_reply("".join(artifacts.values()))
                 continue
             elif response.HasField("status_update"):
+                saw_ids(response.status_update.task_id, response.status_update.context_id)
                 status = response.status_update.status
             else:
                 continue
-            state = TaskState.Name(status.state)
-            error = texts(status.message.parts) if status.HasField("message") else ""
+            on_reply("".join(artifacts.values()))
+            result.state = TaskState.Name(status.state)
+            result.error = texts(status.message.parts) if status.HasField("message") else ""
     finally:
         await client.close()
-    if state == "TASK_STATE_COMPLETED":
-        error = ""
-    return state, "".join(artifacts.values()), error
+    if result.state == "TASK_STATE_COMPLETED":
+        result.error = ""
+    result.reply = "".join(artifacts.values())
+    return result
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -302,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, OSError) as exc:
                 print(f"{PROG} call: error: {exc}", file=sys.stderr)
                 return 1
-        return call(url, args.text, context_id=args.context_id, stream=not args.no_stream)
+        return call(url, args.text, context_id=args.context_id, stream=not args.no_stream,
+                    verbose=args.verbose, as_json=args.json)
     if args.command == "quality":
         return quality_command(args)
     parser.error(f"unknown command {args.command!r}")
