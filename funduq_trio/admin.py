@@ -25,8 +25,7 @@ class AdminError(Exception):
 
 def _open(path: Path) -> sqlite3.Connection:
     if not path.is_file():
-        raise AdminError(f"no record at {path} (give --data-dir or --database-url as "
-                         "for serve)")
+        raise AdminError(f"no record at {path} (give --data-dir or --database-url as for serve)")
     try:
         return sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=5)
     except sqlite3.Error as exc:
@@ -37,14 +36,19 @@ def list_quality(path: Path) -> list[dict[str, object]]:
     """Every provider in the record with its counters."""
     conn = _open(path)
     try:
-        rows = conn.execute("SELECT key, fingerprint, " + ", ".join(COUNTERS)
-                            + " FROM providers ORDER BY fingerprint").fetchall()
+        rows = conn.execute(
+            "SELECT key, fingerprint, "
+            + ", ".join(COUNTERS)
+            + " FROM providers ORDER BY fingerprint"
+        ).fetchall()
     except sqlite3.Error as exc:
         raise AdminError(f"cannot read the record {path}: {exc}") from None
     finally:
         conn.close()
-    return [{"provider": key, "fingerprint": fp, **dict(zip(COUNTERS, counts, strict=True))}
-            for key, fp, *counts in rows]
+    return [
+        {"provider": key, "fingerprint": fp, **dict(zip(COUNTERS, counts, strict=True))}
+        for key, fp, *counts in rows
+    ]
 
 
 def reset_quality(path: Path, provider: str) -> str:
@@ -53,17 +57,19 @@ def reset_quality(path: Path, provider: str) -> str:
     provider = provider.strip().lower()
     column = {64: "key", 16: "fingerprint"}.get(len(provider))
     if column is None or any(c not in "0123456789abcdef" for c in provider):
-        raise AdminError(f"{provider!r} is neither a 64-hex provider key nor a 16-hex "
-                         "fingerprint")
+        raise AdminError(f"{provider!r} is neither a 64-hex provider key nor a 16-hex fingerprint")
     conn = _open(path)
     try:
         with conn:
-            row = conn.execute(f"SELECT key FROM providers WHERE {column}=?",
-                               (provider,)).fetchone()
+            row = conn.execute(
+                f"SELECT key FROM providers WHERE {column}=?", (provider,)
+            ).fetchone()
             if row is None:
                 raise AdminError(f"no provider {provider} in the record {path}")
-            conn.execute("UPDATE providers SET " + ", ".join(f"{c}=0" for c in COUNTERS)
-                         + " WHERE key=?", (row[0],))
+            conn.execute(
+                "UPDATE providers SET " + ", ".join(f"{c}=0" for c in COUNTERS) + " WHERE key=?",
+                (row[0],),
+            )
     except sqlite3.Error as exc:
         raise AdminError(f"cannot write the record {path}: {exc}") from None
     finally:

@@ -10,21 +10,34 @@ ALLOWED = "https://app.example"
 
 async def test_preflight_and_responses_for_an_allowed_origin(tmp_path):
     async with (
-        running_server(tmp_path, cors_origins=frozenset({ALLOWED, "http://localhost:3000"})) as info,
+        running_server(
+            tmp_path, cors_origins=frozenset({ALLOWED, "http://localhost:3000"})
+        ) as info,
         http_client(info) as http,
         sdk_provider(info) as provider,
     ):
         door = f"/agui/{provider.identity.fingerprint}/echo"
-        preflight = await http.options(door, headers={
-            "Origin": ALLOWED, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "content-type, last-event-id"})
+        preflight = await http.options(
+            door,
+            headers={
+                "Origin": ALLOWED,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type, last-event-id",
+            },
+        )
         assert preflight.status_code == 204
         assert preflight.headers["access-control-allow-origin"] == ALLOWED
         assert "POST" in preflight.headers["access-control-allow-methods"]
-        allowed = {h.strip().lower() for h in
-                   preflight.headers["access-control-allow-headers"].split(",")}
-        assert {"content-type", "authorization", "last-event-id", "funduq-proof",
-                "a2a-version"} <= allowed
+        allowed = {
+            h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")
+        }
+        assert {
+            "content-type",
+            "authorization",
+            "last-event-id",
+            "funduq-proof",
+            "a2a-version",
+        } <= allowed
         assert preflight.headers["vary"] == "Origin"
 
         # The door's own stream carries the header; so do the read routes.
@@ -41,8 +54,10 @@ async def test_preflight_and_responses_for_an_allowed_origin(tmp_path):
         assert missing.headers["access-control-allow-origin"] == ALLOWED
 
         # Another origin: answered, but with nothing a browser would accept.
-        other = await http.options(door, headers={
-            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        other = await http.options(
+            door,
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         assert other.status_code == 204
         assert "access-control-allow-origin" not in other.headers
         http.headers["Origin"] = "https://evil.example"
@@ -50,11 +65,15 @@ async def test_preflight_and_responses_for_an_allowed_origin(tmp_path):
 
 
 async def test_cors_is_off_by_default(tmp_path):
-    async with running_server(tmp_path) as info, http_client(info) as http, \
-            sdk_provider(info) as provider:
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        sdk_provider(info) as provider,
+    ):
         http.headers["Origin"] = ALLOWED
         response, events = await post_sse(
-            http, f"/agui/{provider.identity.fingerprint}/echo", user_input("hi"))
+            http, f"/agui/{provider.identity.fingerprint}/echo", user_input("hi")
+        )
         assert events[-1]["type"] == "RUN_FINISHED"
         assert "access-control-allow-origin" not in response.headers
         preflight = await http.options("/agents", headers={"Access-Control-Request-Method": "GET"})

@@ -18,8 +18,15 @@ from funduq_trio.web.access import OPERATOR_COOKIE
 
 TOKEN = "operator-token-for-the-page"
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 #: docs/operator-page.png is made by running this with the variable set to it.
 SCREENSHOT_VARIABLE = "FUNDUQ_OPERATOR_SCREENSHOT"
 
@@ -114,7 +121,10 @@ async def test_the_page_in_chromium_sees_a_run_complete(tmp_path):
 
                 async def call():
                     result["run"] = await post_sse(
-                        http, f"/agui/{provider.fingerprint}/echo", user_input("hi", thread_id="browser-thread"))
+                        http,
+                        f"/agui/{provider.fingerprint}/echo",
+                        user_input("hi", thread_id="browser-thread"),
+                    )
 
                 nursery.start_soon(call)
                 run = await provider.next_offer()
@@ -185,10 +195,13 @@ class BrowserThread:
         if step == "text":
             return (await page.inner_text(args[0])).strip()
         if step == "wait_text":
+            from playwright.async_api import expect
+
+            # Playwright's own matcher (no eval: the page's CSP forbids it).
             selector, text = args
-            await page.wait_for_function(
-                "([s, t]) => { const e = document.querySelector(s); return e && e.textContent.trim() === t; }",
-                arg=[selector, text], timeout=30_000)  # a safety net, not a behaviour clock
+            await expect(page.locator(selector)).to_have_text(
+                text, timeout=30_000
+            )  # a safety net, not a behaviour clock
             return (await page.inner_text(selector)).strip()
         if step == "screenshot":
             await page.screenshot(path=args[0], full_page=True)

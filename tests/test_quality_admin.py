@@ -14,7 +14,12 @@ from test_cli import cli_env
 async def quality(*argv: str, cwd=None):
     return await trio.run_process(
         [sys.executable, "-m", "funduq_trio", "quality", *argv],
-        capture_stdout=True, capture_stderr=True, check=False, env=cli_env(), cwd=cwd)
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env=cli_env(),
+        cwd=cwd,
+    )
 
 
 async def test_list_and_reset_a_providers_counters(tmp_path):
@@ -28,8 +33,14 @@ async def test_list_and_reset_a_providers_counters(tmp_path):
     listed = await quality("list", "--json", "--data-dir", str(tmp_path))
     assert listed.returncode == 0, listed.stderr.decode()
     [row] = json.loads(listed.stdout)["providers"]
-    assert row == {"provider": key, "fingerprint": fingerprint, "misdeclared": 0,
-                   "unanswered": 3, "abandoned": 1, "undelivered": 0}
+    assert row == {
+        "provider": key,
+        "fingerprint": fingerprint,
+        "misdeclared": 0,
+        "unanswered": 3,
+        "abandoned": 1,
+        "undelivered": 0,
+    }
     table = await quality("list", "--data-dir", str(tmp_path))
     assert fingerprint in table.stdout.decode() and "unanswered" in table.stdout.decode()
 
@@ -40,8 +51,12 @@ async def test_list_and_reset_a_providers_counters(tmp_path):
     # The next start reads the reset counters.
     async with running_server(tmp_path) as info:
         [seen] = info.funduq.provider_quality()
-        assert seen["counters"] == {"misdeclared": 0, "unanswered": 0, "abandoned": 0,
-                                    "undelivered": 0}
+        assert seen["counters"] == {
+            "misdeclared": 0,
+            "unanswered": 0,
+            "abandoned": 0,
+            "undelivered": 0,
+        }
 
 
 async def test_quality_errors_are_one_line_and_create_nothing(tmp_path):

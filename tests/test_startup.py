@@ -26,7 +26,10 @@ from funduq_trio.identity import Identity
 async def serve_cli(argv: list[str], cwd: Path, env: dict[str, str] | None = None):
     return await trio.run_process(
         [sys.executable, "-m", "funduq_trio", "serve", *argv],
-        capture_stdout=True, capture_stderr=True, check=False, cwd=cwd,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=cwd,
         env={**cli_env(), **(env or {})},
     )
 
@@ -36,16 +39,36 @@ async def serve_cli(argv: list[str], cwd: Path, env: dict[str, str] | None = Non
     [
         (["--port", "70000"], {}, "--port 70000: a port is 0..65535"),
         ([], {"FUNDUQ_PORT": "70000"}, "FUNDUQ_PORT=70000: a port is 0..65535"),
-        (["--deliver-timeout-seconds", "nan"], {}, "--deliver-timeout-seconds nan: must be a finite number"),
-        ([], {"FUNDUQ_UNSERVED_GRACE_SECONDS": "inf"}, "FUNDUQ_UNSERVED_GRACE_SECONDS=inf: must be a finite number"),
+        (
+            ["--deliver-timeout-seconds", "nan"],
+            {},
+            "--deliver-timeout-seconds nan: must be a finite number",
+        ),
+        (
+            [],
+            {"FUNDUQ_UNSERVED_GRACE_SECONDS": "inf"},
+            "FUNDUQ_UNSERVED_GRACE_SECONDS=inf: must be a finite number",
+        ),
         (["--identity-key", "zz"], {}, "--identity-key <2 characters>: must be 64 hex characters"),
-        (["--database-url", "sqlite:///:memory:"], {}, "--database-url sqlite:///:memory:: the record must be a file"),
+        (
+            ["--database-url", "sqlite:///:memory:"],
+            {},
+            "--database-url sqlite:///:memory:: the record must be a file",
+        ),
         (["--thread-queue-limit", "0"], {}, "--thread-queue-limit 0: must be at least 1"),
         (["--log-format", "xml"], {}, "--log-format xml: text or json"),
         (["--data-dir", "a-file"], {}, "--data-dir a-file: a-file exists and is not a directory"),
-        ([], {"FUNDUQ_DATA_DIR": "a-file/below"}, "FUNDUQ_DATA_DIR=a-file/below: cannot create or write in a-file/below"),
+        (
+            [],
+            {"FUNDUQ_DATA_DIR": "a-file/below"},
+            "FUNDUQ_DATA_DIR=a-file/below: cannot create or write in a-file/below",
+        ),
         # Root may write anywhere a disk allows: /proc allows nothing new.
-        (["--data-dir", "/proc/funduq-data"], {}, "--data-dir /proc/funduq-data: cannot create or write in /proc/funduq-data"),
+        (
+            ["--data-dir", "/proc/funduq-data"],
+            {},
+            "--data-dir /proc/funduq-data: cannot create or write in /proc/funduq-data",
+        ),
     ],
 )
 async def test_each_start_up_error_is_one_line_and_leaves_nothing(tmp_path, argv, env, line):
@@ -72,8 +95,10 @@ async def test_a_port_in_use_is_one_line_with_the_address(tmp_path):
         taken.close()
     stderr = done.stderr.decode()
     assert done.returncode == 2
-    assert stderr == (f"funduq-trio serve: error: --port {port}: cannot listen on "
-                      f"127.0.0.1:{port}: Address already in use\n")
+    assert stderr == (
+        f"funduq-trio serve: error: --port {port}: cannot listen on "
+        f"127.0.0.1:{port}: Address already in use\n"
+    )
     assert list(tmp_path.iterdir()) == []  # no data dir, no key
 
 
@@ -99,11 +124,29 @@ async def test_banner_json_logs_and_access_log(tmp_path):
     operator page; the access log, asked for, logs each request."""
     record = tmp_path / "elsewhere" / "record.sqlite3"
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir", "data",
-         "--database-url", f"sqlite:///{record}", "--log-format", "json",
-         "--access-log", "true", "--thread-queue-limit", "3",
-         "--operator-token", "operator-token-0123456789"],
-        stderr=subprocess.PIPE, cwd=tmp_path, env=cli_env(),
+        [
+            sys.executable,
+            "-m",
+            "funduq_trio",
+            "serve",
+            "--port",
+            "0",
+            "--data-dir",
+            "data",
+            "--database-url",
+            f"sqlite:///{record}",
+            "--log-format",
+            "json",
+            "--access-log",
+            "true",
+            "--thread-queue-limit",
+            "3",
+            "--operator-token",
+            "operator-token-0123456789",
+        ],
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=cli_env(),
     )
     try:
         output = await read_until(process.stderr, b"", b"operator page")
@@ -140,7 +183,9 @@ async def test_banner_json_logs_and_access_log(tmp_path):
 async def test_text_logs_carry_the_level_and_the_logger(tmp_path):
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir", "data"],
-        stderr=subprocess.PIPE, cwd=tmp_path, env=cli_env(),
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env=cli_env(),
     )
     try:
         output = await read_until(process.stderr, b"", b"operator page")
@@ -162,9 +207,17 @@ async def test_provider_attach_leave_and_refusal_are_logged(tmp_path, caplog):
         stranger = Identity.generate()
         async with open_websocket_url(info.provider_url) as ws:
             await ws.get_message()  # hello
-            await ws.send_message(json.dumps({
-                "kind": "connect", "publicKey": stranger.public_key_hex, "nonce": "n" * 32,
-                "proof": "00" * 64, "maxConcurrentRuns": None}))
+            await ws.send_message(
+                json.dumps(
+                    {
+                        "kind": "connect",
+                        "publicKey": stranger.public_key_hex,
+                        "nonce": "n" * 32,
+                        "proof": "00" * 64,
+                        "maxConcurrentRuns": None,
+                    }
+                )
+            )
             assert json.loads(await ws.get_message())["kind"] == "connect.err"
         with trio.fail_after(30):  # safety net: the server logs once it sees the close
             while not any("refused" in r.getMessage() for r in caplog.records):
@@ -173,5 +226,7 @@ async def test_provider_attach_leave_and_refusal_are_logged(tmp_path, caplog):
     assert any(m.startswith(f"provider {fingerprint} attached (key {key}") for m in said), said
     assert f"provider {fingerprint} left: the provider closed the connection" in said
     refused = [m for m in said if m.startswith("refused a provider link")]
-    assert refused and stranger.public_key_hex in refused[0] and "proof does not verify" in refused[0]
+    assert (
+        refused and stranger.public_key_hex in refused[0] and "proof does not verify" in refused[0]
+    )
     assert not any("None" in m for m in said if "provider link" in m)

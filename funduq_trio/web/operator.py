@@ -80,11 +80,16 @@ def _status(status: str) -> str:
 def _roster_table(roster: list[dict[str, Any]]) -> str:
     rows = "".join(
         f"<tr><td>{_e(a['name'])}</td><td><code>{_e(a['fingerprint'])}</code></td>"
-        f"<td class=\"{'online' if a['online'] else 'offline'}\">"
+        f'<td class="{"online" if a["online"] else "offline"}">'
         f"{'online' if a['online'] else 'offline'}</td><td>{_e(a['description'])}</td></tr>"
-        for a in roster)
-    return ("<table id=\"agents\"><tr><th>agent</th><th>provider</th><th></th>"
-            f"<th>description</th></tr>{rows}</table>" if rows else "<p>No agents yet.</p>")
+        for a in roster
+    )
+    return (
+        '<table id="agents"><tr><th>agent</th><th>provider</th><th></th>'
+        f"<th>description</th></tr>{rows}</table>"
+        if rows
+        else "<p>No agents yet.</p>"
+    )
 
 
 def _providers_table(providers: list[dict[str, Any]]) -> str:
@@ -94,11 +99,13 @@ def _providers_table(providers: list[dict[str, Any]]) -> str:
     head = "".join(f"<th>{_e(n)}</th>" for n in names)
     rows = "".join(
         f"<tr><td><code>{_e(p['fingerprint'])}</code></td>"
-        f"<td class=\"{'online' if p['online'] else 'offline'}\">"
+        f'<td class="{"online" if p["online"] else "offline"}">'
         f"{'online' if p['online'] else 'offline'}</td>"
         + "".join(f"<td>{_e(p['counters'][n])}/{_e(p['allowance'])}</td>" for n in names)
-        + "</tr>" for p in providers)
-    return (f"<table id=\"providers\"><tr><th>provider</th><th></th>{head}</tr>{rows}</table>")
+        + "</tr>"
+        for p in providers
+    )
+    return f'<table id="providers"><tr><th>provider</th><th></th>{head}</tr>{rows}</table>'
 
 
 def _threads_table(runs: list[dict[str, Any]]) -> str:
@@ -109,22 +116,31 @@ def _threads_table(runs: list[dict[str, Any]]) -> str:
     rows = "".join(
         f"<tr><td><code>{_e(tid)}</code></td><td>{_e(t['latest']['agent']['name'])}</td>"
         f"<td>{t['runs']}</td><td>{_status(t['latest']['status'])}</td></tr>"
-        for tid, t in threads.items())
-    return ("<table id=\"threads\"><tr><th>thread</th><th>agent</th><th>runs</th>"
-            f"<th>latest run</th></tr>{rows}</table>" if rows else "<p>No threads yet.</p>")
+        for tid, t in threads.items()
+    )
+    return (
+        '<table id="threads"><tr><th>thread</th><th>agent</th><th>runs</th>'
+        f"<th>latest run</th></tr>{rows}</table>"
+        if rows
+        else "<p>No threads yet.</p>"
+    )
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> str:
     rows = "".join(
-        f"<tr data-run=\"{_e(r['runId'])}\"><td><a class=\"run\" href=\"?run={_e(r['runId'])}\">"
+        f'<tr data-run="{_e(r["runId"])}"><td><a class="run" href="?run={_e(r["runId"])}">'
         f"<code>{_e(r['runId'])}</code></a></td><td><code>{_e(r['threadId'])}</code></td>"
         f"<td>{_e(r['agent']['name'])}</td><td>{_status(r['status'])}</td>"
         f"<td>{_e(r['createdAt'])}</td>"
-        f"<td class=\"reason\">{_e((r.get('metadata') or {}).get('failureReason'))}</td></tr>"
-        for r in runs)
-    return ("<table id=\"runs\"><tr><th>run</th><th>thread</th><th>agent</th><th>status</th>"
-            f"<th>created</th><th>failure reason</th></tr>{rows}</table>"
-            if rows else "<p>No runs yet.</p>")
+        f'<td class="reason">{_e((r.get("metadata") or {}).get("failureReason"))}</td></tr>'
+        for r in runs
+    )
+    return (
+        '<table id="runs"><tr><th>run</th><th>thread</th><th>agent</th><th>status</th>'
+        f"<th>created</th><th>failure reason</th></tr>{rows}</table>"
+        if rows
+        else "<p>No runs yet.</p>"
+    )
 
 
 def _timeline(run: dict[str, Any] | None, run_id: str) -> str:
@@ -137,26 +153,38 @@ def _timeline(run: dict[str, Any] | None, run_id: str) -> str:
         text = json.dumps(event, ensure_ascii=False)
         if len(text) > EVENT_CHARS:
             text = text[:EVENT_CHARS] + "…"
-        rows.append(f"<tr><td>{_e(item.get('seq'))}</td><td>{_e(event.get('type'))}</td>"
-                    f"<td>{_e(text)}</td></tr>")
-    more = (f"<p>… and {len(events) - EVENTS_SHOWN} more events</p>"
-            if len(events) > EVENTS_SHOWN else "")
+        rows.append(
+            f"<tr><td>{_e(item.get('seq'))}</td><td>{_e(event.get('type'))}</td>"
+            f"<td>{_e(text)}</td></tr>"
+        )
+    more = (
+        f"<p>… and {len(events) - EVENTS_SHOWN} more events</p>"
+        if len(events) > EVENTS_SHOWN
+        else ""
+    )
     reason = (run.get("metadata") or {}).get("failureReason")
-    return (f"<h2>Run <code>{_e(run['runId'])}</code> {_status(run['status'])}</h2>"
-            + (f"<p>failure reason: <b class=\"reason\">{_e(reason)}</b></p>" if reason else "")
-            + "<table id=\"timeline\"><tr><th>seq</th><th>type</th><th>event</th></tr>"
-            + "".join(rows) + "</table>" + more)
+    return (
+        f"<h2>Run <code>{_e(run['runId'])}</code> {_status(run['status'])}</h2>"
+        + (f'<p>failure reason: <b class="reason">{_e(reason)}</b></p>' if reason else "")
+        + '<table id="timeline"><tr><th>seq</th><th>type</th><th>event</th></tr>'
+        + "".join(rows)
+        + "</table>"
+        + more
+    )
 
 
 async def render_view(funduq: Funduq, run_id: str | None = None) -> str:
     """The live part of the page, as HTML."""
     runs = await funduq.list_runs(limit=RUNS_SHOWN)
     parts = [
-        "<h2>Agents</h2>", _roster_table(await funduq.roster()),
+        "<h2>Agents</h2>",
+        _roster_table(await funduq.roster()),
         "<h2>Providers and their quality counters</h2>",
         _providers_table(funduq.provider_quality()),
-        "<h2>Threads</h2>", _threads_table(runs),
-        f"<h2>Runs (newest {RUNS_SHOWN})</h2>", _runs_table(runs),
+        "<h2>Threads</h2>",
+        _threads_table(runs),
+        f"<h2>Runs (newest {RUNS_SHOWN})</h2>",
+        _runs_table(runs),
     ]
     if run_id:
         parts.append(_timeline(await funduq.get_run(run_id), run_id))
@@ -170,7 +198,8 @@ def _html(body: str, status: int = 200) -> Response:
     response.headers["X-Frame-Options"] = "DENY"
     response.headers["Content-Security-Policy"] = (
         "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-        "frame-ancestors 'none'")
+        "frame-ancestors 'none'"
+    )
     return response
 
 
@@ -184,9 +213,10 @@ def mount_operator_page(app: Any, funduq: Funduq) -> None:
         run_id = request.args.get("run")
         view = await render_view(funduq, run_id)
         return _html(
-            "<!doctype html><html><head><meta charset=\"utf-8\"><title>funduq operator</title>"
+            '<!doctype html><html><head><meta charset="utf-8"><title>funduq operator</title>'
             f"<style>{STYLE}</style></head><body><h1>funduq operator</h1>"
-            f"<div id=\"live\">{view}</div><script>{SCRIPT}</script></body></html>")
+            f'<div id="live">{view}</div><script>{SCRIPT}</script></body></html>'
+        )
 
     @app.get("/operator/view")
     async def operator_view() -> Response:
