@@ -150,7 +150,8 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
              "echo", "hello"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
         try:
-            run = await provider.next_offer()
+            with trio.fail_after(60):  # a safety net: a call that exits at once sends nothing
+                run = await provider.next_offer()
             await provider.answer(run, "accepted")
             ids = {"threadId": run["threadId"], "runId": run["runId"]}
             for event in [
@@ -193,7 +194,8 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
                     capture_stdout=True, capture_stderr=True, check=False, env=cli_env())
 
             nursery.start_soon(again)
-            second = await provider.next_offer()
+            with trio.fail_after(60):  # a safety net, as above
+                second = await provider.next_offer()
             assert second["threadId"] == run["threadId"]
             await provider.answer(second, "accepted")
             ids = {"threadId": second["threadId"], "runId": second["runId"]}

@@ -29,22 +29,23 @@ from test_cli import cli_env
     ],
 )
 async def test_a_wrong_url_is_one_line(tmp_path, url, said):
-    done = await trio.run_process(
-        [
-            sys.executable,
-            "-m",
-            "funduq_trio",
-            "provider",
-            "--url",
-            url,
-            "--key-file",
-            str(tmp_path / "p.key"),
-        ],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-        env=cli_env(),
-    )
+    with trio.fail_after(60):  # a safety net: a provider that does start would hang here
+        done = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "funduq_trio",
+                "provider",
+                "--url",
+                url,
+                "--key-file",
+                str(tmp_path / "p.key"),
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=cli_env(),
+        )
     assert done.returncode == 2
     assert done.stderr.decode().startswith(f"funduq-trio provider: error: {said}")
     assert done.stderr.decode().count("\n") == 1
