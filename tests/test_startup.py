@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -230,3 +231,47 @@ async def test_provider_attach_leave_and_refusal_are_logged(tmp_path, caplog):
         refused and stranger.public_key_hex in refused[0] and "proof does not verify" in refused[0]
     )
     assert not any("None" in m for m in said if "provider link" in m)
+
+
+def test_log_level_and_format_govern_every_funduq_logger():
+    import io
+
+    from funduq_trio.logs import configure_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    stream = io.StringIO()
+    try:
+        configure_logging("warning", "json", stream)
+        logging.getLogger("funduq_trio.server").info("quiet at warning")
+        logging.getLogger("funduq.providers").warning("withdrawing provider x: y")
+    finally:
+        root.handlers, root.level = saved
+    [line] = stream.getvalue().splitlines()
+    said = json.loads(line)
+    assert said["level"] == "warning" and said["logger"] == "funduq.providers"
+    assert said["message"] == "withdrawing provider x: y"
+
+
+async def test_run_lifecycle_lines_at_debug(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="funduq")
+    async with running_server(tmp_path) as info, raw_provider(info, ["echo"]) as provider:
+        async with httpx.AsyncClient(base_url=info.url, timeout=30) as http:
+            body = {
+                "threadId": "t",
+                "runId": "r",
+                "messages": [{"id": "m", "role": "user", "content": "hi"}],
+            }
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    partial(http.post, f"/agui/{provider.fingerprint}/echo", json=body)
+                )
+                with trio.fail_after(30):  # a safety net
+                    run = await provider.next_offer()
+                await provider.answer(run, "refused", "not today")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert (
+        f"run {run['runId']} queued on thread {run['threadId']} for {provider.fingerprint}/echo"
+        in said
+    )
+    assert f"run {run['runId']} ended failed (not today)" in said

@@ -330,7 +330,7 @@ class Funduq:
                 del self._reserved[tid]
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
-        log.debug("run %s queued on thread %s for %s/%s", run_id, tid, key[:16], agent)
+        log.debug("run %s queued on thread %s for %s/%s", run_id, tid, fingerprint_of(key), agent)
         return RunTicket(run_id, tid)
 
     def _reserve(self, thread_id: str) -> None:
