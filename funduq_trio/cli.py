@@ -1,11 +1,15 @@
-"""`funduq-trio serve | provider | call` (also `python -m funduq_trio ...`).
+"""`funduq-trio serve | provider | call | quality` (also `python -m funduq_trio ...`).
 
 - `serve`: every Settings field is a FUNDUQ_* variable and a flag
-  (FUNDUQ_PORT <-> --port); flags override the environment.
+  (FUNDUQ_PORT <-> --port); flags override the environment. Every way it
+  cannot start is one line naming the setting as given, exit status 2.
 - `provider ...`: the example provider, built on the SDK
   (`funduq_trio.provider.run_provider_cli`).
 - `call --url <a2a url> "text"`: send one message with a2a-sdk's client and
-  print the reply's text.
+  print the reply's text as it streams (`-v` ids, `--json` everything,
+  `--thread` to continue one).
+- `quality list | reset PROVIDER_KEY`: the record's quality counters
+  (`funduq_trio.admin`), server stopped.
 """
 
 from __future__ import annotations
