@@ -19,7 +19,7 @@ V03 = constants.PROTOCOL_VERSION_0_3
 #: The HTTP+JSON binding's "dialect": 1.0 shapes, no JSON-RPC envelope.
 REST = "rest"
 
-#: Operations the door performs, and the 1.0 request type each one parses.
+#: Operations the door performs (`parsing.METHODS_V1` names the 1.0 request of each).
 SEND, STREAM, GET, CANCEL, SUBSCRIBE, LIST = (
     "send",
     "stream",
