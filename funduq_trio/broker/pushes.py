@@ -36,7 +36,8 @@ from a2a.types import a2a_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
 from .. import jose
-from ..protocol import a2a, agui, push, statuses
+from ..protocol import agui, push, statuses
+from ..protocol.a2a.projection import TaskProjection
 from ..protocol.push import SETTLE, TargetRefused
 from .errors import PushConfigNotFound, PushRefused
 
@@ -334,7 +335,7 @@ class Pushes:
         if record is None:
             await self._finish(config, DONE, "task not found")
             return
-        projection = a2a.TaskProjection(task_id=task_id, context_id=str(record["threadId"]))
+        projection = TaskProjection(task_id=task_id, context_id=str(record["threadId"]))
         #: An interrupt's RUN_FINISHED not yet known to have closed its turn.
         interrupted: tuple[int, dict[str, Any]] | None = None
         while True:
