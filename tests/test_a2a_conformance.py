@@ -10,16 +10,21 @@ as the caller (docs/doors.md, "Conformance", has the kit's full account):
 - HTTP_JSON-SVC-001 / HTTP_JSON-ERR-001: HTTP+JSON answers are
   `application/json` (A2A §11.1) unless the caller asks for
   `application/a2a+json`.
+- PUSH-DELIVER-001: a push config's `authentication` is the `Authorization`
+  its receiver gets; funduq's signature moves to `Funduq-Signature`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from push_support import push_receiver
 from support import http_client, operator_headers
 from test_a2a_door import a2a_door_mounted, broker_with_agents  # noqa: F401 (fixture)
-from test_a2a_push import V1, call, message, rpc
+from test_a2a_push import V1, call, delivered_all, message, rpc
+
+from funduq_trio import jose
 
 CONTENT_TYPE_NOT_SUPPORTED = -32005
 
@@ -119,3 +124,35 @@ async def test_http_json_answers_are_application_json_unless_a2a_json_is_asked_f
                                    headers={**V1, "Accept": "application/a2a+json"})
             assert asked.headers["content-type"].split(";")[0] == "application/a2a+json"
             assert asked.json() == plain.json()
+
+
+async def test_a_push_config_s_credentials_are_its_receiver_s_authorization(tmp_path) -> None:
+    async with (
+        push_receiver() as receiver,
+        broker_with_agents(tmp_path, push_allow_private=True) as (info, agents),
+    ):
+        fp = agents.provider.fingerprint
+        auth = {"scheme": "Bearer", "credentials": "receiver-secret-1"}
+        answer = await call(info, fp, "echo", rpc("SendMessage", {
+            "message": message("pushed"),
+            "configuration": {"taskPushNotificationConfig": {
+                "url": receiver.url, "token": "tok-1", "authentication": auth}}}))
+        task = answer["result"]["task"]
+        await delivered_all(info)
+        assert receiver.received
+        async with http_client(info) as http:
+            (jwk,) = (await http.get("/.well-known/jwks.json")).json()["keys"]
+        for headers, body in receiver.received:
+            assert headers["authorization"] == "Bearer receiver-secret-1"
+            assert headers["x-a2a-notification-token"] == "tok-1"
+            # funduq's signature still rides every update, in its own header.
+            _, payload = jose.verify_compact_jws(headers["funduq-signature"], jwk)
+            claims = json.loads(payload)
+            assert claims["taskId"] == task["id"]
+            assert claims["bodySha256"] == hashlib.sha256(body).hexdigest()
+        # Credentials that would split the request are refused up front.
+        for bad in ({"scheme": "Bearer", "credentials": "x\r\nX-Evil: 1"},
+                    {"scheme": "Bad Scheme", "credentials": "x"}):
+            refused = await call(info, fp, "echo", rpc("CreateTaskPushNotificationConfig", {
+                "taskId": task["id"], "url": receiver.url, "authentication": bad}))
+            assert refused["error"]["code"] == -32602, refused
