@@ -45,6 +45,7 @@ from a2a.types import a2a_pb2 as pb
 from a2a.utils import constants
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     InternalError,
     InvalidParamsError,
     InvalidRequestError,
@@ -56,7 +57,7 @@ from quart import Response, jsonify, request
 from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 
 from .. import jose
-from ..broker.errors import FunduqError, RunNotPaused
+from ..broker.errors import FunduqError, PushConfigNotFound, RunNotPaused
 from ..identity import InvalidActorChain
 from ..protocol import statuses
 from ..protocol.a2a.calls import (
@@ -108,7 +109,7 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
         if view is None:
             raise NotFound(f"no agent {agent!r} published by provider {provider!r}")
         rpc_url = f"{request.host_url.rstrip('/')}/a2a/{provider}/{agent}"
-        return jsonify(
+        return await _cacheable_card(jsonify(
             agent_card(
                 name=view.name,
                 description=view.description,
@@ -117,7 +118,7 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
                 published=view.card if isinstance(view.card, Mapping) else None,
                 identity=get_funduq().identity,
             )
-        )
+        ))
 
     app.add_url_rule(f"/a2a/<provider>/<agent>{CARD_PATH}", "a2a_card", card, methods=["GET"])
 
@@ -131,6 +132,29 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
 
 #: The brief's name for the same thing.
 mount_a2a = mount_a2a_door
+
+
+#: How long a caller may keep a card without asking again (A2A §8.6.1). A card
+#: changes only when its provider republishes; a minute bounds how stale a
+#: cached one gets, and revalidating it after that costs one 304.
+CARD_MAX_AGE_SECONDS = 60
+
+
+def _declares_json(mimetype: str) -> bool:
+    """Whether a request's declared media type may carry a JSON-RPC body: the
+    binding's `application/json` (A2A §9.1) or any `+json` type. A body that
+    declares nothing is read as JSON; one declaring another type is refused
+    with ContentTypeNotSupportedError (the TCK's JSONRPC-SSE-002)."""
+    return not mimetype or mimetype == "application/json" or mimetype.endswith("+json")
+
+
+async def _cacheable_card(response: Response) -> Response:
+    """The card with the caching headers of A2A §8.6.1 (the TCK's
+    CARD-CACHE-001/002): `Cache-Control: max-age` and an `ETag` that is a hash
+    of the card as sent, so a conditional GET of an unchanged card is a 304."""
+    response.headers["Cache-Control"] = f"max-age={CARD_MAX_AGE_SECONDS}"
+    await response.add_etag()
+    return await response.make_conditional(request)
 
 
 def _json(payload: dict[str, Any]) -> Response:
@@ -155,6 +179,10 @@ class A2ADoor:
                 message="Payload too large")))
             response.headers["Connection"] = "close"
             return response
+        if not _declares_json(request.mimetype):
+            return _json(error_response(None, ContentTypeNotSupportedError(
+                message=f"Content-Type {request.mimetype!r} is not supported: "
+                "send the JSON-RPC request as application/json")))
         try:
             call = parse_call(body, request.headers.get("A2A-Version"))
         except CallRejected as rejected:
@@ -246,7 +274,11 @@ class A2ADoor:
             return pb.ListTaskPushNotificationConfigsResponse(
                 configs=await pushes.list(req.task_id)
             )
-        await pushes.delete(req.task_id, req.id)
+        with contextlib.suppress(PushConfigNotFound):
+            # Deleting is idempotent (A2A §3.1.10, the TCK's PUSH-DEL-002): a
+            # config already gone is the state asked for. The task is still
+            # looked up above, so an unknown task stays "not found".
+            await pushes.delete(req.task_id, req.id)
         return None
 
     async def deliver_with_push(self, call: Call) -> str:

@@ -53,8 +53,11 @@ from .sse import sse_response
 
 log = logging.getLogger("funduq_trio.a2a")
 
-#: The binding's media type for JSON answers.
+#: The binding's media type for JSON answers: A2A §11.1 says
+#: `application/json`; a2a-sdk's server labels them `application/a2a+json`,
+#: which a caller gets by naming it in `Accept` (the TCK's HTTP_JSON-SVC-001).
 A2A_JSON = "application/a2a+json"
+JSON = "application/json"
 
 
 def mount_a2a_rest(app: Any, get_funduq: Callable[[], Any]) -> None:
@@ -89,7 +92,7 @@ def mount_a2a_rest(app: Any, get_funduq: Callable[[], Any]) -> None:
 def _rest_json(payload: Any, status: int = 200) -> Response:
     response = jsonify(payload)
     response.status_code = status
-    response.mimetype = A2A_JSON
+    response.mimetype = request.accept_mimetypes.best_match([JSON, A2A_JSON]) or JSON
     return response
 
 
