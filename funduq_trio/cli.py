@@ -24,6 +24,8 @@ from typing import Any
 
 from . import __version__
 from .config import Settings, env_name, parse_value
+from .runs_cli import add_parsers as add_run_parsers
+from .runs_cli import runs_command, show_command
 
 PROG = "funduq-trio"
 
@@ -128,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print one JSON object: ids, state, reply and every response")
     call.add_argument("text", help="the message text")
     _quality_parser(sub)
+    add_run_parsers(sub)
     return parser
 
 
@@ -426,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
                     verbose=args.verbose, as_json=args.json)
     if args.command == "quality":
         return quality_command(args)
+    if args.command == "runs":
+        return runs_command(args)
+    if args.command == "show":
+        return show_command(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
