@@ -1,24 +1,31 @@
-"""`funduq-trio serve | provider | call` (also `python -m funduq_trio ...`).
+"""`funduq-trio serve | provider | call | quality` (also `python -m funduq_trio ...`).
 
 - `serve`: every Settings field is a FUNDUQ_* variable and a flag
-  (FUNDUQ_PORT <-> --port); flags override the environment.
+  (FUNDUQ_PORT <-> --port); flags override the environment. Every way it
+  cannot start is one line naming the setting as given, exit status 2.
 - `provider ...`: the example provider, built on the SDK
   (`funduq_trio.provider.run_provider_cli`).
 - `llm-provider ...`: KYOK offerings (a fake model, a forwarder), built on the
   SDK (`funduq_trio.provider.llm_cli`).
 - `call --url <a2a url> "text"`: send one message with a2a-sdk's client and
-  print the reply's text.
+  print the reply's text as it streams (`-v` ids, `--json` everything,
+  `--thread` to continue one).
+- `quality list | reset PROVIDER_KEY`: the record's quality counters
+  (`funduq_trio.admin`), server stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
+import re
 import sys
 from typing import Any
 
+from . import __version__
 from .config import Settings, env_name, parse_value
+from .runs_cli import add_parsers as add_run_parsers
+from .runs_cli import runs_command, show_command
 
 PROG = "funduq-trio"
 
@@ -59,6 +66,10 @@ FLAG_HELP = {
     "push_timeout_seconds": "how long one push notification POST may take",
     "push_configs_per_task": "push notification configs one A2A task may hold",
     "push_max_active": "push notification configs delivering at once (all tasks)",
+    "cors_origins": "comma-separated origins browsers may call the doors from (default: none)",
+    "log_level": "debug, info, warning or error",
+    "log_format": "text or json (one object per line)",
+    "access_log": "log each HTTP request (true/false)",
 }
 
 
@@ -87,6 +98,7 @@ def _settings_parser(sub: Any) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="funduq: an agent broker on trio")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _settings_parser(sub)
     sub.add_parser(
@@ -110,27 +122,71 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", required=True, help="the agent's A2A URL, or the server's with --agent"
     )
     call.add_argument("--agent", default=None, help="look the agent up by name in GET /agents")
-    call.add_argument("--context-id", default=None, help="continue this thread (A2A contextId)")
+    call.add_argument("--thread", "--context-id", dest="context_id", default=None,
+                      help="continue this thread (its id, the A2A contextId; see -v)")
     call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")
+    call.add_argument("-v", "--verbose", action="store_true",
+                      help="print the run's and thread's ids (on stderr)")
+    call.add_argument("--json", action="store_true",
+                      help="print one JSON object: ids, state, reply and every response")
     call.add_argument("text", help="the message text")
+    _quality_parser(sub)
+    add_run_parsers(sub)
     return parser
 
 
+def _quality_parser(sub: Any) -> None:
+    quality = sub.add_parser(
+        "quality",
+        help="list or reset providers' quality counters (in the record; server stopped)",
+        description="Read or reset the providers' quality counters in the record file. "
+        "Stop the server first: a running funduq keeps its counters in memory.",
+    )
+    actions = quality.add_subparsers(dest="quality_command", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="every provider and its counters")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    reset = actions.add_parser("reset", help="zero one provider's counters")
+    reset.add_argument("provider", metavar="PROVIDER_KEY",
+                       help="the provider's 64-hex public key or 16-hex fingerprint")
+    for action in (listing, reset):
+        for name in ("data_dir", "database_url"):
+            action.add_argument(flag_name(name), dest=name, default=None, metavar=env_name(name),
+                                help=f"as for serve [env {env_name(name)}]")
+
+
+def as_given(message: str, flagged: set[str]) -> str:
+    """Name each setting in `message` the way the user gave it: `--port 70000`
+    for a flag, `FUNDUQ_PORT=70000` for a variable (messages are written with
+    the variable's name); and keep it to one line."""
+    for name in flagged:
+        pattern = re.escape(env_name(name)) + r"(?![A-Z0-9_])(=?)"
+        message = re.sub(pattern, lambda m, n=name: flag_name(n) + (" " if m[1] else ""),
+                         message)
+    return " ".join(message.splitlines())
+
+
+def flags_given(args: argparse.Namespace) -> set[str]:
+    """The Settings fields set by a flag on this command line."""
+    return {f.name for f in dataclasses.fields(Settings) if getattr(args, f.name, None) is not None}
+
+
 def settings_from_args(args: argparse.Namespace, env: Any = None) -> Settings:
-    """Environment first, flags over it; ValueError with the variable's name when bad."""
+    """Environment first, flags over it; ValueError naming each bad setting as
+    it was given (flag or variable)."""
     overrides = {}
-    for f in dataclasses.fields(Settings):
-        raw = getattr(args, f.name, None)
-        if raw is not None:
-            try:
-                overrides[f.name] = parse_value(f.name, raw)
-            except ValueError as exc:
-                message = str(exc).replace(env_name(f.name), flag_name(f.name), 1)
-                raise ValueError(message) from None
-    settings = Settings.from_env(env, **overrides)
+    flagged = flags_given(args)
+    for name in sorted(flagged):
+        try:
+            overrides[name] = parse_value(name, getattr(args, name))
+        except ValueError as exc:
+            raise ValueError(as_given(str(exc), flagged)) from None
+    try:
+        settings = Settings.from_env(env, **overrides)
+    except ValueError as exc:
+        raise ValueError(as_given(str(exc), flagged)) from None
     problems = settings.problems()
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError(as_given("; ".join(problems), flagged))
     return settings
 
 
@@ -155,30 +211,93 @@ def agent_url(server: str, name: str) -> str:
     return f"{server}/a2a/{online[0]['fingerprint']}/{name}"
 
 
-def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True) -> int:
-    """Send `text` to the A2A agent at `url`; print the reply's text. 0 when the
-    task completed (or the agent answered with a message), 1 otherwise."""
-    import asyncio
+def card_problem(url: str) -> str | None:
+    """What funduq says when the agent's card cannot be had (None: it can).
+    a2a-sdk's own error for a missing card is a web link; funduq's JSON
+    error says which agent or provider is unknown."""
+    import httpx
 
     try:
-        state, reply, error = asyncio.run(_call(url.rstrip("/"), text, context_id, stream))
+        response = httpx.get(f"{url}/.well-known/agent-card.json", timeout=30)
+    except httpx.HTTPError as exc:
+        return f"cannot reach {url}: {exc}"
+    if response.status_code == 200:
+        return None
+    try:
+        error = response.json()["error"]
+        return f"{error['message']} ({response.status_code} {error['code']})"
+    except (ValueError, KeyError, TypeError):
+        return f"{url}: HTTP {response.status_code}"
+
+
+@dataclasses.dataclass
+class CallResult:
+    """What one `call` saw: the run's final state, its text, its ids."""
+
+    state: str = "TASK_STATE_UNSPECIFIED"
+    reply: str = ""
+    error: str = ""
+    run_id: str = ""
+    thread_id: str = ""
+    responses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True,
+         verbose: bool = False, as_json: bool = False) -> int:
+    """Send `text` to the A2A agent at `url`; print the reply's text as it
+    arrives (with `verbose`, the run's and thread's ids on stderr; with
+    `as_json`, one JSON object with everything at the end). 0 when the task
+    completed (or the agent answered with a message), 1 otherwise."""
+    import asyncio
+    import json
+
+    url = url.rstrip("/")
+    problem = card_problem(url)
+    if problem is not None:
+        print(f"{PROG} call: error: {problem}", file=sys.stderr)
+        return 1
+    shown = ""
+
+    def on_reply(reply: str) -> None:
+        nonlocal shown
+        if as_json or not reply.startswith(shown):
+            return
+        sys.stdout.write(reply[len(shown):])
+        sys.stdout.flush()
+        shown = reply
+
+    def on_ids(run_id: str, thread_id: str) -> None:
+        if verbose:
+            print(f"run: {run_id}\nthread: {thread_id}", file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(_call(url, text, context_id, stream, on_reply, on_ids))
     except Exception as exc:  # noqa: BLE001 -- network, card, JSON-RPC: one line, no traceback
+        if shown:
+            print()
         print(f"{PROG} call: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if reply:
-        print(reply)
-    if error:
-        print(f"{PROG} call: {state}: {error}", file=sys.stderr)
-    return 0 if state in ("TASK_STATE_COMPLETED", "message") else 1
+    if as_json:
+        print(json.dumps({"runId": result.run_id, "threadId": result.thread_id,
+                          "state": result.state, "reply": result.reply, "error": result.error,
+                          "responses": result.responses}, indent=2))
+    else:
+        if result.reply != shown:  # a reply that did not extend what was shown
+            sys.stdout.write(("\n" if shown else "") + result.reply)
+        if result.reply:
+            print()
+        if result.error:
+            print(f"{PROG} call: {result.state}: {result.error}", file=sys.stderr)
+    return 0 if result.state in ("TASK_STATE_COMPLETED", "message") else 1
 
 
-async def _call(
-    url: str, text: str, context_id: str | None, stream: bool
-) -> tuple[str, str, str]:
+async def _call(url: str, text: str, context_id: str | None, stream: bool,
+                on_reply: Any, on_ids: Any) -> CallResult:
     import uuid
 
     from a2a.client import ClientConfig, create_client
     from a2a.types import Message, Part, Role, SendMessageRequest, TaskState
+    from google.protobuf.json_format import MessageToDict
 
     def texts(parts: Any) -> str:
         return "".join(p.text for p in parts if p.HasField("text"))
@@ -187,33 +306,101 @@ async def _call(
     if context_id:
         message.context_id = context_id
     artifacts: dict[str, str] = {}
-    state, error = "TASK_STATE_UNSPECIFIED", ""
+    result = CallResult()
+
+    def saw_ids(run_id: str, thread_id: str) -> None:
+        if run_id and not result.run_id:
+            result.run_id, result.thread_id = run_id, thread_id
+            on_ids(run_id, thread_id)
+
     client = await create_client(url, client_config=ClientConfig(streaming=stream))
     try:
         async for response in client.send_message(SendMessageRequest(message=message)):
+            result.responses.append(MessageToDict(response))
             if response.HasField("message"):
-                return "message", texts(response.message.parts), ""
+                result.state, result.reply = "message", texts(response.message.parts)
+                saw_ids(response.message.task_id, response.message.context_id)
+                on_reply(result.reply)
+                return result
             if response.HasField("task"):
                 task = response.task
+                saw_ids(task.id, task.context_id)
                 artifacts = {a.artifact_id: texts(a.parts) for a in task.artifacts}
                 status = task.status
             elif response.HasField("artifact_update"):
                 update = response.artifact_update
+                saw_ids(update.task_id, update.context_id)
                 artifact = update.artifact
                 before = artifacts.get(artifact.artifact_id, "") if update.append else ""
                 artifacts[artifact.artifact_id] = before + texts(artifact.parts)
+                on_reply("".join(artifacts.values()))
                 continue
             elif response.HasField("status_update"):
+                saw_ids(response.status_update.task_id, response.status_update.context_id)
                 status = response.status_update.status
             else:
                 continue
-            state = TaskState.Name(status.state)
-            error = texts(status.message.parts) if status.HasField("message") else ""
+            on_reply("".join(artifacts.values()))
+            result.state = TaskState.Name(status.state)
+            result.error = texts(status.message.parts) if status.HasField("message") else ""
     finally:
         await client.close()
-    if state == "TASK_STATE_COMPLETED":
-        error = ""
-    return state, "".join(artifacts.values()), error
+    if result.state == "TASK_STATE_COMPLETED":
+        result.error = ""
+    result.reply = "".join(artifacts.values())
+    return result
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`serve`: every way it cannot start is one line on stderr and status 2,
+    and nothing is created before the settings are known to be good."""
+    from .logs import configure_logging
+    from .server import StartupError, listen_socket, prepare_storage, run_server
+
+    flagged = flags_given(args)
+    try:
+        settings = settings_from_args(args)
+        configure_logging(settings.log_level, settings.log_format)
+        listener = listen_socket(settings)
+        try:
+            prepare_storage(settings)
+        except BaseException:
+            listener.close()
+            raise
+        return run_server(settings, listener, __version__)
+    except (ValueError, StartupError) as exc:
+        print(f"{PROG} serve: error: {as_given(str(exc), flagged)}", file=sys.stderr)
+        return 2
+
+
+def quality_command(args: argparse.Namespace) -> int:
+    """`quality list | reset`: on the record file `serve` would open."""
+    import json
+
+    from .admin import AdminError, list_quality, reset_quality
+
+    flagged = {n for n in ("data_dir", "database_url") if getattr(args, n) is not None}
+    try:
+        overrides = {n: parse_value(n, getattr(args, n)) for n in flagged}
+        path = Settings.from_env(None, **overrides).database_path
+        if args.quality_command == "reset":
+            key = reset_quality(path, args.provider)
+            print(f"reset the quality counters of provider {key}")
+            return 0
+        providers = list_quality(path)
+    except (ValueError, AdminError) as exc:
+        print(f"{PROG} quality: error: {as_given(str(exc), flagged)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"providers": providers}, indent=2))
+        return 0
+    from .broker.record import COUNTERS
+
+    print("fingerprint       " + " ".join(f"{c:>11}" for c in COUNTERS) + "  key")
+    for p in providers:
+        print(f"{p['fingerprint']:<17} " + " ".join(f"{p[c]:>11}" for c in COUNTERS)
+              + f"  {p['provider']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,27 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        try:
-            settings = settings_from_args(args)
-        except ValueError as exc:
-            parser.exit(2, f"{PROG} serve: error: {exc}\n")
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        from .broker.schema import SchemaTooNew
-        from .broker.store import RecordUnreachable
-        from .server import run_server
-
-        too_new: BaseException | None = None
-        try:
-            run_server(settings)
-        except* (SchemaTooNew, RecordUnreachable) as group:
-            # A record from a newer build, or a database that does not
-            # answer: one line, no traceback.
-            too_new = group
-            while isinstance(too_new, BaseExceptionGroup):
-                too_new = too_new.exceptions[0]
-        if too_new is not None:
-            parser.exit(1, f"{PROG} serve: error: {too_new}\n")
-        return 0
+        return serve_command(args)
     if args.command == "call":
         url = args.url
         if args.agent is not None:
@@ -259,7 +426,14 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, OSError) as exc:
                 print(f"{PROG} call: error: {exc}", file=sys.stderr)
                 return 1
-        return call(url, args.text, context_id=args.context_id, stream=not args.no_stream)
+        return call(url, args.text, context_id=args.context_id, stream=not args.no_stream,
+                    verbose=args.verbose, as_json=args.json)
+    if args.command == "quality":
+        return quality_command(args)
+    if args.command == "runs":
+        return runs_command(args)
+    if args.command == "show":
+        return show_command(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

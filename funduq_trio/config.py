@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -61,6 +62,11 @@ class Settings:
     push_timeout_seconds: float = 10.0
     push_configs_per_task: int = 4
     push_max_active: int = 1000
+    # -- what an operator sees (issue #15) --
+    cors_origins: frozenset[str] | None = None
+    log_level: str = "info"
+    log_format: str = "text"
+    access_log: bool = False
 
     @property
     def database_is_postgres(self) -> bool:
@@ -74,9 +80,15 @@ class Settings:
         if url is None:
             return self.data_dir / "funduq.sqlite3"
         if url.startswith("sqlite:///"):
-            return Path(url[len("sqlite:///") :])
+            path = url[len("sqlite:///") :]
+            if path in ("", ":memory:") or path.startswith(("file:", ":memory:")):
+                raise ValueError(
+                    f"FUNDUQ_DATABASE_URL={url}: the record must be a file that outlives "
+                    "the process (sqlite:///relative/path or sqlite:////absolute/path)"
+                )
+            return Path(path)
         raise ValueError(
-            f"FUNDUQ_DATABASE_URL {url!r}: not a SQLite URL (sqlite:///path)"
+            f"FUNDUQ_DATABASE_URL={shown_url(url)}: not a SQLite URL (sqlite:///path)"
         )
 
     def problems(self) -> list[str]:
@@ -84,17 +96,15 @@ class Settings:
         found = []
         if not 0 <= self.port <= 65535:
             found.append(f"{env_name('port')}={self.port}: a port is 0..65535 (0 = any free port)")
-        for name in (
-            "unserved_grace_seconds",
-            "deliver_timeout_seconds",
-            "undelivered_window_seconds",
-            "push_backoff_seconds",
-        ):
-            if getattr(self, name) < 0:
-                found.append(f"{env_name(name)}={getattr(self, name)}: must not be negative")
-        if not 0 <= self.sse_keepalive_seconds < float("inf"):  # NaN fails too
-            found.append(f"{env_name('sse_keepalive_seconds')}={self.sse_keepalive_seconds}: "
-                         "must be a finite number of seconds, at least 0 (0 = no keepalive)")
+        # Every number of seconds (sse_keepalive_seconds: 0 = never).
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            # nan compares false with everything: it would pass every bound below
+            # and fail later, inside a lane; inf never times out.
+            if f.type == "float" and not math.isfinite(value):
+                found.append(f"{env_name(f.name)}={value}: must be a finite number")
+            elif f.type == "float" and value < 0:
+                found.append(f"{env_name(f.name)}={value}: must not be negative")
         at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
                         "max_body_bytes", "lane_inbox_reports", "max_chain_hops",
                         "max_spent_proofs", "push_max_attempts", "push_configs_per_task",
@@ -125,11 +135,30 @@ class Settings:
         if not self.push_timeout_seconds > 0:
             found.append(f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "
                          "must be more than 0")
+        if self.identity_key is not None and not re.fullmatch(
+                r"[0-9a-fA-F]{64}", self.identity_key.strip()):
+            # The key itself is never echoed: only its length.
+            found.append(f"{env_name('identity_key')}=<{len(self.identity_key)} characters>: "
+                         "must be 64 hex characters (an Ed25519 private key)")
+        for origin in self.cors_origins or ():
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                found.append(f"{env_name('cors_origins')}={origin}: an origin is "
+                             "scheme://host[:port] (or *)")
+        if self.log_level not in LOG_LEVELS:
+            found.append(f"{env_name('log_level')}={self.log_level}: one of "
+                         + ", ".join(LOG_LEVELS))
+        if self.log_format not in ("text", "json"):
+            found.append(f"{env_name('log_format')}={self.log_format}: text or json")
         if self.database_is_postgres:
             found += _postgres_problems(self.database_url or "")
         elif self.database_url is not None and not self.database_url.startswith("sqlite:///"):
-            found.append(f"FUNDUQ_DATABASE_URL {self.database_url!r}: give sqlite:///path or "
-                         "postgresql://user@host:port/database")
+            found.append(f"{env_name('database_url')}={shown_url(self.database_url)}: give "
+                         "sqlite:///path or postgresql://user@host:port/database")
+        elif self.database_url is not None:
+            try:
+                _ = self.database_path
+            except ValueError as exc:
+                found.append(str(exc))
         return found
 
     def replace(self, **changes: Any) -> Settings:
@@ -148,22 +177,33 @@ class Settings:
         return cls(**values)
 
 
+#: The --log-level choices, least to most quiet.
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 #: The URL schemes of the PostgreSQL store.
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def shown_url(url: str) -> str:
+    """A database URL as messages show it: its password (if any) masked."""
+    return re.sub(r"^([a-z]+://[^:@/]*:)[^@/]*@", r"\1***@", url)
 
 
 def _postgres_problems(url: str) -> list[str]:
     """A PostgreSQL URL's problems found without connecting: the driver
     missing, or a URL libpq cannot parse."""
+    shown = shown_url(url)
     try:
         from psycopg import conninfo
     except ImportError:
-        return [f"FUNDUQ_DATABASE_URL {url!r}: the PostgreSQL store needs psycopg; "
+        return [f"{env_name('database_url')}={shown}: the PostgreSQL store needs psycopg; "
                 "install funduq-trio[postgres]"]
     try:
         conninfo.conninfo_to_dict(url)
     except Exception as exc:  # noqa: BLE001 -- whatever libpq objects to
-        return [f"FUNDUQ_DATABASE_URL: not a PostgreSQL URL libpq accepts ({exc})"]
+        reason = " ".join(str(exc).split()).replace(url, shown)
+        return [f"{env_name('database_url')}={shown}: not a PostgreSQL URL libpq accepts "
+                f"({reason})"]
     return []
 
 
@@ -178,6 +218,11 @@ def parse_value(name: str, raw: str) -> Any:
         if name == "provider_keys":
             keys = frozenset(k.strip().lower() for k in raw.split(",") if k.strip())
             return keys or None
+        if name == "cors_origins":
+            origins = frozenset(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
+            return origins or None
+        if name in ("log_level", "log_format"):
+            return raw.strip().lower()
         if name == "data_dir":
             return Path(raw)
         if kind in ("bool",):
@@ -189,6 +234,11 @@ def parse_value(name: str, raw: str) -> Any:
             return int(raw)
         if kind in ("float",):
             return float(raw)
+        if kind in ("bool",):
+            return {"1": True, "true": True, "yes": True, "on": True,
+                    "0": False, "false": False, "no": False, "off": False}[raw.strip().lower()]
         return raw
-    except ValueError as exc:
-        raise ValueError(f"{env_name(name)}={raw!r}: {exc}") from None
+    except (ValueError, KeyError):
+        what = {"int": "a whole number", "float": "a number",
+                "bool": "true or false"}.get(str(kind), "a valid value")
+        raise ValueError(f"{env_name(name)}={raw}: must be {what}") from None

@@ -11,13 +11,16 @@ as recorded; the next start settles them as the design says (restarts).
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import gc
 import logging
 import signal
-import sys
+import socket
+import tempfile
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import hypercorn.trio
@@ -25,7 +28,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from .broker.funduq import Funduq
-from .config import Settings
+from .broker.schema import SchemaTooNew
+from .broker.store import RecordUnreachable, record_name
+from .config import Settings, env_name
+from .secret_file import SecretFileError
 from .web.app import create_app
 
 #: How long an idle connection is kept (between requests, or before its
@@ -33,6 +39,13 @@ from .web.app import create_app
 KEEP_ALIVE_SECONDS = 5.0
 #: Request line plus headers (hypercorn's h11 bound, its default made explicit).
 MAX_HEADER_BYTES = 16 * 1024
+
+log = logging.getLogger("funduq_trio.server")
+
+
+class StartupError(Exception):
+    """Serving cannot start; the message is one line naming the setting
+    (by its variable: the CLI renames it to the flag when a flag was used)."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +72,10 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     config = HypercornConfig()
     host = settings.host
     config.bind = [f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"]
-    config.accesslog = None
-    # Server errors go to the standard "hypercorn.error" logger (the CLI's
-    # logging config shows them; tests capture them) rather than a private handler.
-    config.errorlog = logging.getLogger("hypercorn.error")
+    # The access log, when asked for, is funduq's own logger (its handlers,
+    # its format); hypercorn's server messages go under funduq's name too.
+    config.accesslog = logging.getLogger("funduq_trio.access") if settings.access_log else None
+    config.errorlog = log
     # The provider link enforces FUNDUQ_MAX_FRAME_BYTES itself (close 1009 with
     # its reason); hypercorn's own bound sits above it so the link's check is
     # the one a provider meets, while a runaway message is still cut (1009).
@@ -78,45 +91,74 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     return config
 
 
-def shield_last_send(app: Any) -> Any:
-    """The ASGI app, with the last message of each HTTP response sent shielded.
+def listen_socket(settings: Settings) -> socket.socket:
+    """Bind settings.host:port before anything else is made, so a port in use
+    is one clear error and leaves no data directory or key behind."""
+    host, port = settings.host, settings.port
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                             socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StartupError(f"{env_name('host')}={host}: cannot listen: {exc.strerror}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        strerror = getattr(exc, "strerror", None) or str(exc)
+        if getattr(exc, "errno", None) in (errno.EADDRINUSE, errno.EACCES):
+            raise StartupError(f"{env_name('port')}={port}: cannot listen on {where}: "
+                               f"{strerror}") from None
+        raise StartupError(f"{env_name('host')}={host}: cannot listen on {where}: "
+                           f"{strerror}") from None
+    return sock
 
-    When a response ends a connection (``Connection: close``, or a request
-    body not all read, as after a 408), hypercorn closes the socket inside
-    that last send. quart-trio cancels the request's tasks the moment the
-    connection reports closing, which cancelled that close half-way: the
-    socket then stayed open, answered and unused, for as long as the client
-    kept it. Shielded, the close completes. (Hypercorn shields its own socket
-    writes already; this adds only the close.)"""
 
-    async def asgi(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
+def _usable_dir(path: Path, setting: str, shown: str) -> None:
+    """Make `path` a writable directory, or say in one line why not."""
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"{setting}={shown}: {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # A real write: os.access says yes to root even on a read-only mount.
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise StartupError(f"{setting}={shown}: cannot create or write in {path}: "
+                           f"{exc.strerror or exc}") from None
 
-        async def send_last_shielded(message: Any) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                with trio.CancelScope(shield=True):
-                    await send(message)
-            else:
-                await send(message)
 
-        await app(scope, receive, send_last_shielded)
-
-    return asgi
+def prepare_storage(settings: Settings) -> None:
+    """The data directory (and the record's directory) exist and take writes."""
+    if not (settings.identity_key and settings.operator_token and settings.database_url):
+        _usable_dir(settings.data_dir, env_name("data_dir"), str(settings.data_dir))
+    if settings.database_url and not settings.database_is_postgres:
+        path = settings.database_path
+        if path.is_dir():
+            raise StartupError(f"{env_name('database_url')}={settings.database_url}: "
+                               f"{path} is a directory")
+        _usable_dir(path.parent, env_name("database_url"), settings.database_url)
 
 
 async def serve(
-    settings: Settings, *, task_status: trio.TaskStatus[ServerInfo] = trio.TASK_STATUS_IGNORED
+    settings: Settings,
+    *,
+    listener: socket.socket | None = None,
+    task_status: trio.TaskStatus[ServerInfo] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Open the broker, serve the app on settings.host:port (0 = any free port),
-    then report `ServerInfo`. Runs until cancelled."""
+    """Open the broker, serve the app on settings.host:port (0 = any free port)
+    or on `listener` (a bound socket, see `listen_socket`), then report
+    `ServerInfo`. Runs until cancelled."""
+    config = hypercorn_config(settings)
+    if listener is not None:
+        config.bind = [f"fd://{listener.detach()}"]
     async with Funduq(settings) as funduq:
         app = create_app(funduq)
         async with trio.open_nursery() as nursery:
             binds: list[str] = await nursery.start(
-                partial(hypercorn.trio.serve, shield_last_send(app), hypercorn_config(settings),
-                        mode="asgi")
+                partial(hypercorn.trio.serve, app, config, mode="asgi")
             )
             url = binds[0]
             port = urlsplit(url).port
@@ -136,23 +178,79 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def run_server(settings: Settings) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down (the CLI's entry)."""
+#: Settings the banner never prints, only whether they are set.
+SECRET_SETTINGS = ("identity_key", "operator_token")
+
+
+def changed_settings(settings: Settings) -> list[str]:
+    """`FUNDUQ_X=value` for each setting that differs from its default."""
+    changed = []
+    for f in dataclasses.fields(Settings):
+        value = getattr(settings, f.name)
+        if value == f.default:
+            continue
+        if f.name in SECRET_SETTINGS:
+            shown = "(set)"
+        elif isinstance(value, frozenset):
+            shown = ",".join(sorted(value))
+        else:
+            shown = str(value)
+        changed.append(f"{env_name(f.name)}={shown}")
+    return changed
+
+
+def banner(info: ServerInfo, version: str) -> list[str]:
+    """What the start says: where it serves, where it keeps its record, who
+    it is, what was configured, and the operator's way in."""
+    funduq = info.funduq
+    settings = funduq.settings
+    assert funduq.identity is not None
+    lines = [
+        f"funduq-trio {version} serving on {info.url}",
+        f"providers attach at {info.provider_url}",
+        f"record: {record_name(settings)}",
+        f"funduq key: {funduq.identity.public_key_hex} "
+        "(providers pin it with --funduq-key)",
+        "settings: " + (", ".join(changed_settings(settings)) or "all defaults"),
+        f"operator page: {info.url}/?token={funduq.operator_token}",
+    ]
+    return lines
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def run_server(settings: Settings, listener: socket.socket | None = None,
+               version: str = "") -> int:
+    """Serve until SIGINT or SIGTERM, then shut down (the CLI's entry).
+    Returns the exit status: 0, or 2 when it could not start (said in one line)."""
+    started = False
 
     async def main() -> None:
+        nonlocal started
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                info: ServerInfo = await nursery.start(serve, settings)
+                info: ServerInfo = await nursery.start(
+                    partial(serve, settings, listener=listener))
+                started = True
                 freeze_startup_objects()
-                print(f"funduq-trio serving on {info.url}", file=sys.stderr, flush=True)
-                print(f"providers attach at {info.provider_url}", file=sys.stderr, flush=True)
+                for line in banner(info, version):
+                    log.info("%s", line)
                 async for signum in signals:
-                    print(
-                        f"funduq-trio: {signal.Signals(signum).name}, shutting down",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    log.info("%s, shutting down", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     break
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except Exception as exc:  # noqa: BLE001 -- a start that fails is one line, not a traceback
+        if started:
+            raise
+        cause = _first_cause(exc)
+        # Errors written for a person already say what and where.
+        said = isinstance(cause, SchemaTooNew | SecretFileError | RecordUnreachable)
+        raise StartupError(str(cause) if said else f"{type(cause).__name__}: {cause}") from None
+    return 0

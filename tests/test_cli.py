@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,11 +36,13 @@ def test_flags_override_the_environment():
     [
         (["--port", "eighty"], {}, "--port"),
         ([], {"FUNDUQ_PORT": "99999"}, "FUNDUQ_PORT"),
-        (["--thread-queue-limit", "0"], {}, "FUNDUQ_THREAD_QUEUE_LIMIT"),
-        (["--lane-inbox-reports", "0"], {}, "FUNDUQ_LANE_INBOX_REPORTS"),
-        (["--provider-keys", "abc"], {}, "FUNDUQ_PROVIDER_KEYS"),
-        (["--database-url", "mysql://x"], {}, "FUNDUQ_DATABASE_URL"),
-        (["--database-url", "postgresql://x/db?bogus=1"], {}, "FUNDUQ_DATABASE_URL"),
+        # Named as given: the flag when a flag was used.
+        (["--thread-queue-limit", "0"], {}, "--thread-queue-limit 0"),
+        (["--lane-inbox-reports", "0"], {}, "--lane-inbox-reports 0"),
+        (["--provider-keys", "abc"], {}, "--provider-keys"),
+        (["--database-url", "mysql://x"], {}, "--database-url mysql://x"),
+        (["--database-url", "postgresql://u:pw@x/db?bogus=1"], {},
+         "--database-url postgresql://u:***@x/db?bogus=1: not a PostgreSQL URL"),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
     ],
 )
@@ -131,13 +134,112 @@ async def test_call_by_name_says_when_no_agent_is_online(tmp_path):
     assert "no online agent named 'echo'" in done.stderr.decode()
 
 
+async def read_until(stream, output: bytes, marker: bytes) -> bytes:
+    while marker not in output:
+        chunk = await stream.receive_some()
+        assert chunk, output.decode()
+        output += chunk
+    return output
+
+
+async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_path):
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "funduq_trio", "call", "-v", "--url", info.url, "--agent",
+             "echo", "hello"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+        try:
+            with trio.fail_after(60):  # a safety net: a call that exits at once sends nothing
+                run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            ids = {"threadId": run["threadId"], "runId": run["runId"]}
+            for event in [
+                {"type": "RUN_STARTED", **ids},
+                {"type": "TEXT_MESSAGE_START", "messageId": "m-1", "role": "assistant"},
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "first part, "},
+            ]:
+                await provider.report(run["runId"], event)
+            with trio.fail_after(30):  # a safety net, not a behaviour clock
+                # The first part is printed while the run is still going.
+                out = await read_until(process.stdout, b"", b"first part, ")
+                err = await read_until(process.stderr, b"", b"thread: ")
+                err = await read_until(process.stderr, err, b"\n" + b"thread: " + run["threadId"].encode() + b"\n")
+            assert err.decode() == f"run: {run['runId']}\nthread: {run['threadId']}\n"
+            assert out == b"first part, "
+            await provider.play(run, [
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "then the rest"},
+                {"type": "TEXT_MESSAGE_END", "messageId": "m-1"},
+                {"type": "RUN_FINISHED", **ids},
+            ])
+            with trio.fail_after(30):
+                assert await process.wait() == 0
+            rest = b""
+            while chunk := await process.stdout.receive_some():
+                rest += chunk
+            assert out + rest == b"first part, then the rest\n"
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+        # The thread's id from -v continues it; --json says everything.
+        async with trio.open_nursery() as nursery:
+            result = {}
+
+            async def again():
+                result["done"] = await trio.run_process(
+                    [sys.executable, "-m", "funduq_trio", "call", "--json", "--thread",
+                     run["threadId"], "--url", info.a2a_url(provider.fingerprint, "echo"), "again"],
+                    capture_stdout=True, capture_stderr=True, check=False, env=cli_env())
+
+            nursery.start_soon(again)
+            with trio.fail_after(60):  # a safety net, as above
+                second = await provider.next_offer()
+            assert second["threadId"] == run["threadId"]
+            await provider.answer(second, "accepted")
+            ids = {"threadId": second["threadId"], "runId": second["runId"]}
+            await provider.play(second, [
+                {"type": "RUN_STARTED", **ids},
+                {"type": "TEXT_MESSAGE_START", "messageId": "m-2", "role": "assistant"},
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-2", "delta": "once more"},
+                {"type": "TEXT_MESSAGE_END", "messageId": "m-2"},
+                {"type": "RUN_FINISHED", **ids},
+            ])
+        done = result["done"]
+        assert done.returncode == 0, done.stderr.decode()
+        printed = json.loads(done.stdout)
+        assert printed["runId"] == second["runId"] and printed["threadId"] == run["threadId"]
+        assert printed["state"] == "TASK_STATE_COMPLETED" and printed["reply"] == "once more"
+        assert printed["responses"]  # every response a2a-sdk handed over, as JSON
+        record = (await http.get(f"/runs/{printed['runId']}")).json()
+        assert record["status"] == "completed" and record["threadId"] == run["threadId"]
+
+
+async def test_call_shows_funduqs_own_error_for_an_unknown_agent(tmp_path):
+    async with running_server(tmp_path) as info, raw_provider(info, ["echo"]) as provider:
+        done = await trio.run_process(
+            [sys.executable, "-m", "funduq_trio", "call", "--url",
+             info.a2a_url(provider.fingerprint, "nobody"), "hi"],
+            capture_stdout=True, capture_stderr=True, check=False, env=cli_env())
+    stderr = done.stderr.decode()
+    assert done.returncode == 1
+    assert stderr.count("\n") == 1, stderr
+    assert stderr.startswith("funduq-trio call: error: ") and "(404 " in stderr
+    assert "nobody" in stderr and "https://" not in stderr  # funduq's words, no a2a-sdk link
+
+
 def test_serve_says_in_one_line_when_its_postgresql_does_not_answer(tmp_path):
-    """A database that does not answer at start: exit 1 with one line naming
+    """A database that does not answer at start: exit 2 with one line naming
     the database (never its password), no traceback."""
     result = subprocess.run(
         [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
          str(tmp_path), "--database-url", "postgresql://funduq:hunter2@127.0.0.1:1/records"],
         capture_output=True, text=True, env=cli_env(), timeout=60)
-    assert result.returncode == 1, result.stderr
-    assert "error: PostgreSQL database records on 127.0.0.1:1 does not answer" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert "serve: error: PostgreSQL database records on 127.0.0.1:1 does not answer" \
+        in result.stderr
     assert "Traceback" not in result.stderr and "hunter2" not in result.stderr

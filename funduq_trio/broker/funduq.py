@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from ..config import OPERATOR_TOKEN, Settings
-from ..identity import Identity, dispatch_hop
+from ..identity import Identity, dispatch_hop, fingerprint_of
 from ..protocol import agui, carriable
 from ..protocol import statuses as st
 from ..secret_file import load_or_create
@@ -148,16 +148,18 @@ class Funduq:
     async def __aenter__(self) -> Funduq:
         await self._stack.__aenter__()
         try:
-            self.record = await self._stack.enter_async_context(open_store(self.settings))
+            # The secrets first: a corrupt key file stops the start before the
+            # record is created or opened.
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
+            secret = await trio.to_thread.run_sync(self._load_kyok_secret)
+            self.record = await self._stack.enter_async_context(open_store(self.settings))
             self.providers = Providers(self.record, self.settings.quality_allowance,
                                        self._provider_thread_messages, self.metrics,
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
             await self.providers.load()
-            secret = await trio.to_thread.run_sync(self._load_kyok_secret)
             self.kyok = Kyok(self.record, secret, self.metrics)
             await self.kyok.load()
             if self.settings.public_url:
@@ -277,6 +279,9 @@ class Funduq:
         self._lane_ended(lane)
 
     def _lane_ended(self, lane: Lane) -> None:
+        log.debug("run %s ended %s%s", lane.run_id, lane.status,
+                  f" ({lane.metadata['failureReason']})"
+                  if "failureReason" in (lane.metadata or {}) else "")
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
             self.waiting.release(lane.run_id)
@@ -341,6 +346,15 @@ class Funduq:
 
     async def roster(self) -> list[dict[str, Any]]:
         return [v.as_json() for v in self.providers.roster()]
+
+    def provider_quality(self) -> list[dict[str, Any]]:
+        """Every provider funduq has met: online or not, its quality counters
+        and the allowance they are withdrawn at (the operator's view)."""
+        providers = self.providers
+        return [{"provider": key, "fingerprint": fingerprint_of(key),
+                 "online": key in providers.sessions and providers.sessions[key].live,
+                 "counters": dict(counts), "allowance": providers.allowance}
+                for key, counts in sorted(providers.counters.items())]
 
     async def _provider_thread_messages(self, key: str, thread_id: str,
                                         limit: int | None) -> list[dict[str, Any]]:
@@ -426,6 +440,7 @@ class Funduq:
                 del self._reserved[tid]
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
+        log.debug("run %s queued on thread %s for %s/%s", run_id, tid, fingerprint_of(key), agent)
         return RunTicket(run_id, tid)
 
     def _still_waiting(self, run_id: str) -> bool:

@@ -36,7 +36,8 @@ from a2a.types import a2a_pb2 as pb
 from google.protobuf.json_format import MessageToDict
 
 from .. import jose
-from ..protocol import a2a, agui, push, statuses
+from ..protocol import agui, push, statuses
+from ..protocol.a2a.projection import TaskProjection
 from ..protocol.push import SETTLE, TargetRefused
 from .errors import PushConfigNotFound, PushRefused
 from .store import PUSH_DELIVERING
@@ -196,12 +197,17 @@ class Pushes:
         await self.check_url(config.url)
         if len(config.token) > push.MAX_TOKEN_CHARS:
             raise PushRefused(f"push token longer than {push.MAX_TOKEN_CHARS} characters")
+        if not push.header_value_ok(config.token):  # it is sent as a header
+            raise PushRefused("push token must be printable ASCII")
         if config.id and (len(config.id) > push.MAX_ID_CHARS or not config.id.isprintable()):
             raise PushRefused(f"push config id must be printable, at most {push.MAX_ID_CHARS}")
         if config.HasField("authentication"):
             auth = config.authentication
             if len(auth.scheme) + len(auth.credentials) > push.MAX_TOKEN_CHARS:
                 raise PushRefused("push authentication too long")
+            problem = push.auth_problem(auth.scheme, auth.credentials)
+            if problem:
+                raise PushRefused(problem)
         if len(self._scopes) >= self.settings.push_max_active:
             raise PushRefused(
                 "funduq delivers to as many push configs as it may (FUNDUQ_PUSH_MAX_ACTIVE)"
@@ -285,7 +291,7 @@ class Pushes:
         if record is None:
             await self._finish(config, DONE, "task not found")
             return
-        projection = a2a.TaskProjection(task_id=task_id, context_id=str(record["threadId"]))
+        projection = TaskProjection(task_id=task_id, context_id=str(record["threadId"]))
         #: An interrupt's RUN_FINISHED not yet known to have closed its turn.
         interrupted: tuple[int, dict[str, Any]] | None = None
         while True:
@@ -375,7 +381,15 @@ class Pushes:
         claims = push.delivery_claims(issuer=identity.fingerprint, task_id=config.task_id,
                                       config_id=config.id, key=key, body=body, now=time.time())
         token = jose.compact_jws(identity, json.dumps(claims, separators=(",", ":")).encode())
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+        # The receiver's own credentials take `Authorization` when the config
+        # names them (A2A §4.3.2, the TCK's PUSH-DELIVER-001); the signature
+        # is always in its own header, and in `Authorization` otherwise.
+        authorization = push.authorization_of(
+            str(config.authentication.get("scheme") or ""),
+            str(config.authentication.get("credentials") or ""))
+        headers = {"Content-Type": "application/json",
+                   "Authorization": authorization or f"Bearer {token}",
+                   push.SIGNATURE_HEADER: token}
         if config.token:
             headers["X-A2A-Notification-Token"] = config.token
         status = None

@@ -215,8 +215,10 @@ def upgrade(conn: sqlite3.Connection, where: str = "the record",
         steps = plan(_version_of(conn), migrations)
     except SchemaTooNew as exc:
         raise SchemaTooNew(f"{where}: {exc}") from None
-    if _marks(conn) == (0, True):
+    marks = _marks(conn)
+    if marks == (0, True):
         _mark_unversioned(conn, where)
+    fresh = marks == (0, False)  # a new file: one line for the lot, not one per step
     applied: list[int] = []
     for step in steps:
         if before_step is not None:
@@ -245,7 +247,10 @@ def upgrade(conn: sqlite3.Connection, where: str = "the record",
                 conn.execute("ROLLBACK")
             raise
         applied.append(step.version)
-        log.info("%s: schema upgraded to version %d (%s)", where, step.version, step.why)
+        if not fresh:
+            log.info("%s: schema upgraded to version %d (%s)", where, step.version, step.why)
+    if fresh and applied:
+        log.debug("%s: created at schema version %d", where, applied[-1])
     return applied
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import sys
 import time
@@ -875,6 +876,16 @@ async def run_store(store: SqlStore) -> AsyncIterator[SqlStore]:
         with trio.CancelScope(shield=True):
             await store._flush()
             await trio.to_thread.run_sync(store._close_sync)
+
+
+def record_name(settings: Settings) -> str:
+    """Where the record is, for people: the SQLite file's absolute path, or
+    the PostgreSQL database (never its password)."""
+    if settings.database_is_postgres:
+        from .postgres import PostgresStore
+
+        return PostgresStore(settings.database_url or "").where
+    return os.path.abspath(settings.database_path)
 
 
 def open_store(settings: Settings) -> Any:

@@ -284,6 +284,8 @@ class LinkMachine:
         self.state = State.AWAIT_CONNECT
         self.nonce = nonce
         self.public_key: str | None = None  # the provider's, once attached
+        #: The key a connect frame claimed, proven or not (for logging a refusal).
+        self.claimed_key: str | None = None
         #: The provider listed "batch" in connect.extensions: the shell may
         #: write several queued frames to it as one batch.
         self.peer_takes_batches = False
@@ -380,6 +382,7 @@ class LinkMachine:
             return self._reject_connect(exc.reason)
         if not isinstance(frame, f.Connect):
             return self._reject_connect(f"expected a 'connect' frame first, got {frame.kind!r}")
+        self.claimed_key = frame.public_key
         payload = _identity.provider_connect_payload(
             self._identity.public_key_hex, self.nonce, frame.nonce
         )

@@ -17,6 +17,10 @@ from typing import Any
 
 __all__ = [
     "MAX_TOKEN_CHARS",
+    "SIGNATURE_HEADER",
+    "auth_problem",
+    "authorization_of",
+    "header_value_ok",
     "MAX_URL_CHARS",
     "SETTLE",
     "Target",
@@ -34,6 +38,38 @@ MAX_URL_CHARS = 2048
 MAX_TOKEN_CHARS = 1024
 #: Longest config id a caller may choose.
 MAX_ID_CHARS = 128
+
+#: The header every delivery's JWS rides in, whether or not `Authorization`
+#: carries it too (it does not when the config's `authentication` takes it).
+SIGNATURE_HEADER = "Funduq-Signature"
+
+_TCHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def header_value_ok(value: str) -> bool:
+    """Whether a caller's string may be sent as an HTTP header value as is:
+    visible ASCII and inner spaces only (no CR/LF to split the request)."""
+    return value == value.strip() and all(" " <= ch <= "~" for ch in value)
+
+
+def authorization_of(scheme: str, credentials: str) -> str | None:
+    """The `Authorization` value a config's `authentication` asks for (as
+    a2a-sdk's own sender: `{scheme} {credentials}`), or None when it names no
+    scheme or no credentials. Both are checked at the door (`auth_problem`)."""
+    if not scheme or not credentials:
+        return None
+    return f"{scheme} {credentials}"
+
+
+def auth_problem(scheme: str, credentials: str) -> str | None:
+    """Why a config's `authentication` cannot become an `Authorization`
+    header, or None: the scheme must be an HTTP token, the credentials
+    printable ASCII."""
+    if scheme and not all(ch in _TCHARS for ch in scheme):
+        return "push authentication scheme must be an HTTP token (e.g. Bearer)"
+    if not header_value_ok(credentials):
+        return "push authentication credentials must be printable ASCII"
+    return None
 
 #: A delivery's place in the task's update order is (event seq, index among
 #: the updates that event became); the status update closing a turn (the run

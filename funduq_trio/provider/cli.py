@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 
@@ -84,6 +85,21 @@ def build_provider_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def link_url_problem(url: str) -> str | None:
+    """Why `url` cannot be funduq's provider link (None: it can)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError as exc:
+        return f"--url {url}: {exc}"
+    if parts.scheme in ("http", "https"):
+        ws = "ws" + url[len("http"):]
+        return f"--url {url}: the provider link is a WebSocket URL (try {ws})"
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        return f"--url {url}: expected ws://HOST:PORT/ws/provider (or wss://)"
+    return None
+
+
 def run_provider_cli(argv: list[str] | None = None) -> int:
     """The `funduq-trio provider` command. Returns the process exit status."""
     parser = build_provider_parser()
@@ -92,10 +108,17 @@ def run_provider_cli(argv: list[str] | None = None) -> int:
         parser.error("--max-concurrent is a count (>= 0)")
     if args.echo_deltas < 1:
         parser.error("--echo-deltas is at least 1")
+    problem = link_url_problem(args.url)
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    # Always say when the link attaches (again, after a reconnect) and when
+    # it drops: the SDK logs both under its own logger.
+    logging.getLogger("funduq_trio.provider").setLevel(logging.INFO)
     try:
         identity = Identity.load_or_create(args.key_file)
     except (IdentityFileError, OSError) as exc:
@@ -111,9 +134,11 @@ def run_provider_cli(argv: list[str] | None = None) -> int:
     chosen = _agents(args)
     for name in args.agent or ["echo"]:
         provider.add_agent(chosen[name], name=name)
+    # Serving is said once it is true: the SDK logs "attached to … serving …"
+    # after funduq has taken the agents.
     print(
         f"{PROG}: key {identity.public_key_hex} (fingerprint {identity.fingerprint}); "
-        f"serving {', '.join(provider.agents)} at {args.url}",
+        f"connecting to {args.url}",
         file=sys.stderr,
         flush=True,
     )

@@ -1,7 +1,7 @@
 """The A2A door: `POST /a2a/{provider}/{agent}` (JSON-RPC 2.0, SSE for the
 streaming methods) and `GET /a2a/{provider}/{agent}/.well-known/agent-card.json`.
 
-A thin trio shell over `protocol/a2a.py`, which owns every shape, the method
+A thin trio shell over `protocol/a2a/`, which owns every shape, the method
 tables of both protocol versions, the status mapping and the errors; this
 module only reads the request, calls the `Funduq` facade and writes the answer.
 a2a-sdk's own server classes are asyncio-only, so none of them run here.
@@ -45,6 +45,7 @@ from a2a.types import a2a_pb2 as pb
 from a2a.utils import constants
 from a2a.utils.errors import (
     A2AError,
+    ContentTypeNotSupportedError,
     InternalError,
     InvalidParamsError,
     InvalidRequestError,
@@ -56,9 +57,28 @@ from quart import Response, jsonify, request
 from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 
 from .. import jose
-from ..broker.errors import FunduqError, RunNotPaused
+from ..broker.errors import FunduqError, PushConfigNotFound, RunNotPaused
 from ..identity import InvalidActorChain
-from ..protocol import a2a, statuses
+from ..protocol import statuses
+from ..protocol.a2a.calls import (
+    CANCEL,
+    GET,
+    LIST,
+    PUSH_CREATE,
+    PUSH_GET,
+    PUSH_LIST,
+    PUSH_OPS,
+    SEND,
+    STREAM,
+    SUBSCRIBE,
+    Call,
+)
+from ..protocol.a2a.card import agent_card
+from ..protocol.a2a.listing import TaskPage, list_tasks_response
+from ..protocol.a2a.messages import run_input_from_message
+from ..protocol.a2a.parsing import CallRejected, parse_call
+from ..protocol.a2a.projection import TaskProjection, status_of_state, task_from_record, task_state
+from ..protocol.a2a.render import error_response, result_response, stream_frame
 from .a2a_rest import mount_a2a_rest
 from .access import reader_of
 from .door_errors import a2a_error
@@ -89,8 +109,8 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
         if view is None:
             raise NotFound(f"no agent {agent!r} published by provider {provider!r}")
         rpc_url = f"{request.host_url.rstrip('/')}/a2a/{provider}/{agent}"
-        return jsonify(
-            a2a.agent_card(
+        return await _cacheable_card(jsonify(
+            agent_card(
                 name=view.name,
                 description=view.description,
                 rpc_url=rpc_url,
@@ -98,7 +118,7 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
                 published=view.card if isinstance(view.card, Mapping) else None,
                 identity=get_funduq().identity,
             )
-        )
+        ))
 
     app.add_url_rule(f"/a2a/<provider>/<agent>{CARD_PATH}", "a2a_card", card, methods=["GET"])
 
@@ -112,6 +132,29 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
 
 #: The brief's name for the same thing.
 mount_a2a = mount_a2a_door
+
+
+#: How long a caller may keep a card without asking again (A2A §8.6.1). A card
+#: changes only when its provider republishes; a minute bounds how stale a
+#: cached one gets, and revalidating it after that costs one 304.
+CARD_MAX_AGE_SECONDS = 60
+
+
+def _declares_json(mimetype: str) -> bool:
+    """Whether a request's declared media type may carry a JSON-RPC body: the
+    binding's `application/json` (A2A §9.1) or any `+json` type. A body that
+    declares nothing is read as JSON; one declaring another type is refused
+    with ContentTypeNotSupportedError (the TCK's JSONRPC-SSE-002)."""
+    return not mimetype or mimetype == "application/json" or mimetype.endswith("+json")
+
+
+async def _cacheable_card(response: Response) -> Response:
+    """The card with the caching headers of A2A §8.6.1 (the TCK's
+    CARD-CACHE-001/002): `Cache-Control: max-age` and an `ETag` that is a hash
+    of the card as sent, so a conditional GET of an unchanged card is a 304."""
+    response.headers["Cache-Control"] = f"max-age={CARD_MAX_AGE_SECONDS}"
+    await response.add_etag()
+    return await response.make_conditional(request)
 
 
 def _json(payload: dict[str, Any]) -> Response:
@@ -132,17 +175,21 @@ class A2ADoor:
             body = await request.get_data()
         except RequestEntityTooLarge:
             # The body is left unread: the connection must close after the answer.
-            response = _json(a2a.error_response(None, InvalidRequestError(
+            response = _json(error_response(None, InvalidRequestError(
                 message="Payload too large")))
             response.headers["Connection"] = "close"
             return response
+        if not _declares_json(request.mimetype):
+            return _json(error_response(None, ContentTypeNotSupportedError(
+                message=f"Content-Type {request.mimetype!r} is not supported: "
+                "send the JSON-RPC request as application/json")))
         try:
-            call = a2a.parse_call(body, request.headers.get("A2A-Version"))
-        except a2a.CallRejected as rejected:
+            call = parse_call(body, request.headers.get("A2A-Version"))
+        except CallRejected as rejected:
             return _json(rejected.response)
         except Exception as exc:
             log.exception("A2A request did not parse")
-            return _json(a2a.error_response(None, InternalError(message=str(exc) or None)))
+            return _json(error_response(None, InternalError(message=str(exc) or None)))
         try:
             self.view = self.funduq.find_agent(self.provider, self.agent)
             if self.view is None:
@@ -153,14 +200,14 @@ class A2ADoor:
                 )
             if call.streaming:
                 return sse_response(await self.open_stream(call))
-            return _json(a2a.result_response(call, await self.perform(call)))
+            return _json(result_response(call, await self.perform(call)))
         except A2AError as exc:
-            return _json(a2a.error_response(call, exc))
+            return _json(error_response(call, exc))
         except CALLER_ERRORS as exc:
-            return _json(a2a.error_response(call, a2a_error(exc, task_id=_task_id(call))))
+            return _json(error_response(call, a2a_error(exc, task_id=_task_id(call))))
         except Exception as exc:
             log.exception("A2A %s failed", call.method)
-            return _json(a2a.error_response(call, InternalError(message=str(exc) or None)))
+            return _json(error_response(call, InternalError(message=str(exc) or None)))
 
     # -- the record, seen from this agent's endpoint
 
@@ -191,8 +238,8 @@ class A2ADoor:
 
     # -- operations
 
-    async def perform(self, call: a2a.Call) -> Any:
-        if call.op == a2a.SEND:
+    async def perform(self, call: Call) -> Any:
+        if call.op == SEND:
             run_id = await self.deliver_with_push(call)
             blocking = not call.request.configuration.return_immediately
             record = (
@@ -200,18 +247,18 @@ class A2ADoor:
                 if blocking
                 else await self.funduq.get_run(run_id)
             )
-            return a2a.task_from_record(record)
-        if call.op == a2a.GET:
-            return a2a.task_from_record(await self.readable_record(call.request.id))
-        if call.op == a2a.CANCEL:
+            return task_from_record(record)
+        if call.op == GET:
+            return task_from_record(await self.readable_record(call.request.id))
+        if call.op == CANCEL:
             task_id = call.request.id
             await self.run_record(task_id)
             metadata = call.request_metadata() or {}
             record = await self.funduq.cancel_run(task_id, proof=metadata.get("cancel"))
-            return a2a.task_from_record(record, cancel_requested=True)
-        if call.op == a2a.LIST:
+            return task_from_record(record, cancel_requested=True)
+        if call.op == LIST:
             return await self.list_tasks(call.request)
-        if call.op in a2a.PUSH_OPS:
+        if call.op in PUSH_OPS:
             return await self.push_config(call.op, call.request)
         raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
 
@@ -219,18 +266,22 @@ class A2ADoor:
         """The push-config operations, on tasks of this agent only."""
         pushes = self.funduq.pushes
         await self.run_record(req.task_id)
-        if op == a2a.PUSH_CREATE:
+        if op == PUSH_CREATE:
             return await pushes.create(req.task_id, req, from_start=False)
-        if op == a2a.PUSH_GET:
+        if op == PUSH_GET:
             return await pushes.get(req.task_id, req.id)
-        if op == a2a.PUSH_LIST:
+        if op == PUSH_LIST:
             return pb.ListTaskPushNotificationConfigsResponse(
                 configs=await pushes.list(req.task_id)
             )
-        await pushes.delete(req.task_id, req.id)
+        with contextlib.suppress(PushConfigNotFound):
+            # Deleting is idempotent (A2A §3.1.10, the TCK's PUSH-DEL-002): a
+            # config already gone is the state asked for. The task is still
+            # looked up above, so an unknown task stays "not found".
+            await pushes.delete(req.task_id, req.id)
         return None
 
-    async def deliver_with_push(self, call: a2a.Call) -> str:
+    async def deliver_with_push(self, call: Call) -> str:
         """`deliver`, and with a push config in the call's configuration: its
         target checked first, the config recorded for the task once there is one."""
         inline = _inline_push(call)
@@ -241,13 +292,13 @@ class A2ADoor:
         return run_id
 
     async def _push_inline(
-        self, call: a2a.Call, inline: pb.TaskPushNotificationConfig | None, run_id: str
+        self, call: Call, inline: pb.TaskPushNotificationConfig | None, run_id: str
     ) -> None:
         if inline is not None:
             answered = bool(call.request.message.task_id)
             await self.funduq.pushes.create(run_id, inline, from_start=not answered)
 
-    async def deliver(self, call: a2a.Call) -> str:
+    async def deliver(self, call: Call) -> str:
         """Hand the call's message to the broker: the answer to the paused task
         it names, or a new run. Returns the task (run) id.
 
@@ -271,7 +322,7 @@ class A2ADoor:
             interrupts = []
             if record.get("status") == statuses.INPUT_REQUIRED:
                 interrupts = (record.get("metadata") or {}).get("interrupts") or []
-            run_input = a2a.run_input_from_message(message, interrupts=interrupts)
+            run_input = run_input_from_message(message, interrupts=interrupts)
             try:
                 ticket = await self.funduq.answer_pause(
                     message.task_id, run_input, metadata=metadata
@@ -283,7 +334,7 @@ class A2ADoor:
         ticket = await self.funduq.start_run(
             self.view.key,
             self.view.name,
-            a2a.run_input_from_message(message),
+            run_input_from_message(message),
             thread_id=thread_id,
             metadata=metadata,
         )
@@ -291,7 +342,7 @@ class A2ADoor:
 
     async def _not_answerable(self, task_id: str) -> UnsupportedOperationError:
         record = await self.run_record(task_id)
-        state = pb.TaskState.Name(a2a.task_state(record["status"]))
+        state = pb.TaskState.Name(task_state(record["status"]))
         if record["status"] in statuses.TERMINAL:
             why = f"Task {task_id} is in terminal state: {state}"
         else:
@@ -316,18 +367,18 @@ class A2ADoor:
             self.view.name,
             reader_of(self.funduq, request),
             thread_id=req.context_id or None,
-            status=sorted(a2a.status_of_state(req.status)) if req.status else None,
+            status=sorted(status_of_state(req.status)) if req.status else None,
             status_after=None if after_ns is None else after_ns / 1e9,
             page_size=page_size,
             after_run=decode_page_token(req.page_token) if req.page_token else None,
         )
         token = encode_page_token(records[-1]["runId"]) if more and records else ""
-        page = a2a.TaskPage(records, total, page_size, token)
-        return a2a.list_tasks_response(req, page, records)
+        page = TaskPage(records, total, page_size, token)
+        return list_tasks_response(req, page, records)
 
     # -- streams
 
-    async def open_stream(self, call: a2a.Call) -> AsyncIterator[list[Any]]:
+    async def open_stream(self, call: Call) -> AsyncIterator[list[Any]]:
         """Check the call and start what it asks for, then return the stream
         (everything that can fail upfront has failed by the time this returns).
 
@@ -337,7 +388,7 @@ class A2ADoor:
         with the Task as it stands; an ended task is refused. A subscription
         at a pause waits through the answer (see `stream`)."""
         cursor = None
-        if call.op == a2a.STREAM:
+        if call.op == STREAM:
             inline = _inline_push(call)
             if inline is not None:
                 await self.funduq.pushes.vet(inline)
@@ -353,7 +404,7 @@ class A2ADoor:
                 raise InvalidParamsError(message=f"{LAST_EVENT_ID}: {exc}") from None
             record = await self.readable_record(call.request.id)
             if record.get("status") in statuses.TERMINAL and cursor is None:
-                state = pb.TaskState.Name(a2a.task_state(record["status"]))
+                state = pb.TaskState.Name(task_state(record["status"]))
                 raise UnsupportedOperationError(
                     message=f"Task {call.request.id} is in terminal state: {state}"
                 )
@@ -365,12 +416,12 @@ class A2ADoor:
                     f"({recorded})")
             seen = [e for e in record.get("events") or () if e["seq"] <= cursor]
             record = {**record, "events": seen}
-        projection = a2a.TaskProjection.from_record(record)
+        projection = TaskProjection.from_record(record)
         if cursor is not None:
             projection.last_seq = cursor
         # A subscriber that has seen the pause (the snapshot shows it, or its
         # cursor is past it) waits for the answer instead of closing at once.
-        at_pause = (call.op == a2a.SUBSCRIBE and record.get("status") == statuses.INPUT_REQUIRED
+        at_pause = (call.op == SUBSCRIBE and record.get("status") == statuses.INPUT_REQUIRED
                     and projection.last_seq >= recorded)
         # A stream lasts as long as its run: it keeps what it frames with (the
         # call's id and dialect, the projection), not the parsed request or
@@ -379,7 +430,7 @@ class A2ADoor:
         return self.stream(call, projection, opening=cursor is None, at_pause=at_pause)
 
     async def stream(
-        self, call: a2a.Call, projection: a2a.TaskProjection, *, opening: bool = True,
+        self, call: Call, projection: TaskProjection, *, opening: bool = True,
         at_pause: bool = False,
     ) -> AsyncIterator[list[Any]]:
         """The stream's responses in bursts (one burst = one write). Each frame's
@@ -393,7 +444,7 @@ class A2ADoor:
         run_id = projection.task_id
 
         def framed(update: pb.StreamResponse, seq: int) -> Identified:
-            return Identified(seq, a2a.stream_frame(call, update))
+            return Identified(seq, stream_frame(call, update))
 
         try:
             if opening:
@@ -429,15 +480,15 @@ class A2ADoor:
                 await self.funduq.wait_reopened(run_id, projection.last_seq)
             yield [framed(projection.settle(record), projection.last_seq)]
         except A2AError as exc:
-            yield [a2a.error_response(call, exc)]
+            yield [error_response(call, exc)]
         except CALLER_ERRORS as exc:
-            yield [a2a.error_response(call, a2a_error(exc, task_id=run_id))]
+            yield [error_response(call, a2a_error(exc, task_id=run_id))]
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
-            yield [a2a.error_response(call, InternalError(message=str(exc) or None))]
+            yield [error_response(call, InternalError(message=str(exc) or None))]
 
 
-def _inline_push(call: a2a.Call) -> pb.TaskPushNotificationConfig | None:
+def _inline_push(call: Call) -> pb.TaskPushNotificationConfig | None:
     """The push config a SendMessage carries in its configuration, if any."""
     configuration = call.request.configuration
     if not configuration.HasField("task_push_notification_config"):
@@ -449,10 +500,10 @@ def _inline_push(call: a2a.Call) -> pb.TaskPushNotificationConfig | None:
     return copy
 
 
-def _task_id(call: a2a.Call) -> str | None:
+def _task_id(call: Call) -> str | None:
     request_obj = call.request
     if request_obj is None:
         return None
-    if call.op in (a2a.SEND, a2a.STREAM):
+    if call.op in (SEND, STREAM):
         return request_obj.message.task_id or None
     return getattr(request_obj, "id", None) or None

@@ -3,7 +3,7 @@
 (`a2a.server.routes.rest_routes`), served by the JSON-RPC door's operations.
 
 Each route only builds the 1.0 request message from its path, query and body
-(`protocol.a2a.rest_call` checks it as a JSON-RPC call is checked) and hands
+(`protocol.a2a.parsing.rest_call` checks it as a JSON-RPC call is checked) and hands
 it to `A2ADoor`; answers are the bare 1.0 ProtoJSON (no envelope), streams
 are SSE of `StreamResponse`s, errors are the binding's shape
 (`{"error": {"code", "status", "message", "details"}}`) at the HTTP status
@@ -30,14 +30,34 @@ from google.protobuf.message import Message as ProtoMessage
 from quart import Response, jsonify, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from ..protocol import a2a, carriable
+from ..protocol import carriable
+from ..protocol.a2a.calls import (
+    CANCEL,
+    EXTENDED_CARD,
+    GET,
+    LIST,
+    PUSH_CREATE,
+    PUSH_DELETE,
+    PUSH_GET,
+    PUSH_LIST,
+    REST,
+    SEND,
+    STREAM,
+    SUBSCRIBE,
+    Call,
+)
+from ..protocol.a2a.parsing import rest_call
+from ..protocol.a2a.render import error_response, result_response
 from .door_errors import a2a_error
 from .sse import sse_response
 
 log = logging.getLogger("funduq_trio.a2a")
 
-#: The binding's media type for JSON answers.
+#: The binding's media type for JSON answers: A2A §11.1 says
+#: `application/json`; a2a-sdk's server labels them `application/a2a+json`,
+#: which a caller gets by naming it in `Accept` (the TCK's HTTP_JSON-SVC-001).
 A2A_JSON = "application/a2a+json"
+JSON = "application/json"
 
 
 def mount_a2a_rest(app: Any, get_funduq: Callable[[], Any]) -> None:
@@ -54,29 +74,29 @@ def mount_a2a_rest(app: Any, get_funduq: Callable[[], Any]) -> None:
         endpoint.__name__ = f"a2a_rest_{op}_{'_'.join(methods).lower()}"
         app.add_url_rule(base + path, endpoint.__name__, endpoint, methods=methods)
 
-    route("/message:send", ["POST"], a2a.SEND, _send)
-    route("/message:stream", ["POST"], a2a.STREAM, _send)
-    route("/tasks/<task_id>:cancel", ["POST"], a2a.CANCEL, _cancel)
-    route("/tasks/<task_id>:subscribe", ["GET", "POST"], a2a.SUBSCRIBE, _subscribe)
-    route("/tasks/<task_id>", ["GET"], a2a.GET, _get)
-    route("/tasks", ["GET"], a2a.LIST, _list)
-    route("/tasks/<task_id>/pushNotificationConfigs", ["POST"], a2a.PUSH_CREATE, _push_create)
-    route("/tasks/<task_id>/pushNotificationConfigs", ["GET"], a2a.PUSH_LIST, _push_list)
-    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["GET"], a2a.PUSH_GET,
+    route("/message:send", ["POST"], SEND, _send)
+    route("/message:stream", ["POST"], STREAM, _send)
+    route("/tasks/<task_id>:cancel", ["POST"], CANCEL, _cancel)
+    route("/tasks/<task_id>:subscribe", ["GET", "POST"], SUBSCRIBE, _subscribe)
+    route("/tasks/<task_id>", ["GET"], GET, _get)
+    route("/tasks", ["GET"], LIST, _list)
+    route("/tasks/<task_id>/pushNotificationConfigs", ["POST"], PUSH_CREATE, _push_create)
+    route("/tasks/<task_id>/pushNotificationConfigs", ["GET"], PUSH_LIST, _push_list)
+    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["GET"], PUSH_GET,
           _push_get)
-    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["DELETE"], a2a.PUSH_DELETE,
+    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["DELETE"], PUSH_DELETE,
           _push_delete)
-    route("/extendedAgentCard", ["GET"], a2a.EXTENDED_CARD, _extended_card)
+    route("/extendedAgentCard", ["GET"], EXTENDED_CARD, _extended_card)
 
 
 def _rest_json(payload: Any, status: int = 200) -> Response:
     response = jsonify(payload)
     response.status_code = status
-    response.mimetype = A2A_JSON
+    response.mimetype = request.accept_mimetypes.best_match([JSON, A2A_JSON]) or JSON
     return response
 
 
-def _error(call: a2a.Call | None, exc: Exception) -> Response:
+def _error(call: Call | None, exc: Exception) -> Response:
     from .a2a_door import CALLER_ERRORS, _task_id
 
     if isinstance(exc, CALLER_ERRORS):
@@ -84,15 +104,15 @@ def _error(call: a2a.Call | None, exc: Exception) -> Response:
     elif not isinstance(exc, A2AError):
         log.exception("A2A REST call failed")
         exc = InternalError(message=str(exc) or None)
-    stub = call or a2a.Call(None, "", "", a2a.REST, None)
-    payload = a2a.error_response(stub, exc)
+    stub = call or Call(None, "", "", REST, None)
+    payload = error_response(stub, exc)
     return _rest_json(payload, int(payload["error"]["code"]))
 
 
 async def answer(
     door: Any, op: str, build: Callable[..., Any], path_args: dict[str, str]
 ) -> Response:
-    call: a2a.Call | None = None
+    call: Call | None = None
     try:
         try:
             raw = await request.get_data()
@@ -100,7 +120,7 @@ async def answer(
             raise InvalidRequestError(message="Payload too large") from None
         body = _body(raw)
         message = build(body, **path_args)
-        call = a2a.rest_call(op, message, body, request.headers.get("A2A-Version"))
+        call = rest_call(op, message, body, request.headers.get("A2A-Version"))
         door.view = door.funduq.find_agent(door.provider, door.agent)
         if door.view is None:
             raise InvalidRequestError(
@@ -110,7 +130,7 @@ async def answer(
             )
         if call.streaming:
             return sse_response(await door.open_stream(call))
-        return _rest_json(a2a.result_response(call, await door.perform(call)))
+        return _rest_json(result_response(call, await door.perform(call)))
     except Exception as exc:  # noqa: BLE001 - every failure answers in the binding's shape
         return _error(call, exc)
 

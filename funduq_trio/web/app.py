@@ -30,8 +30,10 @@ from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .cors import mount_cors
 from .door_errors import door_answer
 from .kyok import mount_kyok
+from .operator import mount_operator_page
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
@@ -67,13 +69,17 @@ CLOSE_WRITE_SECONDS = 5.0
 
 
 class CloseAfterResponse:
-    """ASGI middleware: a response that says ``Connection: close`` really closes.
+    """ASGI middleware: a response's last write is shielded, so a response
+    that closes its connection really closes it.
 
-    hypercorn closes such a connection from inside the app's last `send`;
-    while the request's body is unread, that same send also tells quart-trio
-    the request is over, which cancels the task doing the send before the
-    socket is shut down -- the refused connection then stays open, waiting
-    for a body nobody reads. Shielding that last send lets the close finish.
+    hypercorn closes a connection (``Connection: close``, or a request body
+    not all read, as after a 413, 408 or 405) from inside the app's last
+    `send`; while the request's body is unread, that same send also tells
+    quart-trio the request is over, which cancels the task doing the send
+    before the socket is shut down -- the refused connection then stays open,
+    waiting for a body nobody reads. Shielding that last send (for at most
+    CLOSE_WRITE_SECONDS) lets the close finish. hypercorn shields its own
+    socket writes already; this adds only the close.
     """
 
     def __init__(self, app: Any) -> None:
@@ -83,18 +89,9 @@ class CloseAfterResponse:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        closing = False
 
         async def shielded_last_send(message: Any) -> None:
-            nonlocal closing
-            if message["type"] == "http.response.start":
-                closing = any(
-                    name.lower() == b"connection" and value.lower() == b"close"
-                    for name, value in message.get("headers") or ()
-                )
-            if closing and message["type"] == "http.response.body" and not message.get(
-                "more_body", False
-            ):
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
                 with trio.move_on_after(CLOSE_WRITE_SECONDS) as cancel_scope:
                     cancel_scope.shield = True
                     await send(message)
@@ -166,7 +163,9 @@ def create_app(funduq: Funduq) -> QuartTrio:
         return json_error(answer.http_status, answer.code, message,
                           getattr(exc, "details", None))
 
+    mount_cors(app, settings.cors_origins)
     mount_reads(app, funduq)
+    mount_operator_page(app, funduq)
     mount_a2a_door(app, funduq)
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)

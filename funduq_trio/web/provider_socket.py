@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from funduq_trio.broker.errors import FunduqError
-from funduq_trio.identity import new_nonce
+from funduq_trio.identity import fingerprint_of, new_nonce
 from funduq_trio.protocol import link as L
 from funduq_trio.protocol.frames import Outgoing, encode_frame
 
@@ -151,6 +151,9 @@ class ProviderSocket:
                 self._session = self._funduq.attach_provider(
                     action.public_key, action.max_concurrent_runs, self
                 )
+                log.info("provider %s attached (key %s, max concurrent runs %s)",
+                         self._session.fingerprint, action.public_key,
+                         action.max_concurrent_runs or "unlimited")
             elif isinstance(action, L.Chunk):
                 if self._llm is not None:
                     self._llm.chunk(action.completion_id, action.data)
@@ -229,10 +232,29 @@ class ProviderSocket:
             raise
         finally:
             self._stop_waiting()
+            why = self.machine.close_reason or self._peer_close()
             self._perform(self.machine.connection_lost())
-            log.info(
-                "provider link %s closed: %s", self.machine.public_key, self.machine.close_reason
-            )
+            self._log_end(why)
+
+    def _peer_close(self) -> str:
+        """Why the link ended when funduq did not end it. A disconnect event
+        (`AsgiWebsocket.disconnected`) means the provider's side closed the
+        stream; hypercorn reports a provider's own close frame as 1006 too,
+        so the code is shown only when it says more than that."""
+        if not getattr(self._ws, "disconnected", False):
+            return "connection lost"
+        code = self._ws.close_code
+        return "the provider closed the connection" + (
+            f" (close code {code})" if code not in (1000, 1001, 1005, 1006, None) else "")
+
+    def _log_end(self, why: str) -> None:
+        if self.machine.public_key is not None:
+            log.info("provider %s left: %s", fingerprint_of(self.machine.public_key), why)
+        elif self.machine.claimed_key is not None:
+            log.info("refused a provider link claiming key %r: %s",
+                     self.machine.claimed_key[:80], why)
+        else:
+            log.info("refused a provider link before it claimed a key: %s", why)
 
     def _stop_waiting(self) -> None:
         if self._counted:
@@ -370,6 +392,10 @@ class AsgiWebsocket:
         self._receive = receive
         self._send = send
         self._gone = gone
+        #: The provider's side closed the stream (and with which code): a
+        #: provider that says goodbye is not a lost connection.
+        self.disconnected = False
+        self.close_code: int | None = None
 
     async def accept(self) -> None:
         await self._send({"type": "websocket.accept"})
@@ -382,6 +408,7 @@ class AsgiWebsocket:
                 text = event.get("text")
                 return text if text is not None else (event.get("bytes") or b"")
             if kind == "websocket.disconnect":
+                self.disconnected, self.close_code = True, event.get("code")
                 self._gone()
                 await trio.sleep_forever()  # cancelled at once: the handler's end
 

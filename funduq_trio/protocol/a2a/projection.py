@@ -1,0 +1,342 @@
+"""Run records and AG-UI events as A2A Tasks and stream updates, I/O-free.
+
+`task_from_record(record)` is the Task a run record (the `GET /runs/{id}`
+shape) reads as; `TaskProjection` is the same projection fed one event at a
+time, answering each with the stream updates the event becomes.
+
+Status mapping (exactly DESIGN's table): queued/offering -> SUBMITTED, running
+-> WORKING, cancelling -> WORKING with ``funduq/cancelRequested: true`` in the
+Task's metadata, input-required -> INPUT_REQUIRED with ``interrupts``,
+completed -> COMPLETED, failed -> FAILED with the RUN_ERROR's message as the
+status message, cancelled -> CANCELED.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from a2a.compat.v0_3 import conversions as v03
+from a2a.compat.v0_3 import types as types_v03
+from a2a.types import a2a_pb2 as pb
+from a2a.utils.proto_utils import parse_lenient
+from ag_ui.core import EventType
+
+from .. import statuses
+from .structs import proto_timestamp, set_struct, utf8
+
+#: Task metadata key: a cancel was asked for and the run has not settled yet.
+CANCEL_REQUESTED_KEY = "funduq/cancelRequested"
+#: Status-update metadata key carrying an AG-UI event that is not an artifact.
+AGUI_EVENT_KEY = "funduq/aguiEvent"
+#: The AG-UI CUSTOM event whose value is an A2A Artifact (DESIGN §5).
+ARTIFACT_EVENT_NAME = "a2a.artifact"
+
+# AG-UI event type names, read off the package (never transcribed).
+_TEXT_DELTA_TYPES = frozenset(
+    {EventType.TEXT_MESSAGE_CONTENT.value, EventType.TEXT_MESSAGE_CHUNK.value}
+)
+_RUN_STARTED = EventType.RUN_STARTED.value
+_RUN_FINISHED = EventType.RUN_FINISHED.value
+_RUN_ERROR = EventType.RUN_ERROR.value
+_CUSTOM = EventType.CUSTOM.value
+
+
+# ---------------------------------------------------------------- statuses
+
+_STATE_OF_STATUS: dict[str, pb.TaskState] = {
+    statuses.QUEUED: pb.TaskState.TASK_STATE_SUBMITTED,
+    statuses.OFFERING: pb.TaskState.TASK_STATE_SUBMITTED,
+    statuses.RUNNING: pb.TaskState.TASK_STATE_WORKING,
+    statuses.CANCELLING: pb.TaskState.TASK_STATE_WORKING,
+    statuses.INPUT_REQUIRED: pb.TaskState.TASK_STATE_INPUT_REQUIRED,
+    statuses.COMPLETED: pb.TaskState.TASK_STATE_COMPLETED,
+    statuses.FAILED: pb.TaskState.TASK_STATE_FAILED,
+    statuses.CANCELLED: pb.TaskState.TASK_STATE_CANCELED,
+}
+assert set(_STATE_OF_STATUS) == statuses.ALL, "every run status maps to a TaskState"
+
+
+def task_state(status: str) -> pb.TaskState:
+    """The A2A TaskState a run status reads as."""
+    return _STATE_OF_STATUS.get(status, pb.TaskState.TASK_STATE_UNSPECIFIED)
+
+
+def status_of_state(state: int) -> frozenset[str]:
+    """The run statuses that read as `state` (ListTasks' status filter)."""
+    return frozenset(s for s, st in _STATE_OF_STATUS.items() if st == state)
+
+
+# ---------------------------------------------------------------- record -> Task
+
+
+def _text_message(text: str, *, task_id: str, context_id: str, message_id: str) -> pb.Message:
+    return pb.Message(
+        message_id=utf8(message_id),
+        task_id=task_id,
+        context_id=context_id,
+        role=pb.Role.ROLE_AGENT,
+        parts=[pb.Part(text=utf8(text))],
+    )
+
+
+def _artifact_from_value(value: Any, fallback_id: str) -> pb.Artifact | None:
+    """An A2A Artifact out of a CUSTOM `a2a.artifact` event's value.
+
+    The value is an Artifact in its JSON form: 1.0 ProtoJSON, or the 0.3 form
+    (parts with ``kind``), which the SDK's converter brings to 1.0. Anything
+    that does not read as an artifact with parts is not one (None).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, Mapping):
+        return None
+    try:
+        parts = value.get("parts")
+        if isinstance(parts, list) and any(
+            isinstance(p, Mapping) and "kind" in p for p in parts
+        ):
+            compat = dict(value)
+            compat.setdefault("artifactId", fallback_id)
+            artifact = v03.to_core_artifact(types_v03.Artifact.model_validate(compat))
+        else:
+            artifact = parse_lenient(dict(value), pb.Artifact())
+    except Exception:  # noqa: BLE001 - any failure means "not an artifact"
+        return None
+    if not artifact.parts:
+        return None
+    if not artifact.artifact_id:
+        artifact.artifact_id = fallback_id
+    return artifact
+
+
+@dataclass
+class TaskProjection:
+    """A run seen as an A2A Task, built up one AG-UI event at a time.
+
+    `apply(seq, event)` folds an event into the task and answers the stream
+    updates it becomes; `task()` is the snapshot so far; `settle(record)`
+    takes status and metadata from the record and answers the final status
+    update. Text deltas become text artifacts keyed by message id (the first
+    chunk creates the artifact, later ones append to it); a CUSTOM
+    `a2a.artifact` event becomes the artifact it carries; any other event rides
+    a WORKING status update's metadata under ``funduq/aguiEvent``. The run's
+    terminal events (RUN_FINISHED, RUN_ERROR) ride the final status update
+    instead, so no WORKING is claimed after a run ended.
+    """
+
+    task_id: str
+    context_id: str
+    status: str = statuses.QUEUED
+    record_metadata: dict[str, Any] = field(default_factory=dict)
+    status_time: Any = None
+    cancel_requested: bool = False
+    last_seq: int = 0
+    _artifacts: dict[str, pb.Artifact] = field(default_factory=dict)
+    _last_text_id: str | None = None
+    _run_error: str | None = None
+    _terminal_event: dict[str, Any] | None = None
+
+    # -- construction
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> TaskProjection:
+        projection = cls(task_id=str(record["runId"]), context_id=str(record["threadId"]))
+        for entry in record.get("events") or ():
+            projection.apply(int(entry.get("seq", 0)), entry.get("event"))
+        projection.observe(record)
+        return projection
+
+    def observe(self, record: Mapping[str, Any]) -> None:
+        """Take the record's status, metadata and time (events are `apply`'s)."""
+        self.status = str(record.get("status") or statuses.QUEUED)
+        self.record_metadata = dict(record.get("metadata") or {})
+        self.status_time = (
+            record.get("completedAt") or record.get("startedAt") or record.get("createdAt")
+        )
+        funduq_meta = self.record_metadata.get("funduq")
+        asked = isinstance(funduq_meta, Mapping) and "cancelRequestedBy" in funduq_meta
+        if self.status == statuses.CANCELLING or (asked and self.status in statuses.ACTIVE):
+            self.cancel_requested = True
+        if self.status in statuses.TERMINAL or self.status == statuses.INPUT_REQUIRED:
+            self.cancel_requested = False
+
+    # -- events
+
+    def apply(self, seq: int, event: Any) -> list[pb.StreamResponse]:
+        """Fold one recorded AG-UI event in; answer the stream updates it becomes."""
+        if seq and seq <= self.last_seq:
+            return []  # already folded in (a snapshot and a follow overlap)
+        self.last_seq = max(self.last_seq, seq)
+        if not isinstance(event, Mapping):
+            return []
+        kind = event.get("type")
+        if kind in _TEXT_DELTA_TYPES:
+            update = self._text_delta(event)
+            if update is not None:
+                return [update]
+            if kind == EventType.TEXT_MESSAGE_CHUNK.value:
+                return []  # a chunk with nothing to say
+        elif kind == _CUSTOM and event.get("name") == ARTIFACT_EVENT_NAME:
+            artifact = _artifact_from_value(event.get("value"), f"artifact-{seq}")
+            if artifact is not None:
+                self._artifacts[artifact.artifact_id] = artifact
+                update = pb.TaskArtifactUpdateEvent(
+                    task_id=self.task_id,
+                    context_id=self.context_id,
+                    artifact=artifact,
+                    append=False,
+                    last_chunk=True,
+                )
+                return [pb.StreamResponse(artifact_update=update)]
+        if kind == _RUN_STARTED:
+            # A new turn (a paused run answered): the last one's end is history.
+            self._terminal_event = self._run_error = None
+        if kind in (_RUN_FINISHED, _RUN_ERROR):
+            self._terminal_event = dict(event)
+            if kind == _RUN_ERROR:
+                message = event.get("message")
+                self._run_error = str(message) if message is not None else None
+            return []
+        status = pb.TaskStatus(state=pb.TaskState.TASK_STATE_WORKING)
+        update = pb.TaskStatusUpdateEvent(
+            task_id=self.task_id, context_id=self.context_id, status=status
+        )
+        metadata: dict[str, Any] = {AGUI_EVENT_KEY: dict(event)}
+        if self.cancel_requested:
+            metadata[CANCEL_REQUESTED_KEY] = True
+        set_struct(update.metadata, metadata)
+        return [pb.StreamResponse(status_update=update)]
+
+    def _text_delta(self, event: Mapping[str, Any]) -> pb.StreamResponse | None:
+        delta = event.get("delta")
+        if not isinstance(delta, str) or delta == "":
+            return None
+        message_id = event.get("messageId") or self._last_text_id or "text"
+        message_id = utf8(str(message_id))
+        delta = utf8(delta)
+        self._last_text_id = message_id
+        existing = self._artifacts.get(message_id)
+        if existing is None:
+            self._artifacts[message_id] = pb.Artifact(
+                artifact_id=message_id, parts=[pb.Part(text=delta)]
+            )
+        elif len(existing.parts) == 1 and existing.parts[0].WhichOneof("content") == "text":
+            existing.parts[0].text += delta
+        else:
+            existing.parts.append(pb.Part(text=delta))
+        chunk = pb.Artifact(artifact_id=message_id, parts=[pb.Part(text=delta)])
+        update = pb.TaskArtifactUpdateEvent(
+            task_id=self.task_id,
+            context_id=self.context_id,
+            artifact=chunk,
+            append=existing is not None,
+            last_chunk=False,
+        )
+        return pb.StreamResponse(artifact_update=update)
+
+    # -- views
+
+    def task_status(self) -> pb.TaskStatus:
+        status = pb.TaskStatus(state=task_state(self.status))
+        ts = proto_timestamp(self.status_time)
+        if ts is not None:
+            status.timestamp.CopyFrom(ts)
+        message = self._status_message()
+        if message is not None:
+            status.message.CopyFrom(message)
+        return status
+
+    def _status_message(self) -> pb.Message | None:
+        if self.status == statuses.FAILED:
+            text = self._run_error or self.record_metadata.get("failureReason") or "failed"
+            return _text_message(
+                str(text),
+                task_id=self.task_id,
+                context_id=self.context_id,
+                message_id=f"{self.task_id}-error",
+            )
+        if self.status == statuses.INPUT_REQUIRED:
+            interrupts = self.record_metadata.get("interrupts") or []
+            lines = [
+                str(i.get("message") or i.get("reason") or "input required")
+                for i in interrupts
+                if isinstance(i, Mapping)
+            ]
+            message = _text_message(
+                "\n".join(lines) or "input required",
+                task_id=self.task_id,
+                context_id=self.context_id,
+                message_id=f"{self.task_id}-input-required-{self.last_seq}",
+            )
+            data = pb.Part()
+            set_struct(data.data.struct_value, {"interrupts": interrupts})
+            message.parts.append(data)
+            return message
+        return None
+
+    def metadata(self) -> dict[str, Any]:
+        """The Task's metadata: funduq's observations a caller can act on."""
+        metadata: dict[str, Any] = {}
+        if self.cancel_requested and self.status in statuses.ACTIVE:
+            metadata[CANCEL_REQUESTED_KEY] = True
+        if self.status == statuses.INPUT_REQUIRED and "interrupts" in self.record_metadata:
+            metadata["interrupts"] = self.record_metadata["interrupts"]
+        if "failureReason" in self.record_metadata:
+            metadata["failureReason"] = self.record_metadata["failureReason"]
+        return metadata
+
+    def task(self, *, include_artifacts: bool = True) -> pb.Task:
+        task = pb.Task(id=self.task_id, context_id=self.context_id, status=self.task_status())
+        if include_artifacts:
+            task.artifacts.extend(self._artifacts.values())
+        metadata = self.metadata()
+        if metadata:
+            set_struct(task.metadata, metadata)
+        return task
+
+    def settle(self, record: Mapping[str, Any]) -> pb.StreamResponse:
+        """The closing status update once the run settled or paused."""
+        self.observe(record)
+        update = pb.TaskStatusUpdateEvent(
+            task_id=self.task_id, context_id=self.context_id, status=self.task_status()
+        )
+        metadata = self.metadata()
+        if self._terminal_event is not None:
+            metadata[AGUI_EVENT_KEY] = self._terminal_event
+        if metadata:
+            set_struct(update.metadata, metadata)
+        return pb.StreamResponse(status_update=update)
+
+    def status_update(self) -> pb.StreamResponse:
+        """The current status as an update (no event behind it)."""
+        update = pb.TaskStatusUpdateEvent(
+            task_id=self.task_id, context_id=self.context_id, status=self.task_status()
+        )
+        metadata = self.metadata()
+        if metadata:
+            set_struct(update.metadata, metadata)
+        return pb.StreamResponse(status_update=update)
+
+
+def task_from_record(
+    record: Mapping[str, Any],
+    *,
+    cancel_requested: bool = False,
+    include_artifacts: bool = True,
+) -> pb.Task:
+    """The A2A Task a run record (the `GET /runs/{id}` shape) reads as.
+
+    `cancel_requested` marks the answer to an accepted cancel: the run's own
+    task writes `cancelling` a moment after the door asked, so the marker rides
+    the answer whatever active status the record still shows.
+    """
+    projection = TaskProjection.from_record(record)
+    if cancel_requested and projection.status in statuses.ACTIVE:
+        projection.cancel_requested = projection.status != statuses.INPUT_REQUIRED
+    return projection.task(include_artifacts=include_artifacts)
