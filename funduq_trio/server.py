@@ -30,7 +30,7 @@ from hypercorn.config import Config as HypercornConfig
 from .broker.funduq import Funduq
 from .broker.schema import SchemaTooNew
 from .broker.store import RecordUnreachable, record_name
-from .config import Settings, env_name
+from .config import Settings, env_name, shown_url
 from .secret_file import SecretFileError
 from .web.app import create_app
 
@@ -193,6 +193,8 @@ def changed_settings(settings: Settings) -> list[str]:
             shown = "(set)"
         elif isinstance(value, frozenset):
             shown = ",".join(sorted(value))
+        elif f.name == "database_url":
+            shown = shown_url(str(value))  # a PostgreSQL URL may carry a password
         else:
             shown = str(value)
         changed.append(f"{env_name(f.name)}={shown}")

@@ -36,6 +36,19 @@ def test_a_postgresql_url_is_a_setting_and_other_urls_are_refused():
         assert "FUNDUQ_DATABASE_URL" in problem, bad
 
 
+def test_a_database_password_is_never_shown():
+    """The banner's settings line and every refusal show the URL with its
+    password masked."""
+    from funduq_trio.server import changed_settings
+
+    settings = Settings(database_url="postgresql://funduq:hunter2@db.example:5432/records")
+    assert "FUNDUQ_DATABASE_URL=postgresql://funduq:***@db.example:5432/records" in \
+        changed_settings(settings)
+    bad = Settings(database_url="postgresql://funduq:hunter2@db.example/records?bogus=1")
+    (problem,) = bad.problems()
+    assert "hunter2" not in problem and "funduq:***@" in problem
+
+
 async def test_runs_are_recorded_in_the_store_the_url_names(tmp_path, store):
     """With a postgresql:// URL the record is in PostgreSQL (and no SQLite file
     appears); without one, in the data directory's SQLite file."""
