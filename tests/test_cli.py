@@ -42,7 +42,7 @@ def test_flags_override_the_environment():
         (["--provider-keys", "abc"], {}, "--provider-keys"),
         (["--database-url", "mysql://x"], {}, "--database-url mysql://x"),
         (["--database-url", "postgresql://u:pw@x/db?bogus=1"], {},
-         "--database-url postgresql://u:***@x/db?bogus=1: not a PostgreSQL URL"),
+         r"--database-url postgresql://u:\*\*\*@x/db\?bogus=1: not a PostgreSQL URL"),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
     ],
 )
