@@ -344,3 +344,45 @@ async def test_a_deleted_config_gets_nothing_more_and_active_configs_are_bounded
         tokens = [h["x-a2a-notification-token"] for h, _ in receiver.received]
         assert tokens.count("dropped") == 1
         assert tokens.count("kept") > 3
+
+
+class _Rebinding(trio.abc.HostnameResolver):
+    """A DNS server playing rebinding: `rebind.example` is "public" (here
+    127.0.0.2, which the test lets count as public) for the checks made as
+    the config is made, then alternately public and internal (127.0.0.1) --
+    the answer a check sees is never the one the next resolution gets."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):  # noqa: A002
+        name = host.decode() if isinstance(host, bytes) else host
+        if name != "rebind.example":
+            return await trio.to_thread.run_sync(
+                __import__("socket").getaddrinfo, host, port, family, type, proto, flags)
+        self.calls += 1
+        address = "127.0.0.2" if self.calls <= 2 or self.calls % 2 else "127.0.0.1"
+        return [(trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", (address, int(port)))]
+
+    async def getnameinfo(self, sockaddr, flags):
+        raise NotImplementedError
+
+
+async def test_a_push_connects_to_the_address_that_was_checked(tmp_path, monkeypatch) -> None:
+    # Finding 4: the host was vetted, then resolved again by the POST; a
+    # rebinding DNS answer sent the push to a loopback service.
+    monkeypatch.setattr(push, "address_blocked", lambda address: address != "127.0.0.2")
+    resolver = _Rebinding()
+    trio.socket.set_custom_hostname_resolver(resolver)
+    async with push_receiver() as inside, push_receiver("127.0.0.2", inside.port) as vetted:
+        async with broker_with_agents(
+            tmp_path, push_backoff_seconds=0.001, push_max_attempts=50,
+        ) as (info, agents):
+            fp = agents.provider.fingerprint
+            task = await send_with_push(info, fp, f"http://rebind.example:{inside.port}/hook")
+            await delivered_all(info)
+            expected = await expected_updates(info, task["id"])
+            assert inside.received == []
+            assert vetted.bodies() == expected
+            assert {h["host"] for h, _ in vetted.received} == {f"rebind.example:{inside.port}"}
+            assert resolver.calls > 2

@@ -26,10 +26,11 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
 import trio
 from a2a.types import a2a_pb2 as pb
@@ -112,6 +113,58 @@ async def _resolve(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
+class _VettedConnects(httpcore.AsyncNetworkBackend):
+    """httpcore's trio backend, but a TCP connection goes only to an address
+    `vouch(host, port)` just vouched for. The host is resolved once, here,
+    and the very address that was checked is dialled: a DNS answer that
+    changes between a check and the connect (rebinding) cannot steer a push
+    inside. Host header, SNI and certificate checks still name the URL's
+    host -- httpcore takes them from the URL, not from what was dialled."""
+
+    def __init__(self, vouch: Callable[[str, int], Awaitable[list[str]]]) -> None:
+        self._vouch = vouch
+        self._trio = httpcore.TrioBackend()
+
+    async def connect_tcp(
+        self, host: str, port: int, timeout: float | None = None,
+        local_address: str | None = None, socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            addresses = await self._vouch(host, port)
+        except PushRefused as exc:
+            raise httpcore.ConnectError(str(exc)) from None
+        failure: Exception = httpcore.ConnectError(f"{host} resolves to no address")
+        for address in addresses:
+            try:
+                return await self._trio.connect_tcp(
+                    address, port, timeout, local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failure = exc
+        raise failure
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("push targets are TCP hosts only")
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+
+Vouch = Callable[[str, int], Awaitable[list[str]]]
+
+
+def _pinned_transport(vouch: Vouch) -> httpx.AsyncHTTPTransport:
+    """httpx's transport with its connection pool dialling through
+    `_VettedConnects` (httpx has no public hook for the network backend)."""
+    transport = httpx.AsyncHTTPTransport(trust_env=False)
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=httpx.create_ssl_context(trust_env=False),
+        network_backend=_VettedConnects(vouch),
+    )
+    return transport
+
+
 class Pushes:
     """The push configs of every task and their deliverers. Made and run by
     the facade: ``await nursery.start(pushes.run)``."""
@@ -147,7 +200,8 @@ class Pushes:
         )
         timeout = httpx.Timeout(self.settings.push_timeout_seconds)
         async with httpx.AsyncClient(
-            timeout=timeout, follow_redirects=False, trust_env=False
+            timeout=timeout, follow_redirects=False, trust_env=False,
+            transport=_pinned_transport(self._addresses),
         ) as http, trio.open_nursery() as nursery:
             self._http = http
             self._nursery = nursery
@@ -204,19 +258,29 @@ class Pushes:
         except TargetRefused as exc:
             raise PushRefused(str(exc)) from None
         if not self.settings.push_allow_private:
-            addresses: list[str] = []
-            # A resolver that does not answer is a host funduq cannot vouch for.
-            with trio.move_on_after(self.settings.push_timeout_seconds):
-                try:
-                    addresses = await self._resolve(target.host, target.port)
-                except OSError:
-                    pass
-            if push.any_blocked(addresses):
-                raise PushRefused(
-                    "push url's host is not a public address (or does not resolve); "
-                    "loopback and private targets need FUNDUQ_PUSH_ALLOW_PRIVATE"
-                )
+            await self._addresses(target.host, target.port)
         return target
+
+    async def _addresses(self, host: str, port: int) -> list[str]:
+        """The addresses a push to `host` may connect to, or PushRefused: all
+        of them public unless FUNDUQ_PUSH_ALLOW_PRIVATE (then `host` itself,
+        resolved by the connect). Each delivery's connect asks this afresh
+        and dials only what it answered (`_VettedConnects`)."""
+        if self.settings.push_allow_private:
+            return [host]
+        addresses: list[str] = []
+        # A resolver that does not answer is a host funduq cannot vouch for.
+        with trio.move_on_after(self.settings.push_timeout_seconds):
+            try:
+                addresses = await self._resolve(host, port)
+            except OSError:
+                pass
+        if push.any_blocked(addresses):
+            raise PushRefused(
+                "push url's host is not a public address (or does not resolve); "
+                "loopback and private targets need FUNDUQ_PUSH_ALLOW_PRIVATE"
+            )
+        return addresses
 
     async def vet(self, config: pb.TaskPushNotificationConfig) -> None:
         """Refuse (PushRefused) a config `create` would refuse for its own
@@ -427,10 +491,8 @@ class Pushes:
     async def _attempt(self, config: PushConfig, key: tuple[int, int], body: bytes) -> str | None:
         """One POST; None on a 2xx, else what went wrong."""
         assert self._http is not None
-        try:
-            await self.check_url(config.url)  # again: DNS may have changed since
-        except PushRefused as exc:
-            return str(exc)
+        # The host is vetted again by the connect itself (DNS may have
+        # changed since the config was made): see `_VettedConnects`.
         identity = self.funduq.identity
         claims = push.delivery_claims(issuer=identity.fingerprint, task_id=config.task_id,
                                       config_id=config.id, key=key, body=body, now=time.time())
