@@ -200,6 +200,44 @@ async def test_a_deliverer_that_lags_past_a_pause_still_pushes_the_pause(tmp_pat
         assert states[paused_at + 1] == "TASK_STATE_WORKING"
 
 
+def _states(receiver: Receiver) -> list[str]:
+    return [b["statusUpdate"]["status"]["state"] for b in receiver.bodies()
+            if "statusUpdate" in b]
+
+
+async def test_a_turn_that_pauses_again_before_its_deliverer_wakes_is_pushed(tmp_path) -> None:
+    """Finding 8: the deliverer is still sending the first pause while the
+    answer comes and the next turn pauses again. It must push that second
+    pause at once (not wait for an answer nobody knows to give), and leave
+    nothing behind per task once the task ends."""
+    async with push_receiver() as receiver:
+        receiver.down_after = 1  # the first pause's status update fails until `up`
+        async with broker_with_agents(
+            tmp_path, push_allow_private=True, push_backoff_seconds=0.001,
+            push_max_attempts=10_000,
+        ) as (info, agents):
+            fp = agents.provider.fingerprint
+            pushes = info.funduq.pushes
+            task = await send_with_push(info, fp, receiver.url, agent="asker")
+            assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            await pushes.wait_until(lambda: pushes.failed_attempts >= 1)
+            again = await call(info, fp, "asker", rpc("SendMessage", {
+                "message": message("again", taskId=task["id"], contextId=task["contextId"])}))
+            assert again["result"]["task"]["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            await receiver.up()
+            with trio.fail_after(10):  # a guard: on the base it waits for good
+                while _states(receiver).count("TASK_STATE_INPUT_REQUIRED") < 2:
+                    await receiver.wait_for(len(receiver.received) + 1)
+            answer = await call(info, fp, "asker", rpc("SendMessage", {
+                "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+            assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+            await delivered_all(info)
+            assert pushes._resumed == {} and pushes._following == {}
+        states = _states(receiver)
+        assert states.count("TASK_STATE_INPUT_REQUIRED") == 2
+        assert states[-1] == "TASK_STATE_COMPLETED"
+
+
 async def test_push_configs_are_created_read_listed_and_deleted(tmp_path) -> None:
     async with (
         push_receiver() as receiver,

@@ -177,6 +177,8 @@ class Pushes:
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
         self._resumed: dict[str, trio.Event] = {}
+        #: Deliverers per task: the last one out drops the task's `_resumed`.
+        self._following: dict[str, int] = {}
         self._http: httpx.AsyncClient | None = None
         #: Counters (GET /metrics) and a wake-up for whoever watches them.
         self.delivered = 0
@@ -387,6 +389,7 @@ class Pushes:
 
     async def _deliverer(self, config: PushConfig, scope: trio.CancelScope) -> None:
         key = (config.task_id, config.id)
+        self._following[config.task_id] = self._following.get(config.task_id, 0) + 1
         with scope:
             try:
                 await self._follow(config)
@@ -394,6 +397,11 @@ class Pushes:
                 pass
             except Exception:
                 log.exception("push deliverer of %s/%s failed", *key)
+            finally:
+                self._following[config.task_id] -= 1
+                if not self._following[config.task_id]:
+                    del self._following[config.task_id]
+                    self._resumed.pop(config.task_id, None)
         if self._scopes.get(key) is scope:
             del self._scopes[key]
         self._note()
@@ -443,10 +451,15 @@ class Pushes:
             if record.get("status") in statuses.TERMINAL:
                 await self._finish(config, DONE, None)
                 return
-            # Paused: wait for the answer (unless it came already).
+            # Paused: wait for the answer (unless it came already -- and the
+            # turn it started may have paused again since: then it recorded
+            # past what this deliverer followed).
             while task_id not in self.funduq.lanes:
                 current = await self.funduq.get_run(task_id)
                 if current is None or current.get("status") != statuses.INPUT_REQUIRED:
+                    break
+                if max((e["seq"] for e in current.get("events") or ()),
+                       default=0) > projection.last_seq:
                     break
                 await resumed.wait()
                 resumed = self._resumed.setdefault(task_id, trio.Event())
