@@ -238,6 +238,48 @@ async def test_a_turn_that_pauses_again_before_its_deliverer_wakes_is_pushed(tmp
         assert states[-1] == "TASK_STATE_COMPLETED"
 
 
+async def test_an_inline_config_is_refused_before_its_answer_resumes_the_task(tmp_path) -> None:
+    """Finding 9: an answer carrying a push config for a task whose configs
+    are at FUNDUQ_PUSH_CONFIGS_PER_TASK was let through, resumed the task,
+    and only then refused (an error for an answer that was taken). Now it
+    is refused first and the task still waits for its answer."""
+    async with (
+        push_receiver() as receiver,
+        broker_with_agents(tmp_path, push_allow_private=True, push_configs_per_task=1)
+        as (info, agents),
+    ):
+        fp = agents.provider.fingerprint
+        task = await send_with_push(info, fp, receiver.url, agent="asker")
+        assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+        answer = await call(info, fp, "asker", rpc("SendMessage", {
+            "message": message("yes", taskId=task["id"], contextId=task["contextId"]),
+            "configuration": {"taskPushNotificationConfig": {"url": receiver.url, "id": "two"}}}))
+        assert answer["error"]["code"] == -32602, answer
+        assert "FUNDUQ_PUSH_CONFIGS_PER_TASK" in answer["error"]["message"]
+        async with http_client(info) as http:
+            record = (await http.get(f"/runs/{task['id']}")).json()
+        assert record["status"] == "input-required"
+        assert info.funduq.pushes._reserved == 0
+        answer = await call(info, fp, "asker", rpc("SendMessage", {
+            "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+        assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+async def test_a_held_slot_counts_against_active_configs(tmp_path) -> None:
+    async with broker_with_agents(
+        tmp_path, push_allow_private=True, push_max_active=1
+    ) as (info, _agents):
+        pushes = info.funduq.pushes
+        config = pb.TaskPushNotificationConfig(url="http://127.0.0.1:9/hook")
+        slot = await pushes.reserve(config)
+        with pytest.raises(Exception, match="FUNDUQ_PUSH_MAX_ACTIVE"):
+            await pushes.reserve(config)
+        slot.release()
+        slot.release()  # again: a no-op
+        (await pushes.reserve(config)).release()
+        assert pushes._reserved == 0
+
+
 async def test_push_configs_are_created_read_listed_and_deleted(tmp_path) -> None:
     async with (
         push_receiver() as receiver,

@@ -151,6 +151,23 @@ class _VettedConnects(httpcore.AsyncNetworkBackend):
         await trio.sleep(seconds)
 
 
+class PushSlot:
+    """Room for one more delivering config, held from a door's `vet` of an
+    inline config until `create` records it (or the run is refused and the
+    door releases it): a config vetted before its run starts cannot then be
+    refused for want of room after the run started."""
+
+    def __init__(self, pushes: Pushes) -> None:
+        self._pushes: Pushes | None = pushes
+        pushes._reserved += 1
+
+    def release(self) -> None:
+        """Give the room back (again is a no-op)."""
+        if self._pushes is not None:
+            self._pushes._reserved -= 1
+            self._pushes = None
+
+
 Vouch = Callable[[str, int], Awaitable[list[str]]]
 
 
@@ -177,6 +194,8 @@ class Pushes:
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
         self._resumed: dict[str, trio.Event] = {}
+        #: Slots held by inline configs between `vet` and `create`.
+        self._reserved = 0
         #: Deliverers per task: the last one out drops the task's `_resumed`.
         self._following: dict[str, int] = {}
         self._http: httpx.AsyncClient | None = None
@@ -284,10 +303,29 @@ class Pushes:
             )
         return addresses
 
+    async def reserve(
+        self, config: pb.TaskPushNotificationConfig, task_id: str | None = None
+    ) -> PushSlot:
+        """Vet an inline config before the run it is for starts (or the
+        paused `task_id` it answers resumes) and hold its room: `create`
+        with the slot then refuses nothing. The door releases the slot
+        whatever happens (`PushSlot.release`)."""
+        await self.vet(config)
+        if task_id is not None and config.id not in await self._config_ids(task_id):
+            held = len(await self._config_ids(task_id))
+            if held >= self.settings.push_configs_per_task:
+                raise PushRefused(f"task has {held} push configs already "
+                                  "(FUNDUQ_PUSH_CONFIGS_PER_TASK)")
+        return PushSlot(self)
+
+    async def _config_ids(self, task_id: str) -> set[str]:
+        rows = await self.record.read(lambda c: c.execute(
+            "SELECT id FROM push_configs WHERE task_id=?", (task_id,)).fetchall())
+        return {row[0] for row in rows}
+
     async def vet(self, config: pb.TaskPushNotificationConfig) -> None:
         """Refuse (PushRefused) a config `create` would refuse for its own
-        fields or for want of room -- so a door can check an inline config
-        before it starts the run the config is for."""
+        fields or for want of room."""
         await self.check_url(config.url)
         if len(config.token) > push.MAX_TOKEN_CHARS:
             raise PushRefused(f"push token longer than {push.MAX_TOKEN_CHARS} characters")
@@ -302,19 +340,23 @@ class Pushes:
             problem = push.auth_problem(auth.scheme, auth.credentials)
             if problem:
                 raise PushRefused(problem)
-        if len(self._scopes) >= self.settings.push_max_active:
+        if len(self._scopes) + self._reserved >= self.settings.push_max_active:
             raise PushRefused(
                 "funduq delivers to as many push configs as it may (FUNDUQ_PUSH_MAX_ACTIVE)"
             )
 
     async def create(
-        self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool
+        self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool,
+        slot: PushSlot | None = None,
     ) -> pb.TaskPushNotificationConfig:
         """Record a config for the task and start delivering to it. A config
         made with the task (`from_start`) gets every update; one added later
         gets those of events recorded from now on and the status updates of
-        the turn now under way (a paused task's current status at once)."""
-        await self.vet(config)
+        the turn now under way (a paused task's current status at once).
+        With a `slot` (from `reserve`) the config was vetted and its room
+        held already: nothing is refused, and the slot is used up."""
+        if slot is None:
+            await self.vet(config)
         config_id = config.id or secrets.token_hex(8)
         auth: dict[str, str] = {}
         if config.HasField("authentication"):
@@ -333,7 +375,7 @@ class Pushes:
             existing = conn.execute(
                 "SELECT 1 FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)
             ).fetchone()
-            if existing is None:
+            if existing is None and slot is None:
                 per_task = conn.execute(
                     "SELECT COUNT(*) FROM push_configs WHERE task_id=?", (task_id,)
                 ).fetchone()[0]
@@ -353,13 +395,17 @@ class Pushes:
                  cursor[0], cursor[1], DELIVERING))
             return None
 
-        refused = await self.record.write(insert)
-        if refused is not None:
-            raise PushRefused(refused)
-        old = self._scopes.pop((task_id, config_id), None)
-        if old is not None:  # replaced: the old deliverer stops
-            old.cancel()
-        self._start(row)
+        try:
+            refused = await self.record.write(insert)
+            if refused is not None:
+                raise PushRefused(refused)
+            old = self._scopes.pop((task_id, config_id), None)
+            if old is not None:  # replaced: the old deliverer stops
+                old.cancel()
+            self._start(row)  # its scope now holds the room the slot held
+        finally:
+            if slot is not None:
+                slot.release()
         return row.as_proto()
 
     async def get(self, task_id: str, config_id: str) -> pb.TaskPushNotificationConfig:
