@@ -81,7 +81,7 @@ from ..protocol.a2a.parsing import CallRejected, parse_call
 from ..protocol.a2a.projection import TaskProjection, status_of_state, task_from_record, task_state
 from ..protocol.a2a.render import error_response, result_response, stream_frame
 from .a2a_rest import mount_a2a_rest
-from .access import reader_of
+from .access import of_agent, reader_of
 from .door_errors import a2a_error
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
@@ -129,10 +129,6 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
 
     app.add_url_rule(JWKS_PATH, "jwks", jwks, methods=["GET"])
     mount_a2a_rest(app, get_funduq)
-
-
-#: The brief's name for the same thing.
-mount_a2a = mount_a2a_door
 
 
 #: How long a caller may keep a card without asking again (A2A §8.6.1). A card
@@ -213,13 +209,7 @@ class A2ADoor:
     # -- the record, seen from this agent's endpoint
 
     def _ours(self, record: Mapping[str, Any] | None) -> bool:
-        if record is None:
-            return False
-        agent = record.get("agent") or {}
-        return agent.get("name") == self.view.name and agent.get("provider") in (
-            self.view.key,
-            self.view.fingerprint,
-        )
+        return of_agent(record, self.view.key, self.view.fingerprint, self.view.name)
 
     async def run_record(self, task_id: str) -> dict[str, Any]:
         """The task's record, for acts that carry their own authority (a
