@@ -183,9 +183,15 @@ class ProviderSession:
             log.info("provider %s answered offer %s after funduq stopped waiting",
                      self.fingerprint, offer_id)
             run_id = self.expired.pop(offer_id, None)
-            if verdict == ACCEPTED and run_id is not None and run_id not in self.held:
+            if verdict == ACCEPTED and run_id is not None and run_id not in self.held \
+                    and not self.offered(run_id):
                 # It took a run funduq no longer offers it: ask it to stop, so
                 # it works for nobody no longer and a later offer finds it free.
+                # Not while a newer offer of the run is out on this link: a
+                # cancel names a run, not an offer, so the provider would take
+                # it as being about that offer -- stopping the play funduq is
+                # about to hold, which then ends without a RUN_FINISHED (and
+                # with no cancel asked: failed, for nobody's fault).
                 self.cancel_unheld(run_id)
             return
         self.registry.metrics.offer_answered(verdict, self.last_heard - offer.sent_at)
@@ -194,6 +200,10 @@ class ProviderSession:
             # the lane's inbox, and the lane claims the run when it reads it.
             self.held[offer.lane.run_id] = offer.lane
         offer.resolve(verdict, reason)
+
+    def offered(self, run_id: str) -> bool:
+        """An offer of this run is out on this link, its answer awaited."""
+        return any(offer.lane.run_id == run_id for offer in self.offers.values())
 
     def report(self, run_id: str, event: Any) -> bool:
         self.last_heard = trio.current_time()
