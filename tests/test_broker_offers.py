@@ -376,6 +376,29 @@ async def test_unanswered_offer_returns_to_queued_and_counts_unanswered(tmp_path
         assert len(offer_ids_for(p.link, a.run_id)) == 3
 
 
+async def test_a_late_taker_is_asked_to_stop_once_the_newer_offer_is_declined(
+        tmp_path, mock_clock):
+    """The stop held back for the newer offer's sake is sent once that offer
+    is declined (the provider still plays the stale take: a runtime declines
+    a run it is already running) -- before the run is offered again."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        first = last_offer_for(p.link, a.run_id)
+        await advance(mock_clock, 5.1)
+        second = last_offer_for(p.link, a.run_id)
+        p.session.answer(first, "accepted")  # too late, with `second` out
+        assert p.link.cancels == []
+        p.session.answer(second, "declined")
+        assert p.link.cancels == [a.run_id]
+        await quiet()
+        await p.session.register([{"name": AGENT, "description": "", "card": {},
+                                   "metadata": {}}])  # wakes the declined head
+        await quiet()
+        assert len(offer_ids_for(p.link, a.run_id)) == 3
+        assert p.link.cancels == [a.run_id]
+
+
 async def test_a_late_acceptance_of_a_run_not_offered_again_is_asked_to_stop(
         tmp_path, mock_clock):
     """With no newer offer of the run out, the late taker is asked to stop (it
