@@ -24,9 +24,10 @@ import trio
 
 
 class Receiver:
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery, host: str = "127.0.0.1", port: int = 0) -> None:
         self._nursery = nursery
-        self.port = 0
+        self.host = host
+        self.port = port
         self.received: list[tuple[dict[str, str], bytes]] = []
         self.attempts = 0  # requests answered, whatever the status
         self.answers: list[int] = []
@@ -36,13 +37,13 @@ class Receiver:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hook"
+        return f"http://{self.host}:{self.port}/hook"
 
     def bodies(self) -> list[Any]:
         return [json.loads(body) for _, body in self.received]
 
     async def up(self) -> None:
-        listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
+        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         self.port = listeners[0].socket.getsockname()[1]
         self._scope = trio.CancelScope()
 
@@ -112,9 +113,9 @@ class Receiver:
 
 
 @contextlib.asynccontextmanager
-async def push_receiver() -> AsyncIterator[Receiver]:
+async def push_receiver(host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[Receiver]:
     async with trio.open_nursery() as nursery:
-        receiver = Receiver(nursery)
+        receiver = Receiver(nursery, host, port)
         await receiver.up()
         yield receiver
         nursery.cancel_scope.cancel()

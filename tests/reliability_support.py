@@ -412,6 +412,11 @@ class Offer:
     run: dict[str, Any]
     link: Link
     answers: list[str] = field(default_factory=list)
+    #: A `cancel` naming this run came on this link after this offer (and
+    #: before any newer offer of the run): the stop is for this offer's play.
+    #: A cancel names a run, not an offer, so one that came before the offer
+    #: was about an earlier play (e.g. a late acceptance) -- never this one.
+    cancelled: bool = False
 
     @property
     def run_id(self) -> str:
@@ -482,6 +487,8 @@ class Link:
         self.closing_at: float | None = None
         self.accepted: set[str] = set()
         self.cancels: list[str] = []
+        #: run id -> the newest offer of it received on this link
+        self.latest_offer: dict[str, Offer] = {}
         self.replies: dict[str, dict[str, Any]] = {}
         self._replied = trio.Event()
         self._send_lock = trio.Lock()
@@ -654,12 +661,15 @@ class Peer:
                 if kind == "offer":
                     offer = Offer(frame["id"], frame["run"], link)
                     self.offer_log.append(offer)
+                    link.latest_offer[offer.run_id] = offer
                     self._offered.set()
                     self._offered = trio.Event()
                     if self.on_offer is not None:
                         link.nursery.start_soon(self.on_offer, offer)
                 elif kind == "cancel":
                     link.cancels.append(frame["runId"])
+                    if (current := link.latest_offer.get(frame["runId"])) is not None:
+                        current.cancelled = True
                     self.cancel_log.append((frame["runId"], link.number))
                     self._cancelled.set()
                     self._cancelled = trio.Event()

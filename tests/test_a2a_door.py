@@ -7,7 +7,7 @@ asyncio of its own, so the tests drive it in the test's trio loop.
 
 The provider is played over the link by hand (`support.raw_provider`), serving
 four agents: `echo` answers with its input, `asker` pauses on an interrupt and
-answers once resumed, `slow` starts and then waits for a cancel, `mute` never
+answers once resumed (pauses again when the answer is "again"), `slow` starts and then waits for a cancel, `mute` never
 answers its offers.
 """
 
@@ -139,8 +139,10 @@ class Agents:
                                finished(run)])
         elif name == "asker":
             resume = run["runInput"].get("resume")
-            if not resume:
-                interrupt = {"id": f"approve-{run_id}", "reason": "approval",
+            again = bool(resume) and resume[0].get("payload") == "again"  # pauses once more
+            if not resume or again:
+                interrupt = {"id": f"{'again' if again else 'approve'}-{run_id}",
+                             "reason": "approval",
                              "message": "Ship it?", "expiresAt": "2099-01-01T00:00:00Z"}
                 await p.play(run, [started(run),
                                    finished(run, outcome={"type": "interrupt",

@@ -200,6 +200,86 @@ async def test_a_deliverer_that_lags_past_a_pause_still_pushes_the_pause(tmp_pat
         assert states[paused_at + 1] == "TASK_STATE_WORKING"
 
 
+def _states(receiver: Receiver) -> list[str]:
+    return [b["statusUpdate"]["status"]["state"] for b in receiver.bodies()
+            if "statusUpdate" in b]
+
+
+async def test_a_turn_that_pauses_again_before_its_deliverer_wakes_is_pushed(tmp_path) -> None:
+    """Finding 8: the deliverer is still sending the first pause while the
+    answer comes and the next turn pauses again. It must push that second
+    pause at once (not wait for an answer nobody knows to give), and leave
+    nothing behind per task once the task ends."""
+    async with push_receiver() as receiver:
+        receiver.down_after = 1  # the first pause's status update fails until `up`
+        async with broker_with_agents(
+            tmp_path, push_allow_private=True, push_backoff_seconds=0.001,
+            push_max_attempts=10_000,
+        ) as (info, agents):
+            fp = agents.provider.fingerprint
+            pushes = info.funduq.pushes
+            task = await send_with_push(info, fp, receiver.url, agent="asker")
+            assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            await pushes.wait_until(lambda: pushes.failed_attempts >= 1)
+            again = await call(info, fp, "asker", rpc("SendMessage", {
+                "message": message("again", taskId=task["id"], contextId=task["contextId"])}))
+            assert again["result"]["task"]["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+            await receiver.up()
+            with trio.fail_after(10):  # a guard: on the base it waits for good
+                while _states(receiver).count("TASK_STATE_INPUT_REQUIRED") < 2:
+                    await receiver.wait_for(len(receiver.received) + 1)
+            answer = await call(info, fp, "asker", rpc("SendMessage", {
+                "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+            assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+            await delivered_all(info)
+            assert pushes._resumed == {} and pushes._following == {}
+        states = _states(receiver)
+        assert states.count("TASK_STATE_INPUT_REQUIRED") == 2
+        assert states[-1] == "TASK_STATE_COMPLETED"
+
+
+async def test_an_inline_config_is_refused_before_its_answer_resumes_the_task(tmp_path) -> None:
+    """Finding 9: an answer carrying a push config for a task whose configs
+    are at FUNDUQ_PUSH_CONFIGS_PER_TASK was let through, resumed the task,
+    and only then refused (an error for an answer that was taken). Now it
+    is refused first and the task still waits for its answer."""
+    async with (
+        push_receiver() as receiver,
+        broker_with_agents(tmp_path, push_allow_private=True, push_configs_per_task=1)
+        as (info, agents),
+    ):
+        fp = agents.provider.fingerprint
+        task = await send_with_push(info, fp, receiver.url, agent="asker")
+        assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+        answer = await call(info, fp, "asker", rpc("SendMessage", {
+            "message": message("yes", taskId=task["id"], contextId=task["contextId"]),
+            "configuration": {"taskPushNotificationConfig": {"url": receiver.url, "id": "two"}}}))
+        assert answer["error"]["code"] == -32602, answer
+        assert "FUNDUQ_PUSH_CONFIGS_PER_TASK" in answer["error"]["message"]
+        async with http_client(info) as http:
+            record = (await http.get(f"/runs/{task['id']}")).json()
+        assert record["status"] == "input-required"
+        assert info.funduq.pushes._reserved == 0
+        answer = await call(info, fp, "asker", rpc("SendMessage", {
+            "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+        assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+async def test_a_held_slot_counts_against_active_configs(tmp_path) -> None:
+    async with broker_with_agents(
+        tmp_path, push_allow_private=True, push_max_active=1
+    ) as (info, _agents):
+        pushes = info.funduq.pushes
+        config = pb.TaskPushNotificationConfig(url="http://127.0.0.1:9/hook")
+        slot = await pushes.reserve(config)
+        with pytest.raises(Exception, match="FUNDUQ_PUSH_MAX_ACTIVE"):
+            await pushes.reserve(config)
+        slot.release()
+        slot.release()  # again: a no-op
+        (await pushes.reserve(config)).release()
+        assert pushes._reserved == 0
+
+
 async def test_push_configs_are_created_read_listed_and_deleted(tmp_path) -> None:
     async with (
         push_receiver() as receiver,
@@ -344,3 +424,45 @@ async def test_a_deleted_config_gets_nothing_more_and_active_configs_are_bounded
         tokens = [h["x-a2a-notification-token"] for h, _ in receiver.received]
         assert tokens.count("dropped") == 1
         assert tokens.count("kept") > 3
+
+
+class _Rebinding(trio.abc.HostnameResolver):
+    """A DNS server playing rebinding: `rebind.example` is "public" (here
+    127.0.0.2, which the test lets count as public) for the checks made as
+    the config is made, then alternately public and internal (127.0.0.1) --
+    the answer a check sees is never the one the next resolution gets."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):  # noqa: A002
+        name = host.decode() if isinstance(host, bytes) else host
+        if name != "rebind.example":
+            return await trio.to_thread.run_sync(
+                __import__("socket").getaddrinfo, host, port, family, type, proto, flags)
+        self.calls += 1
+        address = "127.0.0.2" if self.calls <= 2 or self.calls % 2 else "127.0.0.1"
+        return [(trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", (address, int(port)))]
+
+    async def getnameinfo(self, sockaddr, flags):
+        raise NotImplementedError
+
+
+async def test_a_push_connects_to_the_address_that_was_checked(tmp_path, monkeypatch) -> None:
+    # Finding 4: the host was vetted, then resolved again by the POST; a
+    # rebinding DNS answer sent the push to a loopback service.
+    monkeypatch.setattr(push, "address_blocked", lambda address: address != "127.0.0.2")
+    resolver = _Rebinding()
+    trio.socket.set_custom_hostname_resolver(resolver)
+    async with push_receiver() as inside, push_receiver("127.0.0.2", inside.port) as vetted:
+        async with broker_with_agents(
+            tmp_path, push_backoff_seconds=0.001, push_max_attempts=50,
+        ) as (info, agents):
+            fp = agents.provider.fingerprint
+            task = await send_with_push(info, fp, f"http://rebind.example:{inside.port}/hook")
+            await delivered_all(info)
+            expected = await expected_updates(info, task["id"])
+            assert inside.received == []
+            assert vetted.bodies() == expected
+            assert {h["host"] for h, _ in vetted.received} == {f"rebind.example:{inside.port}"}
+            assert resolver.calls > 2

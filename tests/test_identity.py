@@ -23,7 +23,6 @@ from funduq_trio.broker.authority import (
     check_cancel,
     check_resolution,
     check_signed_request,
-    check_write,
     may_write,
     segment_head_of,
 )
@@ -616,19 +615,19 @@ def test_may_write():
     assert not may_write(HEAD, "ab" * 32, provider)
 
 
-def test_check_write(stranger):
+def test_a_writer_is_the_head_of_a_chain_that_verifies(stranger):
+    """What the facade asks of a new utterance: its chain's head (the chain
+    must verify, bound thread or not), then `may_write` for that head."""
     provider = "ab" * 32
-    assert check_write(None, None, provider) is None
-    assert check_write(None, CHAIN["chain"], provider) == HEAD
-    assert check_write(HEAD, CHAIN["chain"], provider) == HEAD
-    assert check_write(HEAD, CHAIN["chain"][:1], provider) == HEAD
+    assert may_write(None, None, provider)
+    assert segment_head_of(CHAIN["chain"]) == HEAD
+    assert may_write(None, HEAD, provider) and may_write(HEAD, HEAD, provider)
+    assert segment_head_of(CHAIN["chain"][:1]) == HEAD
     provider_chain = [make_hop(stranger, None)]
-    assert check_write(HEAD, provider_chain, stranger.public_key_hex) == stranger.public_key_hex
-    with pytest.raises(NotAuthorized, match="^" + re.escape(NOT_AUTHORIZED) + "$"):
-        check_write(HEAD, None, provider)
-    with pytest.raises(NotAuthorized, match="^" + re.escape(NOT_AUTHORIZED) + "$"):
-        check_write(HEAD, provider_chain, provider)
-    # a malformed chain is refused the same way whether or not the thread is bound
-    for head in (None, HEAD):
-        with pytest.raises(InvalidActorChain):
-            check_write(head, list(reversed(CHAIN["chain"])), provider)
+    assert segment_head_of(provider_chain) == stranger.public_key_hex
+    assert may_write(HEAD, stranger.public_key_hex, stranger.public_key_hex)
+    assert not may_write(HEAD, None, provider)
+    assert not may_write(HEAD, stranger.public_key_hex, provider)
+    # a malformed chain is refused before the thread is looked at
+    with pytest.raises(InvalidActorChain):
+        segment_head_of(list(reversed(CHAIN["chain"])))

@@ -62,8 +62,9 @@ from reliability_support import (
     seen_problems,
     started_event,
     user_input,
+    wait_status,
 )
-from support import running_server
+from support import raw_provider, running_server
 
 from funduq_trio.identity import Identity
 from funduq_trio.provider import Backoff, Provider, make_echo
@@ -187,7 +188,7 @@ class FaultyProvider:
                     self.fig.fault("link_dropped_mid_run")
                     await link.drop()
                     return
-                if offer.run_id in link.cancels and not ignore_cancel and not self.behave:
+                if offer.cancelled and not ignore_cancel and not self.behave:
                     self.fig.fault("cancel_complied")
                     await offer.finish()  # stopped as asked: no RUN_FINISHED
                     return
@@ -558,8 +559,12 @@ def check_cancels_and_reasons(
         if status == "cancelled":
             fig.expect(rid in caller.cancels, f"{rid}: cancelled, but no caller asked")
             if handed_over:
+                # A cancel frame that came after an offer of the run this provider
+                # accepted (one that came before was about an earlier play).
                 relayed = rid in sdk.cancel_seen or any(
-                    rid in link.cancels for link in accepted_on.get(rid, [])
+                    offer.cancelled and "accepted" in offer.answers
+                    for p in raw
+                    for offer in p.peer.offers_of(rid)
                 )
                 fig.expect(
                     relayed,
@@ -624,3 +629,42 @@ async def test_providers_misbehaving_under_load_lose_nothing(tmp_path: Path) -> 
         "caller_cancel",
     ):
         assert fig.faults[kind] > 0, (kind, fig.line())
+
+
+async def test_a_late_acceptance_does_not_stop_the_play_of_the_next_offer(tmp_path: Path) -> None:
+    """The interleaving behind this scenario's rare `provider_stream_ended_without
+    _finishing` under load, forced over the real link: the provider accepts the
+    run's first offer only after funduq offered the run again. A cancel names a
+    run, not an offer; had funduq answered the stale acceptance with one, it
+    would arrive after the second offer, and a provider that stops as asked
+    (the SDK's runtime does) would end the play funduq holds without a
+    RUN_FINISHED -- failed, with no cancel ever asked."""
+    async with (
+        running_server(tmp_path, deliver_timeout_seconds=0.2) as info,
+        httpx.AsyncClient(base_url=info.url, timeout=HTTP_TIMEOUT) as http,
+        raw_provider(info, ["work"]) as p,
+    ):
+        answer = await A2A(http, f"/a2a/{p.fingerprint}/work").send("hi", message_id="m1")
+        run_id = answer["result"]["task"]["id"]
+        first = await p.next_offer()
+        second = await p.next_offer()  # the first was left unanswered: offered afresh
+        assert first["runId"] == second["runId"] == run_id
+        await p.answer(first, "accepted")  # too late
+        await p.answer(second, "accepted")
+        # A round trip: whatever funduq sent for the two answers is in by its reply.
+        await p.register(["work"])
+        stopped = []
+        while True:
+            try:
+                stopped.append(p.cancels.receive_nowait())
+            except trio.WouldBlock:
+                break
+        events = [
+            {"type": "RUN_STARTED", "threadId": second["threadId"], "runId": run_id},
+            {"type": "RUN_FINISHED", "threadId": second["threadId"], "runId": run_id},
+        ]
+        # Stop as asked (no RUN_FINISHED), or play to the end.
+        await p.play(second, [] if run_id in stopped else events)
+        run = await wait_status(http, run_id, TERMINAL)
+        assert run["status"] == "completed", run["metadata"]
+        assert stopped == []

@@ -45,7 +45,6 @@ __all__ = [
     "check_read",
     "check_resolution",
     "check_signed_request",
-    "check_write",
     "may_write",
     "read_proof_fields",
     "segment_head_of",
@@ -301,20 +300,3 @@ def may_write(segment_head: str | None, writer_key: str | None, provider_key: st
     if segment_head is None:
         return True
     return writer_key is not None and writer_key in authorized_keys(segment_head, provider_key)
-
-
-def check_write(segment_head: str | None, actor_chain: object, provider_key: str) -> str | None:
-    """Authorize a new utterance on an existing thread; return its chain's head.
-
-    A chain that is present must verify (InvalidActorChain) whether or not the
-    thread is bound, so the answer to a malformed chain never depends on the
-    thread. On a bound thread the chain's head must be the segment head or the
-    agent's provider; otherwise (no chain included) NotAuthorized.
-
-    It does not ask who presents the chain: the facade takes the head from
-    `check_presented` and asks `may_write`.
-    """
-    head = None if actor_chain is None else segment_head_of(actor_chain)
-    if not may_write(segment_head, head, provider_key):
-        raise _refuse()
-    return head

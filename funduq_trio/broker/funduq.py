@@ -311,14 +311,10 @@ class Funduq:
             # Proofs were for funduq; the provider gets the props without them.
             forwarded = {k: v for k, v in forwarded.items() if k not in PROOF_KEYS}
             run_input = {**run_input, "forwardedProps": forwarded}
-        chain = caller_metadata.get("actorChain")
-        if isinstance(chain, list) and chain:
-            # The chain as funduq dispatched it: the caller's hops verbatim plus
-            # one hop of funduq's naming where it went.
-            assert self.identity is not None
-            hop = dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)
+        chain = self._dispatched_chain(lane, caller_metadata)
+        if chain is not None:
             forwarded = dict(forwarded) if isinstance(forwarded, dict) else {}
-            forwarded["actorChain"] = [*chain, hop]
+            forwarded["actorChain"] = chain
             run_input = {**run_input, "forwardedProps": forwarded}
         opt_in = caller_metadata.get("kyok")
         if isinstance(opt_in, dict) or (isinstance(forwarded, dict) and "kyok" in forwarded):
@@ -333,6 +329,16 @@ class Funduq:
                     if k not in PROOF_KEYS and k != "kyok"}
         return {"runId": lane.run_id, "threadId": lane.thread_id, "agentName": lane.agent,
                 "runInput": run_input, "metadata": metadata}
+
+    def _dispatched_chain(self, lane: Lane, caller_metadata: dict[str, Any]
+                          ) -> list[Any] | None:
+        """The run's actor chain as funduq dispatched it (None: it has none):
+        the caller's hops verbatim plus one hop of funduq's naming where it went."""
+        chain = caller_metadata.get("actorChain")
+        if not (isinstance(chain, list) and chain):
+            return None
+        assert self.identity is not None
+        return [*chain, dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)]
 
     # -- providers (the port the link plugs into) -----------------------------------
 
@@ -697,12 +703,7 @@ class Funduq:
         if not isinstance(opt_in, dict):
             raise KyokRefusal(403, "no_kyok_grant", f"run {grant.run_id} opted into no KYOK")
         provider = opt_in["llmProvider"]
-        chain = caller.get("actorChain")
-        if isinstance(chain, list) and chain:
-            assert self.identity is not None
-            chain = [*chain, dispatch_hop(self.identity, chain[-1], lane.key, lane.agent)]
-        else:
-            chain = None
+        chain = self._dispatched_chain(lane, caller)
         return KyokRun(grant.run_id, lane.key, lane.agent,
                        (provider["providerKey"], provider["name"]),
                        opt_in.get("context"), chain)

@@ -40,9 +40,10 @@ from typing import Any, Protocol
 
 import trio
 
-from ..identity import fingerprint_of, kyok_call_payload, verify
+from ..identity import fingerprint_of, kyok_call_payload
 from ..secret_file import load_or_create
-from .errors import InvalidKyokOptIn
+from .authority import SIGNATURE_WINDOW_SECONDS, check_signed_request
+from .errors import InvalidKyokOptIn, NotAuthorized
 from .metrics import Metrics
 from .store import Store, dumps
 
@@ -72,8 +73,6 @@ TOKEN_SECONDS = 3600
 COMPLETION_BUFFER_CHUNKS = 256
 #: An LLM provider's counters, kept in the record. None has a consequence.
 COUNTERS = ("completions", "refused", "failed")
-#: How far a call's Funduq-Timestamp may be from funduq's clock (either side).
-SIGNATURE_WINDOW_SECONDS = 60.0
 #: The longest token read at all (a real one is ~200 characters).
 MAX_TOKEN_CHARS = 2048
 
@@ -167,10 +166,12 @@ def check_call_signature(public_key: str, token: str, timestamp: str | None,
             or not timestamp.isdigit() or len(timestamp) > 12:
         raise bad
     stamp = int(timestamp)
-    if not abs(now - stamp) <= window:
-        raise bad
-    if not verify(public_key, kyok_call_payload(token, stamp, body), signature):
-        raise bad
+    proof = {"publicKey": public_key, "timestamp": stamp, "signature": signature}
+    try:
+        check_signed_request(proof, kyok_call_payload(token, stamp, body),
+                             (public_key,), now, window)
+    except NotAuthorized:
+        raise bad from None
 
 
 # -- LLM providers -------------------------------------------------------------------

@@ -106,6 +106,10 @@ class ProviderSession:
         self.held: dict[str, Lane] = {}
         #: Offers funduq stopped waiting for, by id -> run id (most recent kept).
         self.expired: dict[str, str] = {}
+        #: Runs this link took late while a newer offer of them was out here:
+        #: asked to stop once that offer is answered other than accepted, or
+        #: withdrawn (see ``answer``). At most one per offer out.
+        self.stale_takes: set[str] = set()
         #: When the link last delivered anything (trio clock): see Lane._offer.
         self.last_heard = trio.current_time()
         #: Lanes this link reported to that are behind (see ``can_read``).
@@ -136,6 +140,7 @@ class ProviderSession:
         (an acceptance is asked to stop -- see ``answer``)."""
         if self.offers.pop(offer.id, None) is not None and not offer.answered.is_set():
             self.expired[offer.id] = offer.lane.run_id
+            self._stop_stale_take(offer.lane.run_id)
             if len(self.expired) > EXPIRED_OFFERS_KEPT:
                 del self.expired[next(iter(self.expired))]
 
@@ -184,16 +189,40 @@ class ProviderSession:
                      self.fingerprint, offer_id)
             run_id = self.expired.pop(offer_id, None)
             if verdict == ACCEPTED and run_id is not None and run_id not in self.held:
-                # It took a run funduq no longer offers it: ask it to stop, so
-                # it works for nobody no longer and a later offer finds it free.
-                self.cancel_unheld(run_id)
+                if self.offered(run_id):
+                    # Not now: a cancel names a run, not an offer, so the
+                    # provider would take it as being about the newer offer
+                    # out -- stopping the play funduq is about to hold, which
+                    # then ends without a RUN_FINISHED and no cancel asked
+                    # (failed, for nobody's fault). Asked once that offer is
+                    # answered other than accepted, or withdrawn.
+                    self.stale_takes.add(run_id)
+                else:
+                    # It took a run funduq no longer offers it: ask it to stop,
+                    # so it works for nobody no longer and a later offer finds
+                    # it free (the cancel leaves before any later offer).
+                    self.cancel_unheld(run_id)
             return
         self.registry.metrics.offer_answered(verdict, self.last_heard - offer.sent_at)
+        if verdict == ACCEPTED:
+            self.stale_takes.discard(offer.lane.run_id)  # its play is the one held now
+        else:
+            self._stop_stale_take(offer.lane.run_id)
         if verdict == ACCEPTED:
             # Held from the answer on: its events queue behind the answer in
             # the lane's inbox, and the lane claims the run when it reads it.
             self.held[offer.lane.run_id] = offer.lane
         offer.resolve(verdict, reason)
+
+    def _stop_stale_take(self, run_id: str) -> None:
+        """The offer that kept a late taker from being asked to stop is over."""
+        if run_id in self.stale_takes:
+            self.stale_takes.discard(run_id)
+            self.cancel_unheld(run_id)
+
+    def offered(self, run_id: str) -> bool:
+        """An offer of this run is out on this link, its answer awaited."""
+        return any(offer.lane.run_id == run_id for offer in self.offers.values())
 
     def report(self, run_id: str, event: Any) -> bool:
         self.last_heard = trio.current_time()

@@ -26,10 +26,11 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
 import trio
 from a2a.types import a2a_pb2 as pb
@@ -93,6 +94,75 @@ async def _resolve(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
+class _VettedConnects(httpcore.AsyncNetworkBackend):
+    """httpcore's trio backend, but a TCP connection goes only to an address
+    `vouch(host, port)` just vouched for. The host is resolved once, here,
+    and the very address that was checked is dialled: a DNS answer that
+    changes between a check and the connect (rebinding) cannot steer a push
+    inside. Host header, SNI and certificate checks still name the URL's
+    host -- httpcore takes them from the URL, not from what was dialled."""
+
+    def __init__(self, vouch: Callable[[str, int], Awaitable[list[str]]]) -> None:
+        self._vouch = vouch
+        self._trio = httpcore.TrioBackend()
+
+    async def connect_tcp(
+        self, host: str, port: int, timeout: float | None = None,
+        local_address: str | None = None, socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            addresses = await self._vouch(host, port)
+        except PushRefused as exc:
+            raise httpcore.ConnectError(str(exc)) from None
+        failure: Exception = httpcore.ConnectError(f"{host} resolves to no address")
+        for address in addresses:
+            try:
+                return await self._trio.connect_tcp(
+                    address, port, timeout, local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failure = exc
+        raise failure
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("push targets are TCP hosts only")
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+
+class PushSlot:
+    """Room for one more delivering config, held from a door's `vet` of an
+    inline config until `create` records it (or the run is refused and the
+    door releases it): a config vetted before its run starts cannot then be
+    refused for want of room after the run started."""
+
+    def __init__(self, pushes: Pushes) -> None:
+        self._pushes: Pushes | None = pushes
+        pushes._reserved += 1
+
+    def release(self) -> None:
+        """Give the room back (again is a no-op)."""
+        if self._pushes is not None:
+            self._pushes._reserved -= 1
+            self._pushes = None
+
+
+Vouch = Callable[[str, int], Awaitable[list[str]]]
+
+
+def _pinned_transport(vouch: Vouch) -> httpx.AsyncHTTPTransport:
+    """httpx's transport with its connection pool dialling through
+    `_VettedConnects` (httpx has no public hook for the network backend)."""
+    transport = httpx.AsyncHTTPTransport(trust_env=False)
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=httpx.create_ssl_context(trust_env=False),
+        network_backend=_VettedConnects(vouch),
+    )
+    return transport
+
+
 class Pushes:
     """The push configs of every task and their deliverers. Made and run by
     the facade: ``await nursery.start(pushes.run)``."""
@@ -105,6 +175,10 @@ class Pushes:
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
         self._resumed: dict[str, trio.Event] = {}
+        #: Slots held by inline configs between `vet` and `create`.
+        self._reserved = 0
+        #: Deliverers per task: the last one out drops the task's `_resumed`.
+        self._following: dict[str, int] = {}
         self._http: httpx.AsyncClient | None = None
         #: Counters (GET /metrics) and a wake-up for whoever watches them.
         self.delivered = 0
@@ -119,7 +193,8 @@ class Pushes:
         rows = await self.record.push_configs_delivering()
         timeout = httpx.Timeout(self.settings.push_timeout_seconds)
         async with httpx.AsyncClient(
-            timeout=timeout, follow_redirects=False, trust_env=False
+            timeout=timeout, follow_redirects=False, trust_env=False,
+            transport=_pinned_transport(self._addresses),
         ) as http, trio.open_nursery() as nursery:
             self._http = http
             self._nursery = nursery
@@ -176,24 +251,51 @@ class Pushes:
         except TargetRefused as exc:
             raise PushRefused(str(exc)) from None
         if not self.settings.push_allow_private:
-            addresses: list[str] = []
-            # A resolver that does not answer is a host funduq cannot vouch for.
-            with trio.move_on_after(self.settings.push_timeout_seconds):
-                try:
-                    addresses = await self._resolve(target.host, target.port)
-                except OSError:
-                    pass
-            if push.any_blocked(addresses):
-                raise PushRefused(
-                    "push url's host is not a public address (or does not resolve); "
-                    "loopback and private targets need FUNDUQ_PUSH_ALLOW_PRIVATE"
-                )
+            await self._addresses(target.host, target.port)
         return target
+
+    async def _addresses(self, host: str, port: int) -> list[str]:
+        """The addresses a push to `host` may connect to, or PushRefused: all
+        of them public unless FUNDUQ_PUSH_ALLOW_PRIVATE (then `host` itself,
+        resolved by the connect). Each delivery's connect asks this afresh
+        and dials only what it answered (`_VettedConnects`)."""
+        if self.settings.push_allow_private:
+            return [host]
+        addresses: list[str] = []
+        # A resolver that does not answer is a host funduq cannot vouch for.
+        with trio.move_on_after(self.settings.push_timeout_seconds):
+            try:
+                addresses = await self._resolve(host, port)
+            except OSError:
+                pass
+        if push.any_blocked(addresses):
+            raise PushRefused(
+                "push url's host is not a public address (or does not resolve); "
+                "loopback and private targets need FUNDUQ_PUSH_ALLOW_PRIVATE"
+            )
+        return addresses
+
+    async def reserve(
+        self, config: pb.TaskPushNotificationConfig, task_id: str | None = None
+    ) -> PushSlot:
+        """Vet an inline config before the run it is for starts (or the
+        paused `task_id` it answers resumes) and hold its room: `create`
+        with the slot then refuses nothing. The door releases the slot
+        whatever happens (`PushSlot.release`)."""
+        await self.vet(config)
+        if task_id is not None and config.id not in await self._config_ids(task_id):
+            held = len(await self._config_ids(task_id))
+            if held >= self.settings.push_configs_per_task:
+                raise PushRefused(f"task has {held} push configs already "
+                                  "(FUNDUQ_PUSH_CONFIGS_PER_TASK)")
+        return PushSlot(self)
+
+    async def _config_ids(self, task_id: str) -> set[str]:
+        return {row[1] for row in await self.record.push_configs(task_id)}
 
     async def vet(self, config: pb.TaskPushNotificationConfig) -> None:
         """Refuse (PushRefused) a config `create` would refuse for its own
-        fields or for want of room -- so a door can check an inline config
-        before it starts the run the config is for."""
+        fields or for want of room."""
         await self.check_url(config.url)
         if len(config.token) > push.MAX_TOKEN_CHARS:
             raise PushRefused(f"push token longer than {push.MAX_TOKEN_CHARS} characters")
@@ -208,19 +310,23 @@ class Pushes:
             problem = push.auth_problem(auth.scheme, auth.credentials)
             if problem:
                 raise PushRefused(problem)
-        if len(self._scopes) >= self.settings.push_max_active:
+        if len(self._scopes) + self._reserved >= self.settings.push_max_active:
             raise PushRefused(
                 "funduq delivers to as many push configs as it may (FUNDUQ_PUSH_MAX_ACTIVE)"
             )
 
     async def create(
-        self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool
+        self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool,
+        slot: PushSlot | None = None,
     ) -> pb.TaskPushNotificationConfig:
         """Record a config for the task and start delivering to it. A config
         made with the task (`from_start`) gets every update; one added later
         gets those of events recorded from now on and the status updates of
-        the turn now under way (a paused task's current status at once)."""
-        await self.vet(config)
+        the turn now under way (a paused task's current status at once).
+        With a `slot` (from `reserve`) the config was vetted and its room
+        held already: nothing is refused, and the slot is used up."""
+        if slot is None:
+            await self.vet(config)
         config_id = config.id or secrets.token_hex(8)
         auth: dict[str, str] = {}
         if config.HasField("authentication"):
@@ -233,23 +339,29 @@ class Pushes:
             last = max((e["seq"] for e in (record or {}).get("events") or ()), default=0)
             cursor = (last, SETTLE - 1)  # the status as it stands is still to go
         row = PushConfig(task_id, config_id, config.url, config.token, auth, cursor)
-        refused = await self.record.put_push_config(
-            task_id, config_id, row.url, row.token, json.dumps(auth), cursor,
-            per_task=self.settings.push_configs_per_task, active=self.settings.push_max_active)
-        if refused is not None:
-            why, count = refused
-            raise PushRefused({
-                "per_task": f"task has {count} push configs already "
-                            "(FUNDUQ_PUSH_CONFIGS_PER_TASK)",
-                "active": "funduq delivers to as many push configs as it may "
-                          "(FUNDUQ_PUSH_MAX_ACTIVE)",
-                "unrecordable": "push config holds a character funduq cannot record "
-                                "(NUL or a lone surrogate)",
-            }[why])
-        old = self._scopes.pop((task_id, config_id), None)
-        if old is not None:  # replaced: the old deliverer stops
-            old.cancel()
-        self._start(row)
+        try:
+            # With a slot the room is held already: the store checks none.
+            refused = await self.record.put_push_config(
+                task_id, config_id, row.url, row.token, json.dumps(auth), cursor,
+                per_task=None if slot is not None else self.settings.push_configs_per_task,
+                active=None if slot is not None else self.settings.push_max_active)
+            if refused is not None:
+                why, count = refused
+                raise PushRefused({
+                    "per_task": f"task has {count} push configs already "
+                                "(FUNDUQ_PUSH_CONFIGS_PER_TASK)",
+                    "active": "funduq delivers to as many push configs as it may "
+                              "(FUNDUQ_PUSH_MAX_ACTIVE)",
+                    "unrecordable": "push config holds a character funduq cannot record "
+                                    "(NUL or a lone surrogate)",
+                }[why])
+            old = self._scopes.pop((task_id, config_id), None)
+            if old is not None:  # replaced: the old deliverer stops
+                old.cancel()
+            self._start(row)  # its scope now holds the room the slot held
+        finally:
+            if slot is not None:
+                slot.release()
         return row.as_proto()
 
     async def get(self, task_id: str, config_id: str) -> pb.TaskPushNotificationConfig:
@@ -274,6 +386,7 @@ class Pushes:
 
     async def _deliverer(self, config: PushConfig, scope: trio.CancelScope) -> None:
         key = (config.task_id, config.id)
+        self._following[config.task_id] = self._following.get(config.task_id, 0) + 1
         with scope:
             try:
                 await self._follow(config)
@@ -281,6 +394,11 @@ class Pushes:
                 pass
             except Exception:
                 log.exception("push deliverer of %s/%s failed", *key)
+            finally:
+                self._following[config.task_id] -= 1
+                if not self._following[config.task_id]:
+                    del self._following[config.task_id]
+                    self._resumed.pop(config.task_id, None)
         if self._scopes.get(key) is scope:
             del self._scopes[key]
         self._note()
@@ -330,10 +448,15 @@ class Pushes:
             if record.get("status") in statuses.TERMINAL:
                 await self._finish(config, DONE, None)
                 return
-            # Paused: wait for the answer (unless it came already).
+            # Paused: wait for the answer (unless it came already -- and the
+            # turn it started may have paused again since: then it recorded
+            # past what this deliverer followed).
             while task_id not in self.funduq.lanes:
                 current = await self.funduq.get_run(task_id)
                 if current is None or current.get("status") != statuses.INPUT_REQUIRED:
+                    break
+                if max((e["seq"] for e in current.get("events") or ()),
+                       default=0) > projection.last_seq:
                     break
                 await resumed.wait()
                 resumed = self._resumed.setdefault(task_id, trio.Event())
@@ -373,10 +496,8 @@ class Pushes:
     async def _attempt(self, config: PushConfig, key: tuple[int, int], body: bytes) -> str | None:
         """One POST; None on a 2xx, else what went wrong."""
         assert self._http is not None
-        try:
-            await self.check_url(config.url)  # again: DNS may have changed since
-        except PushRefused as exc:
-            return str(exc)
+        # The host is vetted again by the connect itself (DNS may have
+        # changed since the config was made): see `_VettedConnects`.
         identity = self.funduq.identity
         claims = push.delivery_claims(issuer=identity.fingerprint, task_id=config.task_id,
                                       config_id=config.id, key=key, body=body, now=time.time())

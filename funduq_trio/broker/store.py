@@ -174,7 +174,8 @@ class Store(Protocol):
 
     async def put_push_config(self, task_id: str, config_id: str, url: str, token: str,
                               authentication: str, cursor: tuple[int, int], *,
-                              per_task: int, active: int) -> tuple[str, int] | None: ...
+                              per_task: int | None, active: int | None
+                              ) -> tuple[str, int] | None: ...
 
     async def push_config(self, task_id: str, config_id: str) -> Any: ...
 
@@ -562,22 +563,25 @@ class SqlStore:
 
     async def put_push_config(self, task_id: str, config_id: str, url: str, token: str,
                               authentication: str, cursor: tuple[int, int], *,
-                              per_task: int, active: int) -> tuple[str, int] | None:
+                              per_task: int | None, active: int | None
+                              ) -> tuple[str, int] | None:
         """Record a push config (replacing one of that id, cursor and all),
         delivering from ``cursor``; or, writing nothing, why not: ("per_task",
         configs the task has) at ``per_task``, ("active", configs delivering)
-        at ``active``, ("unrecordable", 0) for text the record cannot keep."""
+        at ``active`` (None: room held already, nothing checked),
+        ("unrecordable", 0) for text the record cannot keep."""
         if not keepable(task_id, config_id, url, token, authentication):
             return "unrecordable", 0
 
         def apply(conn: Any) -> tuple[str, int] | None:
             existing = conn.execute("SELECT 1 FROM push_configs WHERE task_id=? AND id=?",
                                     (task_id, config_id)).fetchone()
-            if existing is None:
+            if existing is None and per_task is not None:
                 count = int(conn.execute("SELECT COUNT(*) FROM push_configs WHERE task_id=?",
                                          (task_id,)).fetchone()[0])
                 if count >= per_task:
                     return "per_task", count
+            if existing is None and active is not None:
                 count = int(conn.execute("SELECT COUNT(*) FROM push_configs WHERE state=?",
                                          (PUSH_DELIVERING,)).fetchone()[0])
                 if count >= active:

@@ -58,6 +58,7 @@ from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 
 from .. import jose
 from ..broker.errors import FunduqError, PushConfigNotFound, RunNotPaused
+from ..broker.pushes import PushSlot
 from ..identity import InvalidActorChain
 from ..protocol import statuses
 from ..protocol.a2a.calls import (
@@ -80,7 +81,7 @@ from ..protocol.a2a.parsing import CallRejected, parse_call
 from ..protocol.a2a.projection import TaskProjection, status_of_state, task_from_record, task_state
 from ..protocol.a2a.render import error_response, result_response, stream_frame
 from .a2a_rest import mount_a2a_rest
-from .access import reader_of
+from .access import of_agent, reader_of
 from .door_errors import a2a_error
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
@@ -128,10 +129,6 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
 
     app.add_url_rule(JWKS_PATH, "jwks", jwks, methods=["GET"])
     mount_a2a_rest(app, get_funduq)
-
-
-#: The brief's name for the same thing.
-mount_a2a = mount_a2a_door
 
 
 #: How long a caller may keep a card without asking again (A2A §8.6.1). A card
@@ -212,13 +209,7 @@ class A2ADoor:
     # -- the record, seen from this agent's endpoint
 
     def _ours(self, record: Mapping[str, Any] | None) -> bool:
-        if record is None:
-            return False
-        agent = record.get("agent") or {}
-        return agent.get("name") == self.view.name and agent.get("provider") in (
-            self.view.key,
-            self.view.fingerprint,
-        )
+        return of_agent(record, self.view.key, self.view.fingerprint, self.view.name)
 
     async def run_record(self, task_id: str) -> dict[str, Any]:
         """The task's record, for acts that carry their own authority (a
@@ -284,19 +275,32 @@ class A2ADoor:
     async def deliver_with_push(self, call: Call) -> str:
         """`deliver`, and with a push config in the call's configuration: its
         target checked first, the config recorded for the task once there is one."""
-        inline = _inline_push(call)
-        if inline is not None:
-            await self.funduq.pushes.vet(inline)
-        run_id = await self.deliver(call)
-        await self._push_inline(call, inline, run_id)
+        slot = await self._reserve_push(call)
+        try:
+            run_id = await self.deliver(call)
+            await self._push_inline(call, slot, run_id)
+        finally:
+            if slot is not None:
+                slot[1].release()
         return run_id
 
+    async def _reserve_push(self, call: Call) -> InlinePush | None:
+        """The call's inline push config, vetted with its room held -- all
+        before the run starts, so nothing about it can fail after."""
+        inline = _inline_push(call)
+        if inline is None:
+            return None
+        task_id = call.request.message.task_id or None
+        return inline, await self.funduq.pushes.reserve(inline, task_id)
+
     async def _push_inline(
-        self, call: Call, inline: pb.TaskPushNotificationConfig | None, run_id: str
+        self, call: Call, slot: InlinePush | None,
+        run_id: str,
     ) -> None:
-        if inline is not None:
+        if slot is not None:
             answered = bool(call.request.message.task_id)
-            await self.funduq.pushes.create(run_id, inline, from_start=not answered)
+            await self.funduq.pushes.create(run_id, slot[0], from_start=not answered,
+                                            slot=slot[1])
 
     async def deliver(self, call: Call) -> str:
         """Hand the call's message to the broker: the answer to the paused task
@@ -389,14 +393,16 @@ class A2ADoor:
         at a pause waits through the answer (see `stream`)."""
         cursor = None
         if call.op == STREAM:
-            inline = _inline_push(call)
-            if inline is not None:
-                await self.funduq.pushes.vet(inline)
-            run_id = await self.deliver(call)
-            # Taken before anything else can happen to the run: the stream then
-            # shows it from its arrival, however fast the provider is.
-            record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
-            await self._push_inline(call, inline, run_id)
+            slot = await self._reserve_push(call)
+            try:
+                run_id = await self.deliver(call)
+                # Taken before anything else can happen to the run: the stream
+                # then shows it from its arrival, however fast the provider is.
+                record = self.funduq.live_record(run_id) or await self.funduq.get_run(run_id)
+                await self._push_inline(call, slot, run_id)
+            finally:
+                if slot is not None:
+                    slot[1].release()
         else:
             try:
                 cursor = read_cursor(request.headers.get(LAST_EVENT_ID))
@@ -486,6 +492,10 @@ class A2ADoor:
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
             yield [error_response(call, InternalError(message=str(exc) or None))]
+
+
+#: A SendMessage's inline push config and the room held for it.
+InlinePush = tuple[pb.TaskPushNotificationConfig, PushSlot]
 
 
 def _inline_push(call: Call) -> pb.TaskPushNotificationConfig | None:

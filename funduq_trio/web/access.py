@@ -10,23 +10,40 @@ time; a wrong or missing token is simply "not the operator".
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from typing import Any
 
 from ..broker.authority import PROOF_HEADER, Reader
 
-__all__ = ["OPERATOR_COOKIE", "operator_token_of", "is_operator", "reader_of",
-           "remember_operator"]
+__all__ = ["OPERATOR_COOKIE", "bearer_of", "is_operator", "of_agent", "operator_token_of",
+           "reader_of", "remember_operator"]
 
 #: The cookie `?token=` sets (HttpOnly, SameSite=Strict, path /).
 OPERATOR_COOKIE = "funduq_operator"
 
 
+def bearer_of(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer ...` header (None: not one)."""
+    if header is None or header[:7].lower() != "bearer ":
+        return None
+    return header[7:].strip()
+
+
 def operator_token_of(request: Any) -> str | None:
     """The token the request presents, wherever it rides (None: none)."""
-    auth = request.headers.get("Authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
+    bearer = bearer_of(request.headers.get("Authorization"))
+    if bearer is not None:
+        return bearer
     return request.args.get("token") or request.cookies.get(OPERATOR_COOKIE)
+
+
+def of_agent(record: Mapping[str, Any] | None, key: str, fingerprint: str, name: str) -> bool:
+    """Is the run or thread `record` one of agent `name` of the provider with
+    public key `key` (named by it or by its `fingerprint`)?"""
+    if record is None:
+        return False
+    agent = record.get("agent") or {}
+    return agent.get("name") == name and agent.get("provider") in (key, fingerprint)
 
 
 def is_operator(funduq: Any, request: Any) -> bool:

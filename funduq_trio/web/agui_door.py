@@ -58,7 +58,7 @@ from ..broker.errors import (
 )
 from ..broker.funduq import Funduq
 from ..protocol import carriable
-from .access import reader_of
+from .access import of_agent, reader_of
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 # funduq's request-level keys, read off forwardedProps.
@@ -110,11 +110,6 @@ def request_metadata(forwarded_props: Any) -> dict[str, Any] | None:
     return metadata or None
 
 
-def _same_agent(thread: dict[str, Any], key: str, fingerprint: str, name: str) -> bool:
-    agent = thread.get("agent") or {}
-    return agent.get("name") == name and agent.get("provider") in (key, fingerprint)
-
-
 def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
     @app.post("/agui/<provider>/<agent>")
     async def agui_run(provider: str, agent: str) -> Any:
@@ -144,7 +139,7 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
             thread_id = run_input.thread_id
             unknown = UnknownThread(f"no thread {thread_id!r} of agent {agent!r}")
             thread = await funduq.get_thread(thread_id)
-            if thread is None or not _same_agent(thread, view.key, view.fingerprint, agent):
+            if not of_agent(thread, view.key, view.fingerprint, agent):
                 raise unknown
             run_id = await funduq.paused_run(thread_id)
             bound = thread["segmentHead"] is not None

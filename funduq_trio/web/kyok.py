@@ -35,6 +35,7 @@ from quart import Response, request
 from ..broker.funduq import Funduq
 from ..broker.kyok import Completion, KyokRefusal
 from ..protocol import carriable
+from .access import bearer_of
 from .sse import SSE_CONTENT_TYPE, SSE_HEADERS
 
 __all__ = ["mount_kyok"]
@@ -50,12 +51,6 @@ def _answer(status: int, body: dict[str, Any]) -> Response:
 
 def _refused(refusal: KyokRefusal) -> Response:
     return _answer(refusal.status, refusal.body())
-
-
-def _bearer(header: str | None) -> str | None:
-    if header is None or not header[:7].lower() == "bearer ":
-        return None
-    return header[7:].strip()
 
 
 def _request_body(raw: bytes) -> dict[str, Any]:
@@ -125,7 +120,7 @@ def mount_kyok(app: Any, funduq: Funduq) -> None:
     async def chat_completions() -> Response:
         kyok = funduq.kyok
         try:
-            grant = kyok.read_token(_bearer(request.headers.get("Authorization")))
+            grant = kyok.read_token(bearer_of(request.headers.get("Authorization")))
             funduq.kyok_run(grant)
             raw = await request.get_data()
             # Nothing awaits from here until the completion is registered.
