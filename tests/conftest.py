@@ -22,12 +22,28 @@ import stores
 #: Modules run on SQLite only: pure logic and the link's own behaviour (the
 #: record is not what they test), and tests of the SQLite file itself.
 ONE_STORE = {
-    "test_a2a_mapping", "test_cli", "test_identity", "test_link_machine", "test_run_machine",
-    "test_provider_sdk", "test_provider_link", "test_link_batches",
-    "test_broker_record", "test_crash_restart", "test_record_schema",
-    "test_kyok_units", "test_kyok_forwarder", "test_a2a_signed_card", "test_provider_link_asgi",
-    "test_quality_admin", "test_startup", "test_cors", "test_operator_page", "test_provider_cli",
-    "test_runs_cli", "test_a2a_conformance",
+    "test_a2a_mapping",
+    "test_cli",
+    "test_identity",
+    "test_link_machine",
+    "test_run_machine",
+    "test_provider_sdk",
+    "test_provider_link",
+    "test_link_batches",
+    "test_broker_record",
+    "test_crash_restart",
+    "test_record_schema",
+    "test_kyok_units",
+    "test_kyok_forwarder",
+    "test_a2a_signed_card",
+    "test_provider_link_asgi",
+    "test_quality_admin",
+    "test_startup",
+    "test_cors",
+    "test_operator_page",
+    "test_provider_cli",
+    "test_runs_cli",
+    "test_a2a_conformance",
 }
 
 

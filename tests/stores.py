@@ -18,8 +18,9 @@ from typing import Any
 from urllib.parse import quote
 
 #: The PostgreSQL the tests use (their own schema per test in it).
-POSTGRES_URL = os.environ.get("FUNDUQ_TEST_POSTGRES_URL",
-                              "postgresql://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = os.environ.get(
+    "FUNDUQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
 
 database_url: str | None = None
 
@@ -37,8 +38,9 @@ def postgres_unavailable() -> str | None:
 
             psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
         except Exception as exc:  # noqa: BLE001 -- any reason is the reason
-            _unavailable.append(f"no PostgreSQL answers at {POSTGRES_URL} "
-                                f"(FUNDUQ_TEST_POSTGRES_URL): {exc}".strip())
+            _unavailable.append(
+                f"no PostgreSQL answers at {POSTGRES_URL} (FUNDUQ_TEST_POSTGRES_URL): {exc}".strip()
+            )
     return _unavailable[0] if _unavailable else None
 
 
@@ -62,9 +64,14 @@ def drop_connections(url: str) -> int:
 
     name = url.rsplit("application_name=", 1)[1]
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-        return sum(1 for (ok,) in conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-            (name,)) if ok)
+        return sum(
+            1
+            for (ok,) in conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                (name,),
+            )
+            if ok
+        )
 
 
 def drop_schema(name: str) -> None:

@@ -28,8 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_postgresql_url_is_a_setting_and_other_urls_are_refused():
-    for good in ("postgresql://funduq@db.example:5432/funduq", "postgres://u:p@h/d",
-                 "postgresql://u@h/d?sslmode=require", "sqlite:///tmp/x.sqlite3"):
+    for good in (
+        "postgresql://funduq@db.example:5432/funduq",
+        "postgres://u:p@h/d",
+        "postgresql://u@h/d?sslmode=require",
+        "sqlite:///tmp/x.sqlite3",
+    ):
         assert Settings(database_url=good).problems() == [], good
     for bad in ("mysql://u@h/d", "postgresql://u@h/d?bogus=1", "sqlite://relative"):
         (problem,) = Settings(database_url=bad).problems()
@@ -42,8 +46,10 @@ def test_a_database_password_is_never_shown():
     from funduq_trio.server import changed_settings
 
     settings = Settings(database_url="postgresql://funduq:hunter2@db.example:5432/records")
-    assert "FUNDUQ_DATABASE_URL=postgresql://funduq:***@db.example:5432/records" in \
-        changed_settings(settings)
+    assert (
+        "FUNDUQ_DATABASE_URL=postgresql://funduq:***@db.example:5432/records"
+        in changed_settings(settings)
+    )
     bad = Settings(database_url="postgresql://funduq:hunter2@db.example/records?bogus=1")
     (problem,) = bad.problems()
     assert "hunter2" not in problem and "funduq:***@" in problem
@@ -66,8 +72,9 @@ async def test_runs_are_recorded_in_the_store_the_url_names(tmp_path, store):
         assert not sqlite_file.exists()
         with psycopg.connect(stores.database_url) as conn:
             rows = conn.execute("SELECT id, status FROM runs").fetchall()
-            events_kept = conn.execute("SELECT count(*) FROM events WHERE run_id = %s",
-                                       (run_id,)).fetchone()[0]
+            events_kept = conn.execute(
+                "SELECT count(*) FROM events WHERE run_id = %s", (run_id,)
+            ).fetchone()[0]
         assert rows == [(run_id, "completed")]
         assert events_kept == len(events)
     else:
@@ -89,8 +96,11 @@ async def test_text_no_store_can_keep_is_refused_or_found_nowhere(tmp_path):
 
         async def post(to: str, body: dict, **headers: str) -> httpx.Response:
             # ASCII-escaped JSON, as a caller sends a lone surrogate ("\\ud800").
-            return await http.post(to, content=json.dumps(body),
-                                   headers={"Content-Type": "application/json", **headers})
+            return await http.post(
+                to,
+                content=json.dumps(body),
+                headers={"Content-Type": "application/json", **headers},
+            )
 
         async def a2a(method: str, params: dict) -> dict:
             body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
@@ -105,14 +115,27 @@ async def test_text_no_store_can_keep_is_refused_or_found_nowhere(tmp_path):
             assert refused.status_code == 400, (hostile, refused.text)
             # (The door may refuse a lone surrogate as JSON the link cannot carry.)
             assert refused.json()["error"]["code"] in ("invalid_run_input", "invalid_json")
-            listing = await http.get("/runs", params={"agent": "a\x00b"},
-                                     headers={"Authorization": f"Bearer {info.funduq.operator_token}"})
+            listing = await http.get(
+                "/runs",
+                params={"agent": "a\x00b"},
+                headers={"Authorization": f"Bearer {info.funduq.operator_token}"},
+            )
             assert listing.status_code == 200 and listing.json()["runs"] == []
             # Not found, or refused by the A2A layer first: never an internal error.
-            assert (await a2a("GetTask", {"id": f"run_{hostile}"}))["error"]["code"] \
-                in (TASK_NOT_FOUND, -32602)
-            sent = await a2a("SendMessage", {"message": {
-                "messageId": hostile, "role": "ROLE_USER", "parts": [{"text": "hello"}]}})
+            assert (await a2a("GetTask", {"id": f"run_{hostile}"}))["error"]["code"] in (
+                TASK_NOT_FOUND,
+                -32602,
+            )
+            sent = await a2a(
+                "SendMessage",
+                {
+                    "message": {
+                        "messageId": hostile,
+                        "role": "ROLE_USER",
+                        "parts": [{"text": "hello"}],
+                    }
+                },
+            )
             assert sent["error"]["code"] == -32602, sent  # invalid params
         # A NUL reaches the read routes percent-encoded (a lone surrogate cannot).
         assert (await http.get("/runs/run_%00")).status_code == 404
@@ -123,8 +146,9 @@ async def test_text_no_store_can_keep_is_refused_or_found_nowhere(tmp_path):
 
 
 @pytest.mark.parametrize("store", ["postgres"], indirect=True)
-async def test_connections_the_postgresql_server_dropped_are_replaced(tmp_path, store,
-                                                                      autojump_clock):
+async def test_connections_the_postgresql_server_dropped_are_replaced(
+    tmp_path, store, autojump_clock
+):
     """The server drops every connection funduq holds (a restart, a failover,
     an operator's pg_terminate_backend): the next read and the next writes go
     through on new connections, and the run in flight settles as if nothing
@@ -150,8 +174,9 @@ async def test_connections_the_postgresql_server_dropped_are_replaced(tmp_path, 
 def test_the_two_stores_have_the_same_schema_versions():
     """Step n of the PostgreSQL schema is step n of the SQLite one: a table
     added to one store and not the other fails here."""
-    assert [(m.version, m.why) for m in postgres.MIGRATIONS] == \
-        [(m.version, m.why) for m in schema.MIGRATIONS]
+    assert [(m.version, m.why) for m in postgres.MIGRATIONS] == [
+        (m.version, m.why) for m in schema.MIGRATIONS
+    ]
 
 
 def _too_new(exc: BaseException) -> bool:
@@ -162,14 +187,17 @@ def _too_new(exc: BaseException) -> bool:
 
 @pytest.mark.parametrize("store", ["postgres"], indirect=True)
 async def test_a_postgresql_record_upgrades_in_place_and_a_newer_one_is_refused(
-        tmp_path, store, autojump_clock):
+    tmp_path, store, autojump_clock
+):
     with psycopg.connect(stores.database_url, autocommit=True) as raw:
         conn = postgres.PgConnection(raw)
         assert postgres.upgrade(conn, "test", postgres.MIGRATIONS[:1]) == [1]
         conn.execute("INSERT INTO threads VALUES ('thread_1', 'k', 'echo', NULL, 1.0)")
-        conn.execute("INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
-                     " input, created_at, completed_at) VALUES "
-                     "(1, 'run_1', 'thread_1', 'k', 'echo', 'completed', '{}', 1.0, 2.0)")
+        conn.execute(
+            "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
+            " input, created_at, completed_at) VALUES "
+            "(1, 'run_1', 'thread_1', 'k', 'echo', 'completed', '{}', 1.0, 2.0)"
+        )
         conn.execute("INSERT INTO events VALUES ('run_1', 1, '{\"type\":\"RUN_STARTED\"}')")
     async with broker(tmp_path) as funduq:
         run = await funduq.get_run("run_1")
@@ -177,8 +205,9 @@ async def test_a_postgresql_record_upgrades_in_place_and_a_newer_one_is_refused(
         assert (await funduq.list_runs(agent="echo"))[0]["runId"] == "run_1"  # migration 2
         assert funduq.kyok.roster() == []  # migration 3's tables answer
     with psycopg.connect(stores.database_url, autocommit=True) as raw:
-        assert raw.execute("SELECT version FROM schema_version").fetchall() == \
-            [(len(schema.MIGRATIONS),)]
+        assert raw.execute("SELECT version FROM schema_version").fetchall() == [
+            (len(schema.MIGRATIONS),)
+        ]
         raw.execute("UPDATE schema_version SET version = version + 1")
     with pytest.raises(BaseException) as refused:
         async with broker(tmp_path):
@@ -194,9 +223,23 @@ async def _suite_without_postgres(ci: bool) -> subprocess.CompletedProcess[bytes
     if ci:
         env["CI"] = "1"
     return await trio.run_process(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
-         "tests/test_broker_smoke.py"],
-        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-rs",
+            "tests/test_broker_smoke.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
 
 
 async def test_without_postgresql_its_tests_skip_with_one_reason_but_fail_under_ci():

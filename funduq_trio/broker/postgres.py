@@ -31,6 +31,7 @@ from .store import RecordUnreachable, SqlStore, _Write
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
 
+
 def _migration(version: int, sql: str) -> schema.Migration:
     """Step ``version`` of the PostgreSQL schema: the SQLite store's step of
     that number (``schema.MIGRATIONS``), in PostgreSQL's types."""
@@ -43,7 +44,9 @@ def _migration(version: int, sql: str) -> schema.Migration:
 #: starting together on one database apply each step once. Adding a table is
 #: one entry at the end of both lists.
 MIGRATIONS: tuple[schema.Migration, ...] = (
-    _migration(1, """
+    _migration(
+        1,
+        """
 CREATE TABLE providers (
     key TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,
@@ -100,15 +103,21 @@ CREATE TABLE messages (
     message TEXT NOT NULL,
     PRIMARY KEY (thread_id, idx)
 );
-"""),
+""",
+    ),
     # Ids compare bytewise ("C" above), as SQLite's do: the keyset below pages by id.
-    _migration(2, """
+    _migration(
+        2,
+        """
 CREATE INDEX threads_segment_head ON threads (segment_head);
 CREATE INDEX runs_agent ON runs (provider_key, agent_name, arrival);
 CREATE INDEX runs_agent_status_time ON runs
     (provider_key, agent_name, (COALESCE(completed_at, started_at, created_at)), id);
-"""),
-    _migration(3, """
+""",
+    ),
+    _migration(
+        3,
+        """
 CREATE TABLE llm_providers (
     key TEXT PRIMARY KEY,
     completions BIGINT NOT NULL DEFAULT 0,
@@ -122,8 +131,11 @@ CREATE TABLE llm_offerings (
     metadata TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (provider_key, name)
 );
-"""),
-    _migration(4, """
+""",
+    ),
+    _migration(
+        4,
+        """
 CREATE TABLE push_configs (
     task_id TEXT NOT NULL,
     id TEXT COLLATE "C" NOT NULL,
@@ -139,7 +151,8 @@ CREATE TABLE push_configs (
     PRIMARY KEY (task_id, id)
 );
 CREATE INDEX push_configs_state ON push_configs (state);
-"""),
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
@@ -219,8 +232,9 @@ class PgConnection:
         self.raw.close()
 
 
-def upgrade(conn: PgConnection, where: str,
-            migrations: tuple[schema.Migration, ...] = MIGRATIONS) -> list[int]:
+def upgrade(
+    conn: PgConnection, where: str, migrations: tuple[schema.Migration, ...] = MIGRATIONS
+) -> list[int]:
     """Bring the database to the latest schema version: every pending step in
     one transaction, under the schema lock, the version in ``schema_version``.
     Returns the versions applied; raises SchemaTooNew (writing nothing) on a
@@ -295,8 +309,10 @@ class PostgresStore(SqlStore):
             info = conninfo.conninfo_to_dict(self.url)
         except Exception:  # noqa: BLE001 -- a name for messages only
             return "the PostgreSQL record"
-        return (f"PostgreSQL database {info.get('dbname', '?')} on "
-                f"{info.get('host', 'localhost')}:{info.get('port', 5432)}")
+        return (
+            f"PostgreSQL database {info.get('dbname', '?')} on "
+            f"{info.get('host', 'localhost')}:{info.get('port', 5432)}"
+        )
 
     def _close_sync(self) -> None:
         if self._writer_conn is not None:

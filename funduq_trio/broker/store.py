@@ -147,20 +147,35 @@ class Store(Protocol):
         ...
 
     # -- writes
-    async def insert_run(self, row: dict[str, Any], new_thread: tuple[Any, ...] | None,
-                         messages: Sequence[MessageRow]) -> None: ...
+    async def insert_run(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> None: ...
 
     async def move(self, run_id: str, to: str, **changes: Any) -> bool: ...
 
-    def move_soon(self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
-                  stamp: tuple[str, float] | None = None) -> PendingWrite: ...
+    def move_soon(
+        self,
+        run_id: str,
+        to: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        stamp: tuple[str, float] | None = None,
+    ) -> PendingWrite: ...
 
-    async def append_events(self, run_id: str,
-                            events: list[tuple[int, dict[str, Any]]]) -> None: ...
+    async def append_events(
+        self, run_id: str, events: list[tuple[int, dict[str, Any]]]
+    ) -> None: ...
 
     async def record_agents(
-        self, key: str, fingerprint: str, rows: list[tuple[str, str, str, str, str]],
-        forget: Callable[[list[tuple[str, int]]], list[str]]) -> list[str]: ...
+        self,
+        key: str,
+        fingerprint: str,
+        rows: list[tuple[str, str, str, str, str]],
+        forget: Callable[[list[tuple[str, int]]], list[str]],
+    ) -> list[str]: ...
 
     async def set_counter(self, key: str, counter: str, value: int) -> None: ...
 
@@ -172,10 +187,18 @@ class Store(Protocol):
 
     async def push_configs_delivering(self) -> list[Any]: ...
 
-    async def put_push_config(self, task_id: str, config_id: str, url: str, token: str,
-                              authentication: str, cursor: tuple[int, int], *,
-                              per_task: int | None, active: int | None
-                              ) -> tuple[str, int] | None: ...
+    async def put_push_config(
+        self,
+        task_id: str,
+        config_id: str,
+        url: str,
+        token: str,
+        authentication: str,
+        cursor: tuple[int, int],
+        *,
+        per_task: int | None,
+        active: int | None,
+    ) -> tuple[str, int] | None: ...
 
     async def push_config(self, task_id: str, config_id: str) -> Any: ...
 
@@ -183,44 +206,63 @@ class Store(Protocol):
 
     async def delete_push_config(self, task_id: str, config_id: str) -> bool: ...
 
-    async def end_push_config(self, task_id: str, config_id: str, state: str,
-                              error: str | None) -> None: ...
+    async def end_push_config(
+        self, task_id: str, config_id: str, state: str, error: str | None
+    ) -> None: ...
 
-    async def push_delivered(self, task_id: str, config_id: str, cursor: tuple[int, int],
-                             attempts: int) -> None: ...
+    async def push_delivered(
+        self, task_id: str, config_id: str, cursor: tuple[int, int], attempts: int
+    ) -> None: ...
 
     # -- reads
     async def providers_and_agents(self) -> tuple[list[Any], list[Any]]: ...
 
-    async def restore_reads(self, orphaned: Sequence[str]
-                            ) -> tuple[int, list[Any], list[RunRow]]: ...
+    async def restore_reads(
+        self, orphaned: Sequence[str]
+    ) -> tuple[int, list[Any], list[RunRow]]: ...
 
     async def run_row(self, run_id: str) -> RunRow | None: ...
 
-    async def get_run(self, run_id: str
-                      ) -> tuple[SummaryRow, list[tuple[int, str]]] | None: ...
+    async def get_run(self, run_id: str) -> tuple[SummaryRow, list[tuple[int, str]]] | None: ...
 
-    async def list_runs(self, *, thread_id: str | None, provider_key: str | None,
-                        agent: str | None, limit: int, status: Sequence[str] | None = None,
-                        before: str | None = None, bound_to: str | None = None
-                        ) -> list[SummaryRow]: ...
+    async def list_runs(
+        self,
+        *,
+        thread_id: str | None,
+        provider_key: str | None,
+        agent: str | None,
+        limit: int,
+        status: Sequence[str] | None = None,
+        before: str | None = None,
+        bound_to: str | None = None,
+    ) -> list[SummaryRow]: ...
 
-    async def task_ids(self, provider_key: str, agent: str, *, thread_id: str | None,
-                       bound_to: str | None, status: Sequence[str] | None,
-                       status_after: float | None, limit: int, after_run: str | None
-                       ) -> tuple[int, list[str]]: ...
+    async def task_ids(
+        self,
+        provider_key: str,
+        agent: str,
+        *,
+        thread_id: str | None,
+        bound_to: str | None,
+        status: Sequence[str] | None,
+        status_after: float | None,
+        limit: int,
+        after_run: str | None,
+    ) -> tuple[int, list[str]]: ...
 
     async def run_thread(self, run_id: str) -> str | None: ...
 
     async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]: ...
 
-    async def thread(self, thread_id: str
-                     ) -> tuple[tuple[str, str, str | None], list[str]] | None: ...
+    async def thread(
+        self, thread_id: str
+    ) -> tuple[tuple[str, str, str | None], list[str]] | None: ...
 
     async def messages(self, thread_id: str, limit: int | None) -> list[str]: ...
 
-    async def events_after(self, run_id: str, after: int, before: int | None,
-                           limit: int | None) -> list[tuple[int, str]]: ...
+    async def events_after(
+        self, run_id: str, after: int, before: int | None, limit: int | None
+    ) -> list[tuple[int, str]]: ...
 
     async def run_exists(self, run_id: str) -> bool: ...
 
@@ -233,18 +275,25 @@ class Store(Protocol):
 
 # -- the SQL both stores speak ---------------------------------------------------------
 
-_RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
-                "metadata, arrival, created_at, started_at, "
-                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)")
-_SUMMARY_COLUMNS = ("id, thread_id, provider_key, agent_name, status, metadata, created_at, "
-                    "started_at, completed_at")
-_SUMMARY_COLUMNS_R = ("r.id, r.thread_id, r.provider_key, r.agent_name, r.status, r.metadata, "
-                      "r.created_at, r.started_at, r.completed_at")
+_RUN_COLUMNS = (
+    "id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
+    "metadata, arrival, created_at, started_at, "
+    "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)"
+)
+_SUMMARY_COLUMNS = (
+    "id, thread_id, provider_key, agent_name, status, metadata, created_at, "
+    "started_at, completed_at"
+)
+_SUMMARY_COLUMNS_R = (
+    "r.id, r.thread_id, r.provider_key, r.agent_name, r.status, r.metadata, "
+    "r.created_at, r.started_at, r.completed_at"
+)
 #: When a run's status last changed (what A2A calls the status timestamp);
 #: the same expression as the stores' index on it, so SQL can use it.
 STATUS_TIME = "COALESCE(r.completed_at, r.started_at, r.created_at)"
-_INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
-                   "VALUES (?,?,?,?,?)")
+_INSERT_MESSAGE = (
+    "INSERT INTO messages (thread_id, idx, message_id, run_id, message) VALUES (?,?,?,?,?)"
+)
 _INSERT_EVENT = "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)"
 
 
@@ -394,23 +443,42 @@ class SqlStore:
 
     # -- the writes the broker makes ----------------------------------------------------
 
-    async def insert_run(self, row: dict[str, Any], new_thread: tuple[Any, ...] | None,
-                         messages: Sequence[MessageRow]) -> None:
+    async def insert_run(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> None:
         """A new run (and its new thread, and the messages it adds)."""
         if not keepable(*(m[2] for m in messages), *(new_thread or ())[:4]):
-            raise Unrecordable("a message id or thread holds a character the record cannot "
-                               "keep (NUL or a lone surrogate)")
+            raise Unrecordable(
+                "a message id or thread holds a character the record cannot "
+                "keep (NUL or a lone surrogate)"
+            )
 
         def apply(conn: Any) -> None:
             if new_thread is not None:
-                conn.execute("INSERT INTO threads (id, provider_key, agent_name, segment_head, "
-                             "created_at) VALUES (?,?,?,?,?)", new_thread)
+                conn.execute(
+                    "INSERT INTO threads (id, provider_key, agent_name, segment_head, "
+                    "created_at) VALUES (?,?,?,?,?)",
+                    new_thread,
+                )
             conn.execute(
                 "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, "
                 "input, caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (row["arrival"], row["id"], row["thread_id"], row["provider_key"],
-                 row["agent_name"], row["status"], row["input"], row["caller_metadata"],
-                 dumps(row["metadata"]), row["created_at"]))
+                (
+                    row["arrival"],
+                    row["id"],
+                    row["thread_id"],
+                    row["provider_key"],
+                    row["agent_name"],
+                    row["status"],
+                    row["input"],
+                    row["caller_metadata"],
+                    dumps(row["metadata"]),
+                    row["created_at"],
+                ),
+            )
             if messages:
                 conn.executemany(_INSERT_MESSAGE, messages)
 
@@ -423,18 +491,30 @@ class SqlStore:
         move starts from. ``move_soon`` queues the same write without waiting."""
         return await self.write(self._move_write(run_id, to, **changes))
 
-    def move_soon(self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
-                  stamp: tuple[str, float] | None = None) -> PendingWrite:
+    def move_soon(
+        self,
+        run_id: str,
+        to: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        stamp: tuple[str, float] | None = None,
+    ) -> PendingWrite:
         """``move`` queued without waiting (first-in first-out): whatever is
         written after it lands after it. Its verdict is the handle's result."""
         return self.write_soon(self._move_write(run_id, to, metadata=metadata, stamp=stamp))
 
     def _move_write(
-        self, run_id: str, to: str, *, metadata: dict[str, Any] | None = None,
+        self,
+        run_id: str,
+        to: str,
+        *,
+        metadata: dict[str, Any] | None = None,
         events: Iterable[tuple[int, dict[str, Any]]] = (),
         stamp: tuple[str, float | None] | None = None,
-        run_input: dict[str, Any] | None = None, arrival: int | None = None,
-        caller_metadata: str | None = None, messages: Sequence[MessageRow] | None = None,
+        run_input: dict[str, Any] | None = None,
+        arrival: int | None = None,
+        caller_metadata: str | None = None,
+        messages: Sequence[MessageRow] | None = None,
     ) -> Callable[[Any], bool]:
         src = tuple(statuses.sources(to))
         sets: list[str] = ["status=?"]
@@ -457,8 +537,10 @@ class SqlStore:
         if caller_metadata is not None:
             sets.append("caller_metadata=?")
             args.append(caller_metadata)
-        sql = (f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
-               f"({','.join('?' * len(src))})")
+        sql = (
+            f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
+            f"({','.join('?' * len(src))})"
+        )
         rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
 
         def apply(conn: Any) -> bool:
@@ -478,7 +560,10 @@ class SqlStore:
         await self.write(lambda c: c.executemany(_INSERT_EVENT, rows))
 
     async def record_agents(
-        self, key: str, fingerprint: str, rows: list[tuple[str, str, str, str, str]],
+        self,
+        key: str,
+        fingerprint: str,
+        rows: list[tuple[str, str, str, str, str]],
         forget: Callable[[list[tuple[str, int]]], list[str]],
     ) -> list[str]:
         """Upsert a key's published agents; ``forget`` decides, from the key's
@@ -486,26 +571,36 @@ class SqlStore:
         Returns the names forgotten."""
         for row in rows:
             if not keepable(*row):
-                raise Unrecordable(f"agent {row[1]!r}: holds a character the record cannot "
-                                   "keep (NUL or a lone surrogate)")
+                raise Unrecordable(
+                    f"agent {row[1]!r}: holds a character the record cannot "
+                    "keep (NUL or a lone surrogate)"
+                )
 
         def apply(conn: Any) -> list[str]:
-            conn.execute("INSERT INTO providers (key, fingerprint) VALUES (?, ?) "
-                         "ON CONFLICT (key) DO NOTHING", (key, fingerprint))
+            conn.execute(
+                "INSERT INTO providers (key, fingerprint) VALUES (?, ?) "
+                "ON CONFLICT (key) DO NOTHING",
+                (key, fingerprint),
+            )
             recorded = conn.execute(
                 "SELECT name, length(name) + length(description) + length(card) + "
                 f"length(metadata) FROM agents WHERE provider_key=? ORDER BY {self.AGENT_ORDER}",
-                (key,)).fetchall()
+                (key,),
+            ).fetchall()
             gone = forget([(name, size) for name, size in recorded])
             if gone:
-                conn.executemany("DELETE FROM agents WHERE provider_key=? AND name=?",
-                                 [(key, name) for name in gone])
+                conn.executemany(
+                    "DELETE FROM agents WHERE provider_key=? AND name=?",
+                    [(key, name) for name in gone],
+                )
             if rows:
                 conn.executemany(
                     "INSERT INTO agents (provider_key, name, description, card, metadata) "
                     "VALUES (?,?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
                     "description=excluded.description, card=excluded.card, "
-                    "metadata=excluded.metadata", rows)
+                    "metadata=excluded.metadata",
+                    rows,
+                )
             return gone
 
         return await self.write(apply)
@@ -513,8 +608,9 @@ class SqlStore:
     async def set_counter(self, key: str, counter: str, value: int) -> None:
         if counter not in COUNTERS:
             raise ValueError(f"not a counter: {counter!r}")
-        await self.write(lambda c: c.execute(
-            f"UPDATE providers SET {counter}=? WHERE key=?", (value, key)))
+        await self.write(
+            lambda c: c.execute(f"UPDATE providers SET {counter}=? WHERE key=?", (value, key))
+        )
 
     # KYOK (DESIGN §9): LLM providers' counters and their offerings.
 
@@ -522,17 +618,22 @@ class SqlStore:
         """Upsert an LLM provider's offerings: (key, name, description, metadata JSON)."""
         for row in rows:
             if not keepable(*row):
-                raise Unrecordable(f"offering {row[1]!r}: holds a character the record "
-                                   "cannot keep (NUL or a lone surrogate)")
+                raise Unrecordable(
+                    f"offering {row[1]!r}: holds a character the record "
+                    "cannot keep (NUL or a lone surrogate)"
+                )
 
         def apply(conn: Any) -> None:
-            conn.execute("INSERT INTO llm_providers (key) VALUES (?) "
-                         "ON CONFLICT (key) DO NOTHING", (key,))
+            conn.execute(
+                "INSERT INTO llm_providers (key) VALUES (?) ON CONFLICT (key) DO NOTHING", (key,)
+            )
             if rows:
                 conn.executemany(
                     "INSERT INTO llm_offerings (provider_key, name, description, metadata) "
                     "VALUES (?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
-                    "description=excluded.description, metadata=excluded.metadata", rows)
+                    "description=excluded.description, metadata=excluded.metadata",
+                    rows,
+                )
 
         await self.write(apply)
 
@@ -540,31 +641,51 @@ class SqlStore:
         """An LLM provider's counter, queued without waiting (nothing hangs on it)."""
         if counter not in LLM_COUNTERS:
             raise ValueError(f"not an LLM provider counter: {counter!r}")
-        return self.write_soon(lambda c: c.execute(
-            f"UPDATE llm_providers SET {counter}=? WHERE key=?", (value, key)))
+        return self.write_soon(
+            lambda c: c.execute(f"UPDATE llm_providers SET {counter}=? WHERE key=?", (value, key))
+        )
 
     async def llm_providers_and_offerings(self) -> tuple[list[Any], list[Any]]:
         """(key, *counters) of every LLM provider; (provider_key, name,
         description, metadata) of every offering."""
+
         def read(conn: Any) -> tuple[list[Any], list[Any]]:
-            return (conn.execute("SELECT key, " + ", ".join(LLM_COUNTERS)
-                                 + " FROM llm_providers").fetchall(),
-                    conn.execute("SELECT provider_key, name, description, metadata "
-                                 "FROM llm_offerings").fetchall())
+            return (
+                conn.execute(
+                    "SELECT key, " + ", ".join(LLM_COUNTERS) + " FROM llm_providers"
+                ).fetchall(),
+                conn.execute(
+                    "SELECT provider_key, name, description, metadata FROM llm_offerings"
+                ).fetchall(),
+            )
+
         return await self.read(read)
 
     # Push notifications (DESIGN §10): each config and its delivery cursor.
 
     async def push_configs_delivering(self) -> list[Any]:
         """Every push config still delivering (``PUSH_COLUMNS``)."""
-        return cast(list[Any], await self.read(lambda c: c.execute(
-            f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE state=?",
-            (PUSH_DELIVERING,)).fetchall()))
+        return cast(
+            list[Any],
+            await self.read(
+                lambda c: c.execute(
+                    f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE state=?", (PUSH_DELIVERING,)
+                ).fetchall()
+            ),
+        )
 
-    async def put_push_config(self, task_id: str, config_id: str, url: str, token: str,
-                              authentication: str, cursor: tuple[int, int], *,
-                              per_task: int | None, active: int | None
-                              ) -> tuple[str, int] | None:
+    async def put_push_config(
+        self,
+        task_id: str,
+        config_id: str,
+        url: str,
+        token: str,
+        authentication: str,
+        cursor: tuple[int, int],
+        *,
+        per_task: int | None,
+        active: int | None,
+    ) -> tuple[str, int] | None:
         """Record a push config (replacing one of that id, cursor and all),
         delivering from ``cursor``; or, writing nothing, why not: ("per_task",
         configs the task has) at ``per_task``, ("active", configs delivering)
@@ -574,16 +695,23 @@ class SqlStore:
             return "unrecordable", 0
 
         def apply(conn: Any) -> tuple[str, int] | None:
-            existing = conn.execute("SELECT 1 FROM push_configs WHERE task_id=? AND id=?",
-                                    (task_id, config_id)).fetchone()
+            existing = conn.execute(
+                "SELECT 1 FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)
+            ).fetchone()
             if existing is None and per_task is not None:
-                count = int(conn.execute("SELECT COUNT(*) FROM push_configs WHERE task_id=?",
-                                         (task_id,)).fetchone()[0])
+                count = int(
+                    conn.execute(
+                        "SELECT COUNT(*) FROM push_configs WHERE task_id=?", (task_id,)
+                    ).fetchone()[0]
+                )
                 if count >= per_task:
                     return "per_task", count
             if existing is None and active is not None:
-                count = int(conn.execute("SELECT COUNT(*) FROM push_configs WHERE state=?",
-                                         (PUSH_DELIVERING,)).fetchone()[0])
+                count = int(
+                    conn.execute(
+                        "SELECT COUNT(*) FROM push_configs WHERE state=?", (PUSH_DELIVERING,)
+                    ).fetchone()[0]
+                )
                 if count >= active:
                     return "active", count
             conn.execute(
@@ -594,8 +722,18 @@ class SqlStore:
                 "created_at=excluded.created_at, cursor_seq=excluded.cursor_seq, "
                 "cursor_index=excluded.cursor_index, state=excluded.state, attempts=0, "
                 "last_error=NULL",
-                (task_id, config_id, url, token, authentication, time.time(), cursor[0],
-                 cursor[1], PUSH_DELIVERING))
+                (
+                    task_id,
+                    config_id,
+                    url,
+                    token,
+                    authentication,
+                    time.time(),
+                    cursor[0],
+                    cursor[1],
+                    PUSH_DELIVERING,
+                ),
+            )
             return None
 
         return cast(tuple[str, int] | None, await self.write(apply))
@@ -604,53 +742,83 @@ class SqlStore:
         """One push config (``PUSH_COLUMNS``), or None."""
         if not keepable(task_id, config_id):
             return None
-        return await self.read(lambda c: c.execute(
-            f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? AND id=?",
-            (task_id, config_id)).fetchone())
+        return await self.read(
+            lambda c: c.execute(
+                f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? AND id=?",
+                (task_id, config_id),
+            ).fetchone()
+        )
 
     async def push_configs(self, task_id: str) -> list[Any]:
         """A task's push configs (``PUSH_COLUMNS``), oldest first."""
         if not keepable(task_id):
             return []
-        return cast(list[Any], await self.read(lambda c: c.execute(
-            f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? ORDER BY created_at, id",
-            (task_id,)).fetchall()))
+        return cast(
+            list[Any],
+            await self.read(
+                lambda c: c.execute(
+                    f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? "
+                    "ORDER BY created_at, id",
+                    (task_id,),
+                ).fetchall()
+            ),
+        )
 
     async def delete_push_config(self, task_id: str, config_id: str) -> bool:
         if not keepable(task_id, config_id):
             return False
-        return bool(await self.write(lambda c: c.execute(
-            "DELETE FROM push_configs WHERE task_id=? AND id=?",
-            (task_id, config_id)).rowcount))
+        return bool(
+            await self.write(
+                lambda c: (
+                    c.execute(
+                        "DELETE FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)
+                    ).rowcount
+                )
+            )
+        )
 
-    async def end_push_config(self, task_id: str, config_id: str, state: str,
-                              error: str | None) -> None:
+    async def end_push_config(
+        self, task_id: str, config_id: str, state: str, error: str | None
+    ) -> None:
         """A config stops delivering: done, or given up with its last error."""
-        await self.write(lambda c: c.execute(
-            "UPDATE push_configs SET state=?, last_error=? WHERE task_id=? AND id=?",
-            (state, error, task_id, config_id)))
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE push_configs SET state=?, last_error=? WHERE task_id=? AND id=?",
+                (state, error, task_id, config_id),
+            )
+        )
 
-    async def push_delivered(self, task_id: str, config_id: str, cursor: tuple[int, int],
-                             attempts: int) -> None:
+    async def push_delivered(
+        self, task_id: str, config_id: str, cursor: tuple[int, int], attempts: int
+    ) -> None:
         """The receiver acknowledged the update at ``cursor`` after ``attempts``."""
-        await self.write(lambda c: c.execute(
-            "UPDATE push_configs SET cursor_seq=?, cursor_index=?, attempts=attempts+? "
-            "WHERE task_id=? AND id=?", (cursor[0], cursor[1], attempts, task_id, config_id)))
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE push_configs SET cursor_seq=?, cursor_index=?, attempts=attempts+? "
+                "WHERE task_id=? AND id=?",
+                (cursor[0], cursor[1], attempts, task_id, config_id),
+            )
+        )
 
     # -- the reads the broker makes -----------------------------------------------------
 
     async def providers_and_agents(self) -> tuple[list[Any], list[Any]]:
         """(key, fingerprint, *counters) of every provider; (provider_key,
         name, description, card, metadata) of every agent."""
+
         def read(conn: Any) -> tuple[list[Any], list[Any]]:
-            return (conn.execute("SELECT key, fingerprint, " + ", ".join(COUNTERS)
-                                 + " FROM providers").fetchall(),
-                    conn.execute("SELECT provider_key, name, description, card, metadata "
-                                 "FROM agents").fetchall())
+            return (
+                conn.execute(
+                    "SELECT key, fingerprint, " + ", ".join(COUNTERS) + " FROM providers"
+                ).fetchall(),
+                conn.execute(
+                    "SELECT provider_key, name, description, card, metadata FROM agents"
+                ).fetchall(),
+            )
+
         return await self.read(read)
 
-    async def restore_reads(self, orphaned: Sequence[str]
-                            ) -> tuple[int, list[Any], list[RunRow]]:
+    async def restore_reads(self, orphaned: Sequence[str]) -> tuple[int, list[Any], list[RunRow]]:
         """What a restart needs: the last arrival; the runs in ``orphaned``
         statuses as (id, status, metadata, last seq, reported an error); the
         queued runs in arrival order."""
@@ -662,10 +830,13 @@ class SqlStore:
                 f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
                 f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
                 f"AND {self.EVENT_TYPE} = 'RUN_ERROR') "
-                f"FROM runs r WHERE status IN ({marks})", tuple(orphaned)).fetchall()
+                f"FROM runs r WHERE status IN ({marks})",
+                tuple(orphaned),
+            ).fetchall()
             queued = conn.execute(
                 f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ? ORDER BY arrival",
-                (statuses.QUEUED,)).fetchall()
+                (statuses.QUEUED,),
+            ).fetchall()
             return int(arrival), orphans, queued
 
         return await self.read(read)
@@ -673,30 +844,44 @@ class SqlStore:
     async def run_row(self, run_id: str) -> RunRow | None:
         if not keepable(run_id):
             return None
-        return cast(RunRow | None, await self.read(lambda c: c.execute(
-            f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone()))
+        return cast(
+            RunRow | None,
+            await self.read(
+                lambda c: c.execute(
+                    f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)
+                ).fetchone()
+            ),
+        )
 
-    async def get_run(self, run_id: str
-                      ) -> tuple[SummaryRow, list[tuple[int, str]]] | None:
+    async def get_run(self, run_id: str) -> tuple[SummaryRow, list[tuple[int, str]]] | None:
         """A run's summary and its events (seq, JSON) in order."""
         if not keepable(run_id):
             return None
 
         def read(conn: Any) -> Any:
-            row = conn.execute(f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE id=?",
-                               (run_id,)).fetchone()
+            row = conn.execute(
+                f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE id=?", (run_id,)
+            ).fetchone()
             if row is None:
                 return None
-            events = conn.execute("SELECT seq, event FROM events WHERE run_id=? ORDER BY seq",
-                                  (run_id,)).fetchall()
+            events = conn.execute(
+                "SELECT seq, event FROM events WHERE run_id=? ORDER BY seq", (run_id,)
+            ).fetchall()
             return row, events
 
         return cast(tuple[SummaryRow, list[tuple[int, str]]] | None, await self.read(read))
 
-    async def list_runs(self, *, thread_id: str | None, provider_key: str | None,
-                        agent: str | None, limit: int, status: Sequence[str] | None = None,
-                        before: str | None = None, bound_to: str | None = None
-                        ) -> list[SummaryRow]:
+    async def list_runs(
+        self,
+        *,
+        thread_id: str | None,
+        provider_key: str | None,
+        agent: str | None,
+        limit: int,
+        status: Sequence[str] | None = None,
+        before: str | None = None,
+        bound_to: str | None = None,
+    ) -> list[SummaryRow]:
         """Run summaries, newest first, narrowed to a thread, a provider, an
         agent, statuses; ``before`` a run id (only runs that arrived before
         it; an unknown id lists nothing); ``bound_to`` the threads whose
@@ -704,8 +889,11 @@ class SqlStore:
         where, args = [], []
         if not keepable(thread_id, provider_key, agent, before, bound_to, *(status or ())):
             return []
-        for column, value in (("thread_id", thread_id), ("provider_key", provider_key),
-                              ("agent_name", agent)):
+        for column, value in (
+            ("thread_id", thread_id),
+            ("provider_key", provider_key),
+            ("agent_name", agent),
+        ):
             if value is not None:
                 where.append(f"r.{column}=?")
                 args.append(value)
@@ -718,16 +906,27 @@ class SqlStore:
         if bound_to is not None:
             where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
             args.append(bound_to)
-        sql = (f"SELECT {_SUMMARY_COLUMNS_R} FROM runs r"
-               + (" WHERE " + " AND ".join(where) if where else "")
-               + " ORDER BY r.arrival DESC LIMIT ?")
-        return cast(list[SummaryRow], await self.read(
-            lambda c: c.execute(sql, (*args, limit)).fetchall()))
+        sql = (
+            f"SELECT {_SUMMARY_COLUMNS_R} FROM runs r"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + " ORDER BY r.arrival DESC LIMIT ?"
+        )
+        return cast(
+            list[SummaryRow], await self.read(lambda c: c.execute(sql, (*args, limit)).fetchall())
+        )
 
-    async def task_ids(self, provider_key: str, agent: str, *, thread_id: str | None,
-                       bound_to: str | None, status: Sequence[str] | None,
-                       status_after: float | None, limit: int, after_run: str | None
-                       ) -> tuple[int, list[str]]:
+    async def task_ids(
+        self,
+        provider_key: str,
+        agent: str,
+        *,
+        thread_id: str | None,
+        bound_to: str | None,
+        status: Sequence[str] | None,
+        status_after: float | None,
+        limit: int,
+        after_run: str | None,
+    ) -> tuple[int, list[str]]:
         """An agent's runs by status time (A2A ListTasks): how many match in
         all, and the ids of up to ``limit`` of them, newest status time first,
         ties by id descending, after ``after_run`` (keyset: an unknown one
@@ -752,17 +951,24 @@ class SqlStore:
         matching = " AND ".join(where)
         keyset, keyset_args = "", []
         if after_run is not None:
-            keyset = (f" AND ({STATUS_TIME}, r.id) < (SELECT {STATUS_TIME}, r.id FROM runs r "
-                      "WHERE r.id=?)")
+            keyset = (
+                f" AND ({STATUS_TIME}, r.id) < (SELECT {STATUS_TIME}, r.id FROM runs r "
+                "WHERE r.id=?)"
+            )
             keyset_args = [after_run]
 
         def read(conn: Any) -> tuple[int, list[str]]:
-            total = conn.execute(f"SELECT COUNT(*) FROM runs r WHERE {matching}",
-                                 args).fetchone()[0]
-            ids = [r[0] for r in conn.execute(
-                f"SELECT r.id FROM runs r WHERE {matching}{keyset} "
-                f"ORDER BY {STATUS_TIME} DESC, r.id DESC LIMIT ?",
-                (*args, *keyset_args, limit)).fetchall()]
+            total = conn.execute(f"SELECT COUNT(*) FROM runs r WHERE {matching}", args).fetchone()[
+                0
+            ]
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    f"SELECT r.id FROM runs r WHERE {matching}{keyset} "
+                    f"ORDER BY {STATUS_TIME} DESC, r.id DESC LIMIT ?",
+                    (*args, *keyset_args, limit),
+                ).fetchall()
+            ]
             return int(total), ids
 
         return await self.read(read)
@@ -771,35 +977,45 @@ class SqlStore:
         """The thread a run is in."""
         if not keepable(run_id):
             return None
-        row = await self.read(lambda c: c.execute(
-            "SELECT thread_id FROM runs WHERE id=?", (run_id,)).fetchone())
+        row = await self.read(
+            lambda c: c.execute("SELECT thread_id FROM runs WHERE id=?", (run_id,)).fetchone()
+        )
         return None if row is None else str(row[0])
 
     async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]:
         """(run id, status) of a thread's runs in arrival order."""
         if not keepable(thread_id):
             return []
-        return cast(list[tuple[str, str]], await self.read(lambda c: c.execute(
-            "SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
-            (thread_id,)).fetchall()))
+        return cast(
+            list[tuple[str, str]],
+            await self.read(
+                lambda c: c.execute(
+                    "SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival", (thread_id,)
+                ).fetchall()
+            ),
+        )
 
-    async def thread(self, thread_id: str
-                     ) -> tuple[tuple[str, str, str | None], list[str]] | None:
+    async def thread(self, thread_id: str) -> tuple[tuple[str, str, str | None], list[str]] | None:
         """((provider key, agent, segment head), message ids) of a thread."""
         if not keepable(thread_id):
             return None
 
         def read(conn: Any) -> Any:
-            row = conn.execute("SELECT provider_key, agent_name, segment_head FROM threads "
-                               "WHERE id=?", (thread_id,)).fetchone()
+            row = conn.execute(
+                "SELECT provider_key, agent_name, segment_head FROM threads WHERE id=?",
+                (thread_id,),
+            ).fetchone()
             if row is None:
                 return None
-            ids = [r[0] for r in conn.execute(
-                "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,)).fetchall()]
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,)
+                ).fetchall()
+            ]
             return tuple(row), ids
 
-        return cast(tuple[tuple[str, str, str | None], list[str]] | None,
-                    await self.read(read))
+        return cast(tuple[tuple[str, str, str | None], list[str]] | None, await self.read(read))
 
     async def messages(self, thread_id: str, limit: int | None) -> list[str]:
         """A thread's messages (JSON) in order: all, or the last ``limit``."""
@@ -808,17 +1024,23 @@ class SqlStore:
 
         def read(conn: Any) -> list[Any]:
             if limit is None:
-                return cast(list[Any], conn.execute(
-                    "SELECT message FROM messages WHERE thread_id=? ORDER BY idx",
-                    (thread_id,)).fetchall())
-            rows = conn.execute("SELECT message FROM messages WHERE thread_id=? "
-                                "ORDER BY idx DESC LIMIT ?", (thread_id, limit)).fetchall()
+                return cast(
+                    list[Any],
+                    conn.execute(
+                        "SELECT message FROM messages WHERE thread_id=? ORDER BY idx", (thread_id,)
+                    ).fetchall(),
+                )
+            rows = conn.execute(
+                "SELECT message FROM messages WHERE thread_id=? ORDER BY idx DESC LIMIT ?",
+                (thread_id, limit),
+            ).fetchall()
             return cast(list[Any], rows[::-1])
 
         return [m for (m,) in await self.read(read)]
 
-    async def events_after(self, run_id: str, after: int, before: int | None,
-                           limit: int | None) -> list[tuple[int, str]]:
+    async def events_after(
+        self, run_id: str, after: int, before: int | None, limit: int | None
+    ) -> list[tuple[int, str]]:
         """A run's events (seq, JSON) with after < seq < before, in order."""
         if not keepable(run_id):
             return []
@@ -826,40 +1048,55 @@ class SqlStore:
         args: tuple[Any, ...] = (run_id, after, before if before is not None else 2**62)
         if limit is not None:
             sql, args = sql + " LIMIT ?", (*args, limit)
-        return [(int(s), e) for s, e in await self.read(
-            lambda c: c.execute(sql, args).fetchall())]
+        return [(int(s), e) for s, e in await self.read(lambda c: c.execute(sql, args).fetchall())]
 
     async def run_exists(self, run_id: str) -> bool:
         if not keepable(run_id):
             return False
-        return bool(await self.read(lambda c: c.execute(
-            "SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None))
+        return bool(
+            await self.read(
+                lambda c: (
+                    c.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
+                )
+            )
+        )
 
     async def run_facts(self, run_id: str) -> tuple[str | None, str] | None:
         """(segment head of its thread, its provider key), or None."""
         if not keepable(run_id):
             return None
-        row = await self.read(lambda c: c.execute(
-            "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
-            "ON t.id = r.thread_id WHERE r.id=?", (run_id,)).fetchone())
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
+                "ON t.id = r.thread_id WHERE r.id=?",
+                (run_id,),
+            ).fetchone()
+        )
         return None if row is None else (row[0], row[1])
 
     async def paused_run(self, thread_id: str, status: str) -> str | None:
         """The thread's latest run in ``status``."""
         if not keepable(thread_id):
             return None
-        row = await self.read(lambda c: c.execute(
-            "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
-            (thread_id, status)).fetchone())
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
+                (thread_id, status),
+            ).fetchone()
+        )
         return None if row is None else str(row[0])
 
     async def run_progress(self, run_id: str) -> tuple[str, int] | None:
         """(status, last seq) of a run."""
         if not keepable(run_id):
             return None
-        row = await self.read(lambda c: c.execute(
-            "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
-            "WHERE e.run_id = r.id) FROM runs r WHERE id=?", (run_id,)).fetchone())
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                "WHERE e.run_id = r.id) FROM runs r WHERE id=?",
+                (run_id,),
+            ).fetchone()
+        )
         return None if row is None else (row[0], int(row[1]))
 
 
