@@ -163,6 +163,16 @@ def error_of(answer: dict[str, Any]) -> tuple[int | None, str | None]:
     return error.get("code"), (found[0] if found else None)
 
 
+# The push-config acts on a task (each beside "taskId"); the URL is one the
+# broker refuses, so an act that skipped the authority check would say so.
+PUSH_ACTS: dict[str, dict[str, Any]] = {
+    "CreateTaskPushNotificationConfig": {"id": "p1", "url": "https://192.0.2.1/hook"},
+    "GetTaskPushNotificationConfig": {"id": "p1"},
+    "ListTaskPushNotificationConfigs": {},
+    "DeleteTaskPushNotificationConfig": {"id": "p1"},
+}
+
+
 def same_as(response: httpx.Response, unknown: httpx.Response, known_id: str,
             unknown_id: str) -> bool:
     """Does `response` say exactly what the answer to an unknown id says?"""
@@ -284,6 +294,12 @@ async def test_a_bound_thread_reads_exactly_as_an_unknown_one_without_its_proof(
             for method in ("GetTask", "SubscribeToTask"):
                 pairs.append((await env.rpc(method, {"id": run_id}, headers=headers),
                               await env.rpc(method, {"id": "run_nope"})))
+            # A push config receives every update and holds its owner's
+            # secrets: each push-config act is a read of the task.
+            for method, params in PUSH_ACTS.items():
+                pairs.append((await env.rpc(method, {"taskId": run_id, **params},
+                                            headers=headers),
+                              await env.rpc(method, {"taskId": "run_nope", **params})))
             return pairs
 
         def one_header(signer: Identity, thread: str = thread_id) -> dict[str, str]:
@@ -318,7 +334,13 @@ async def test_a_bound_thread_reads_exactly_as_an_unknown_one_without_its_proof(
             answer = (await env.rpc("SubscribeToTask", {"id": run_id},
                                     headers=one_header(signer))).json()
             assert error_of(answer)[0] == -32004  # terminal: told only to a reader
+            listed = (await env.rpc("ListTaskPushNotificationConfigs", {"taskId": run_id},
+                                    headers=one_header(signer))).json()
+            assert listed["result"] == {}, listed
         assert (await env.http.get(f"/runs/{run_id}", headers=env.operator)).status_code == 200
+        listed = (await env.rpc("ListTaskPushNotificationConfigs", {"taskId": run_id},
+                                headers=env.operator)).json()
+        assert listed["result"] == {}, listed
 
         # An unbound thread stays readable by anyone holding its id.
         plain = await env.task("hello")

@@ -263,9 +263,13 @@ class A2ADoor:
         raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
 
     async def push_config(self, op: str, req: Any) -> Any:
-        """The push-config operations, on tasks of this agent only."""
+        """The push-config operations, on tasks of this agent only, for whoever
+        may read the task (DESIGN §8): a push receives every update of the
+        task, and a config holds its owner's token and credentials, so each of
+        the four acts is a read of the task -- without the bound thread's
+        proof (or the operator's token) it answers as an unknown task."""
         pushes = self.funduq.pushes
-        await self.run_record(req.task_id)
+        await self.readable_record(req.task_id)
         if op == PUSH_CREATE:
             return await pushes.create(req.task_id, req, from_start=False)
         if op == PUSH_GET:
