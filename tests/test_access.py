@@ -370,7 +370,8 @@ async def test_an_agui_resume_on_a_bound_thread_says_nothing_before_authority(tm
         unknown = await env.http.post(url, json=body("x", "thread_nope", resume=resume))
         assert unknown.status_code == 404
         for thread_id in (paused_thread, ended_thread):
-            for props in (None, {"resolution": proof(alice, resolve_payload, "run_other")}):
+            for props in (None, {"resolution": proof(alice, resolve_payload, "run_other")},
+                          {"kyok": "bogus"}):
                 got = await env.http.post(url, json=body("x", thread_id, props, resume=resume))
                 assert same_as(got, unknown, thread_id, "thread_nope"), (got.status_code,
                                                                           got.text)
