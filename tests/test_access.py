@@ -394,6 +394,40 @@ async def test_an_agui_resume_on_a_bound_thread_says_nothing_before_authority(tm
         assert (await env.record(paused_run))["status"] == "completed"
 
 
+async def test_an_answer_cannot_hand_a_bound_thread_another_chain(tmp_path) -> None:
+    """An answer's actor chain is held to a new utterance's rule: headed by
+    the segment head (or the provider), however good its resolution."""
+    alice, mallory = Identity.generate(), Identity.generate()
+    async with serving(tmp_path) as env:
+        url = env.url("agui", "asker")
+
+        def body(text: str, thread_id: str, props: dict, **extra: Any) -> dict:
+            return {"threadId": thread_id, "runId": "r", "forwardedProps": props,
+                    "messages": [{"id": env.next_id("u"), "role": "user", "content": text}],
+                    **extra}
+
+        _, events = await post_sse(env.http, url, body("pause", "t-p",
+                                                       {"actorChain": chain(alice)}))
+        thread_id, run_id = events[0]["threadId"], events[0]["runId"]
+        resume = [{"interruptId": "ask-1", "status": "resolved", "payload": "stop"}]
+
+        got = await env.http.post(
+            url, json=body("x", thread_id, {
+                "resolution": proof(alice, resolve_payload, run_id, fresh()),
+                "actorChain": chain(mallory)}, resume=resume),
+            headers={PROOF: read_proof(alice, thread_id, fresh())})
+        assert got.status_code == 403 and got.json()["error"]["code"] == "not_authorized"
+        record = await env.record(run_id)
+        assert record["status"] == "input-required"
+
+        # Her own chain with her resolution answers it.
+        _, events = await post_sse(env.http, url, body("x", thread_id, {
+            "resolution": proof(alice, resolve_payload, run_id, fresh()),
+            "actorChain": chain(alice)}, resume=resume))
+        assert [e["type"] for e in events][-1] == "RUN_FINISHED"
+        assert (await env.record(run_id))["status"] == "completed"
+
+
 # ================================================================== item 4: presented chains
 
 

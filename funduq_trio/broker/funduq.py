@@ -770,8 +770,12 @@ class Funduq:
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
         row = _run_row(row)
         # An answer's chain joins the record's metadata, so it is held to the
-        # same rule as a new utterance's: presented by its last hop.
-        self._presented_head(metadata, run_input, key, row["agent_name"])
+        # same rules as a new utterance's: presented by its last hop, and on a
+        # bound thread headed by the segment head or the provider -- else an
+        # authorized answerer could hand the thread's next turns another chain.
+        head = self._presented_head(metadata, run_input, key, row["agent_name"])
+        if head is not None and not authority.may_write(segment_head, head, key):
+            raise NotAuthorized(authority.NOT_AUTHORIZED)
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
