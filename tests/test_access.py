@@ -428,6 +428,36 @@ async def test_an_answer_cannot_hand_a_bound_thread_another_chain(tmp_path) -> N
         assert (await env.record(run_id))["status"] == "completed"
 
 
+async def test_refusals_before_authority_say_nothing_of_the_thread(tmp_path) -> None:
+    """Refuse first: an unpresented chain is refused alike whether or not the
+    contextId names a thread, and an answer naming the wrong contextId is
+    refused as an unauthorized answer is, until its authority is proven."""
+    alice, mallory = Identity.generate(), Identity.generate()
+    async with serving(tmp_path) as env:
+        paused = await env.task("pause", {"actorChain": chain(alice)}, agent="asker")
+        run_id, thread_id = paused["id"], paused["contextId"]
+
+        unpresented = {UNPRESENTED: "1"}
+        answers = [await env.send("x", {"actorChain": chain(mallory)}, agent="asker",
+                                  headers=unpresented, contextId=context)
+                   for context in (thread_id, "thread_nope")]
+        assert [error_of(a) for a in answers] == [(-32602, "invalid_actor_chain")] * 2, answers
+
+        stranger = {"resolution": proof(mallory, resolve_payload, run_id, fresh())}
+        right = await env.send("stop", stranger, agent="asker", taskId=run_id,
+                               contextId=thread_id)
+        wrong = await env.send("stop", stranger, agent="asker", taskId=run_id,
+                               contextId="thread_other")
+        assert error_of(right) == error_of(wrong) == (-32602, "not_authorized"), (right, wrong)
+        # With her authority, the wrong context is refused as such.
+        wrong = await env.send("stop", {"resolution": proof(alice, resolve_payload, run_id,
+                                                            fresh())},
+                               agent="asker", taskId=run_id, contextId="thread_other")
+        assert error_of(wrong)[0] == -32602, wrong
+        assert "is not the thread of run" in wrong["error"]["message"]
+        assert (await env.record(run_id))["status"] == "input-required"
+
+
 # ================================================================== item 4: presented chains
 
 

@@ -407,12 +407,14 @@ class Funduq:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
             run_metadata = {"funduq": {"kyok": {
                 "llmProvider": metadata["kyok"]["llmProvider"]}}}
+        # The chain's check comes before the thread's lookup, so the answer to
+        # a forged chain is the same whether or not the thread exists.
+        head = self._presented_head(metadata, run_input, key, agent)
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
             info = None
         if info is None and thread_id is not None and not create_unknown_thread:
             raise UnknownThread(f"unknown thread {thread_id!r} for this agent")
-        head = self._presented_head(metadata, run_input, key, agent)
         if info is not None and not authority.may_write(info.segment_head, head, key):
             raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
@@ -742,9 +744,12 @@ class Funduq:
             (thread_id, st.INPUT_REQUIRED))))
 
     async def answer_pause(self, run_id: str, run_input: Any, *,
-                           metadata: dict[str, Any] | None = None) -> RunTicket:
+                           metadata: dict[str, Any] | None = None,
+                           thread_id: str | None = None) -> RunTicket:
         """Answer a paused run: the same run id is queued again, offered in its
-        thread's order, its event log continuing."""
+        thread's order, its event log continuing. `thread_id`, when the caller
+        names one, must be the run's (checked after the authority check, so a
+        stranger learns nothing from naming the wrong one)."""
         facts = await self._run_facts(run_id)
         if facts is None:
             raise RunNotFound(run_id)
@@ -769,6 +774,8 @@ class Funduq:
         row = await self.record.read(lambda c: c.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
         row = _run_row(row)
+        if thread_id is not None and thread_id != row["thread_id"]:
+            raise InvalidRunInput(f"thread {thread_id} is not the thread of run {run_id}")
         # An answer's chain joins the record's metadata, so it is held to the
         # same rules as a new utterance's: presented by its last hop, and on a
         # bound thread headed by the segment head or the provider -- else an

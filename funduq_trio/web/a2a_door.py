@@ -316,20 +316,15 @@ class A2ADoor:
         thread_id = message.context_id or None
         if message.task_id:
             record = await self.run_record(message.task_id)
-            if message.context_id and message.context_id != record["threadId"]:
-                # Not naming the task's own context: its thread id is not
-                # the sender's to learn from an error.
-                raise InvalidParamsError(
-                    message=f"Context {message.context_id} is not the context "
-                    f"of task {message.task_id}"
-                )
             interrupts = []
             if record.get("status") == statuses.INPUT_REQUIRED:
                 interrupts = (record.get("metadata") or {}).get("interrupts") or []
             run_input = run_input_from_message(message, interrupts=interrupts)
             try:
+                # A contextId that is not the task's is refused by the broker
+                # after the authority check (refuse first, DESIGN §8).
                 ticket = await self.funduq.answer_pause(
-                    message.task_id, run_input, metadata=metadata
+                    message.task_id, run_input, metadata=metadata, thread_id=thread_id
                 )
             except RunNotPaused:
                 # Ended, working, or answered meanwhile by someone else.
