@@ -458,6 +458,25 @@ async def test_refusals_before_authority_say_nothing_of_the_thread(tmp_path) -> 
         assert (await env.record(run_id))["status"] == "input-required"
 
 
+async def test_strangers_listing_proofs_cannot_crowd_out_a_threads_reads(tmp_path) -> None:
+    """Listing proofs come from any key, fresh ones by the thousand: they are
+    kept apart from the proofs a thread's own keys spend."""
+    alice = Identity.generate()
+    async with serving(tmp_path, max_spent_proofs=3) as env:
+        task = await env.task("hi", {"actorChain": chain(alice)})
+        thread_id = task["contextId"]
+        for _ in range(4):
+            listed = await env.http.get(
+                "/runs", headers={PROOF: read_proof(Identity.generate(), "", fresh())})
+            assert listed.status_code in (200, 503)
+        read = await env.http.get(f"/threads/{thread_id}",
+                                  headers={PROOF: read_proof(alice, thread_id, fresh())})
+        assert read.status_code == 200, read.text
+        listing = await env.http.get("/runs", headers={PROOF: read_proof(alice, "", fresh())})
+        assert listing.status_code == 503  # only listings wait for the store to drain
+        assert listing.json()["error"]["code"] == "proofs_busy"
+
+
 # ================================================================== item 4: presented chains
 
 

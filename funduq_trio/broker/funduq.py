@@ -134,6 +134,10 @@ class Funduq:
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
         #: Proofs accepted while fresh: each works once (DESIGN §8).
         self.spent = authority.SpentProofs(settings.max_spent_proofs)
+        # Listing proofs are accepted from any key, so anyone can mint them by
+        # the thousand: they are kept apart, where filling the store blocks
+        # only other listings, never a thread's reads, cancels and answers.
+        self.spent_listings = authority.SpentProofs(settings.max_spent_proofs)
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -944,7 +948,7 @@ class Funduq:
         if reader.proof is None:
             return None
         try:
-            key = authority.check_listing(reader.proof, time.time(), self.spent)
+            key = authority.check_listing(reader.proof, time.time(), self.spent_listings)
         except NotAuthorized:
             return None
         return {"bound_to": key}
