@@ -459,8 +459,8 @@ async def test_refusals_before_authority_say_nothing_of_the_thread(tmp_path) -> 
 
 
 async def test_strangers_listing_proofs_cannot_crowd_out_a_threads_reads(tmp_path) -> None:
-    """Listing proofs come from any key, fresh ones by the thousand: they are
-    kept apart from the proofs a thread's own keys spend."""
+    """Listing and presenter proofs come from any key, fresh ones by the
+    thousand: they are kept apart from the proofs a thread's own keys spend."""
     alice = Identity.generate()
     async with serving(tmp_path, max_spent_proofs=3) as env:
         task = await env.task("hi", {"actorChain": chain(alice)})
@@ -469,6 +469,9 @@ async def test_strangers_listing_proofs_cannot_crowd_out_a_threads_reads(tmp_pat
             listed = await env.http.get(
                 "/runs", headers={PROOF: read_proof(Identity.generate(), "", fresh())})
             assert listed.status_code in (200, 503)
+            # A self-made chain, presented, to a thread that is not there.
+            await env.send("x", {"actorChain": chain(Identity.generate())},
+                           contextId="thread_nope")
         read = await env.http.get(f"/threads/{thread_id}",
                                   headers={PROOF: read_proof(alice, thread_id, fresh())})
         assert read.status_code == 200, read.text

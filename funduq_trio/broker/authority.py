@@ -96,7 +96,7 @@ class SpentProofs:
     Each signer key is capped too (`per_key`, by default two proofs a second
     over the window), so one key -- anyone can make one -- cannot take the
     whole store; many fresh keys are what the separate store for proofs by
-    any key (listings) is for, see `Funduq.spent_listings`.
+    any key (listings, presenters) is for, see `Funduq.spent_by_anyone`.
     """
 
     def __init__(self, capacity: int, window: float = SIGNATURE_WINDOW_SECONDS,

@@ -134,10 +134,11 @@ class Funduq:
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
         #: Proofs accepted while fresh: each works once (DESIGN §8).
         self.spent = authority.SpentProofs(settings.max_spent_proofs)
-        # Listing proofs are accepted from any key, so anyone can mint them by
-        # the thousand: they are kept apart, where filling the store blocks
-        # only other listings, never a thread's reads, cancels and answers.
-        self.spent_listings = authority.SpentProofs(settings.max_spent_proofs)
+        # Listing and presenter proofs are accepted from any key, so anyone
+        # can mint them by the thousand: they are kept apart, where filling
+        # the store delays only other listings and presented chains, never a
+        # bound thread's reads, cancels and answers.
+        self.spent_by_anyone = authority.SpentProofs(settings.max_spent_proofs)
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -510,7 +511,7 @@ class Funduq:
         return authority.check_presented(
             chain, metadata.get("presenter"), key, agent,
             message_id if isinstance(message_id, str) else "", time.time(),
-            max_hops=self.settings.max_chain_hops, spent=self.spent)
+            max_hops=self.settings.max_chain_hops, spent=self.spent_by_anyone)
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -948,7 +949,7 @@ class Funduq:
         if reader.proof is None:
             return None
         try:
-            key = authority.check_listing(reader.proof, time.time(), self.spent_listings)
+            key = authority.check_listing(reader.proof, time.time(), self.spent_by_anyone)
         except NotAuthorized:
             return None
         return {"bound_to": key}
