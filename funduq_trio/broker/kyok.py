@@ -42,7 +42,8 @@ import trio
 
 from ..identity import fingerprint_of, kyok_call_payload, verify
 from ..secret_file import load_or_create
-from .errors import InvalidKyokOptIn
+from .authority import SpentProofs
+from .errors import InvalidKyokOptIn, NotAuthorized, ProofsBusy
 from .metrics import Metrics
 from .record import Record, dumps
 
@@ -155,10 +156,13 @@ def read_token(secret: bytes, token: object, now: float) -> Grant:
 
 def check_call_signature(public_key: str, token: str, timestamp: str | None,
                          signature: str | None, body: bytes, now: float,
-                         window: float = SIGNATURE_WINDOW_SECONDS) -> None:
+                         window: float = SIGNATURE_WINDOW_SECONDS,
+                         spent: SpentProofs | None = None) -> None:
     """The call is signed by the agent's provider key over
     `funduq-kyok-call:{token}:{timestamp}:{sha256hex(body)}`, within `window`
-    seconds of `now`; else KyokRefusal 401."""
+    seconds of `now`, and (when `spent` keeps count) not used before: a
+    captured call does not replay. Else KyokRefusal 401 (503 while `spent`
+    is full)."""
     bad = KyokRefusal(401, "invalid_signature",
                       "Funduq-Signature must be the agent's provider key's signature over "
                       "funduq-kyok-call:{token}:{Funduq-Timestamp}:{sha256hex(body)}, "
@@ -169,8 +173,16 @@ def check_call_signature(public_key: str, token: str, timestamp: str | None,
     stamp = int(timestamp)
     if not abs(now - stamp) <= window:
         raise bad
-    if not verify(public_key, kyok_call_payload(token, stamp, body), signature):
+    payload = kyok_call_payload(token, stamp, body)
+    if not verify(public_key, payload, signature):
         raise bad
+    if spent is not None:
+        try:
+            spent.spend(public_key, payload, stamp, now)
+        except NotAuthorized:
+            raise bad from None
+        except ProofsBusy as exc:
+            raise KyokRefusal(503, "proofs_busy", str(exc)) from None
 
 
 # -- LLM providers -------------------------------------------------------------------
@@ -310,10 +322,15 @@ class Kyok:
     flight, and the runs a cancel was accepted for."""
 
     def __init__(self, record: Record, secret: bytes, metrics: Metrics, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 max_spent_calls: int = 100_000) -> None:
         self.record = record
         self.secret = secret
         self.metrics = metrics
+        #: Call signatures accepted while fresh, each once. A store of its
+        #: own, with no per-key share: only an agent's provider holding a live
+        #: grant can spend here, and one provider may make many calls.
+        self.spent = SpentProofs(max_spent_calls, per_key=max_spent_calls)
         #: Wall-clock seconds (tokens and signatures carry Unix time); tests
         #: inject their own.
         self.clock = clock
@@ -429,7 +446,8 @@ class Kyok:
 
     def check_signature(self, key: str, token: str, timestamp: str | None,
                         signature: str | None, body: bytes) -> None:
-        check_call_signature(key, token, timestamp, signature, body, self.clock())
+        check_call_signature(key, token, timestamp, signature, body, self.clock(),
+                             spent=self.spent)
 
     # -- runs --
 
