@@ -134,6 +134,11 @@ class Funduq:
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
         #: Proofs accepted while fresh: each works once (DESIGN §8).
         self.spent = authority.SpentProofs(settings.max_spent_proofs)
+        # Listing and presenter proofs are accepted from any key, so anyone
+        # can mint them by the thousand: they are kept apart, where filling
+        # the store delays only other listings and presented chains, never a
+        # bound thread's reads, cancels and answers.
+        self.spent_by_anyone = authority.SpentProofs(settings.max_spent_proofs)
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -167,7 +172,8 @@ class Funduq:
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
             self.providers.load()
-            self.kyok = Kyok(self.record, secret, self.metrics)
+            self.kyok = Kyok(self.record, secret, self.metrics,
+                             max_spent_calls=self.settings.max_spent_proofs)
             await self.kyok.load()
             if self.settings.public_url:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
@@ -413,12 +419,14 @@ class Funduq:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
             run_metadata = {"funduq": {"kyok": {
                 "llmProvider": metadata["kyok"]["llmProvider"]}}}
+        # The chain's check comes before the thread's lookup, so the answer to
+        # a forged chain is the same whether or not the thread exists.
+        head = self._presented_head(metadata, run_input, key, agent)
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
             info = None
         if info is None and thread_id is not None and not create_unknown_thread:
             raise UnknownThread(f"unknown thread {thread_id!r} for this agent")
-        head = self._presented_head(metadata, run_input, key, agent)
         if info is not None and not authority.may_write(info.segment_head, head, key):
             raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
@@ -510,7 +518,7 @@ class Funduq:
         return authority.check_presented(
             chain, metadata.get("presenter"), key, agent,
             message_id if isinstance(message_id, str) else "", time.time(),
-            max_hops=self.settings.max_chain_hops, spent=self.spent)
+            max_hops=self.settings.max_chain_hops, spent=self.spent_by_anyone)
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -743,21 +751,28 @@ class Funduq:
             (thread_id, st.INPUT_REQUIRED))))
 
     async def answer_pause(self, run_id: str, run_input: Any, *,
-                           metadata: dict[str, Any] | None = None) -> RunTicket:
+                           metadata: dict[str, Any] | None = None,
+                           thread_id: str | None = None) -> RunTicket:
         """Answer a paused run: the same run id is queued again, offered in its
-        thread's order, its event log continuing."""
+        thread's order, its event log continuing. `thread_id`, when the caller
+        names one, must be the run's (checked after the authority check, so a
+        stranger learns nothing from naming the wrong one)."""
         facts = await self._run_facts(run_id)
         if facts is None:
             raise RunNotFound(run_id)
         segment_head, key = facts
+        # Authority before anything else about the request: a refusal of its
+        # metadata (a bogus kyok opt-in, say) would tell a stranger that this
+        # bound thread has a paused run (DESIGN §8, refuse first).
+        by = None
+        if segment_head is not None:
+            resolution = metadata.get("resolution") if isinstance(metadata, dict) else None
+            by = authority.check_resolution(resolution, run_id,
+                                            (segment_head, key), time.time(), spent=self.spent)
         _check_carriable(metadata)
         metadata = dict(metadata or {})
         if "kyok" in metadata:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
-        by = None
-        if segment_head is not None:
-            by = authority.check_resolution(metadata.get("resolution"), run_id,
-                                            (segment_head, key), time.time(), spent=self.spent)
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
@@ -766,9 +781,15 @@ class Funduq:
         row = await self.record.read(lambda c: c.execute(
             f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
         row = _run_row(row)
+        if thread_id is not None and thread_id != row["thread_id"]:
+            raise InvalidRunInput(f"thread {thread_id} is not the thread of run {run_id}")
         # An answer's chain joins the record's metadata, so it is held to the
-        # same rule as a new utterance's: presented by its last hop.
-        self._presented_head(metadata, run_input, key, row["agent_name"])
+        # same rules as a new utterance's: presented by its last hop, and on a
+        # bound thread headed by the segment head or the provider -- else an
+        # authorized answerer could hand the thread's next turns another chain.
+        head = self._presented_head(metadata, run_input, key, row["agent_name"])
+        if head is not None and not authority.may_write(segment_head, head, key):
+            raise NotAuthorized(authority.NOT_AUTHORIZED)
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
@@ -930,7 +951,7 @@ class Funduq:
         if reader.proof is None:
             return None
         try:
-            key = authority.check_listing(reader.proof, time.time(), self.spent)
+            key = authority.check_listing(reader.proof, time.time(), self.spent_by_anyone)
         except NotAuthorized:
             return None
         return {"bound_to": key}
