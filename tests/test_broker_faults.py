@@ -187,6 +187,28 @@ async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed
         assert c.run_id in offered_runs(p.link)
 
 
+async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(
+        tmp_path, mock_clock, disk_full):
+    """A write that fails must not leave the thread's cache believing it holds
+    the message: the caller's retry keeps its message id, in the next place."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        first = await accepted(funduq, p)
+        p.stream(first.run_id, *reply(first.run_id, first.thread_id))
+        await quiet()
+        assert await status_of(funduq, first.run_id) == "completed"
+        disk_full["full"] = True
+        with pytest.raises(RecordUnavailable):
+            await funduq.start_run(p.key, AGENT, user_input("again", "m2"),
+                                   thread_id=first.thread_id)
+        disk_full["full"] = False
+        await funduq.start_run(p.key, AGENT, user_input("again", "m2"),
+                               thread_id=first.thread_id)
+        messages = await funduq._messages(first.thread_id)
+        assert [(m["id"], m.get("content")) for m in messages][-1] == ("m2", "again")
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+
+
 async def test_a_running_move_the_record_refused_is_not_believed(tmp_path, mock_clock):
     """The `running` write is queued without waiting; should the record's guard
     refuse it, the lane must not go on as if the run were running."""
