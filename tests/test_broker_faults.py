@@ -247,6 +247,29 @@ async def test_a_run_for_an_agent_nobody_serves_has_failed_when_start_run_return
         assert [e["code"] for e in run_errors(run)] == [reasons.AGENT_OFFLINE]
 
 
+async def test_an_agent_that_attaches_while_its_run_is_recorded_is_offered_the_run(
+        tmp_path, mock_clock):
+    """Whether anybody serves the agent is asked after the run is recorded,
+    not of what start_run saw before its awaits (forced: the provider attaches
+    during the record's write)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        p.session.detach()
+        write = funduq.record.write
+
+        async def attach_then_write(fn):
+            if p.session is not None and not p.session.live:
+                await p.attach()
+            return await write(fn)
+
+        funduq.record.write = attach_then_write
+        t = await funduq.start_run(p.key, AGENT, user_input())
+        funduq.record.write = write
+        await quiet()
+        assert await status_of(funduq, t.run_id) in ("queued", "offering")
+        assert t.run_id in offered_runs(p.link)
+
+
 # -- 4, at the doors: not ready, and new runs refused 503, while writes fail ----------------
 
 

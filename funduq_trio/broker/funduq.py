@@ -451,9 +451,11 @@ class Funduq:
                 if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the run: {exc}") from None
                 raise
-            if not view.online:
+            if self.providers.serving(key, agent) is None:
                 # Nobody serves the agent: the run fails before the door
                 # answers, so every answer (returnImmediately too) reads FAILED.
+                # Asked now, not of `view`: the agent may have come (or gone)
+                # while the run was being recorded.
                 self.waiting.release(run_id)
                 machine = RunMachine(st.QUEUED)
                 for action in machine.handle(Input.ARRIVED_UNSERVED):
