@@ -690,8 +690,15 @@ class Funduq:
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
+        if lane.awaiting_answer and lane.cancel_pending:
+            # One cancel already waits behind the offer's answer: this one is
+            # the same request, answered alike without piling up in the lane.
+            run = await self.get_run(run_id)
+            assert run is not None
+            return run
         cancel = Cancel(by)
         lane.tell(cancel)
+        lane.cancel_pending = lane.awaiting_answer
         # Accepted: from this moment no KYOK completion is funded for the run
         # (the seed's rule), and the ones in flight end -- before the lane
         # has even read the cancel.
