@@ -219,7 +219,8 @@ class Lane:
     __slots__ = ("f", "run_id", "thread_id", "key", "agent", "machine", "run_input_json",
                  "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
                  "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_text_room",
-                 "_place", "_offer", "_backlog", "awaiting_answer", "cancel_pending", "_baton", "_burst",
+                 "_place", "_offer", "_backlog", "awaiting_answer", "cancel_pending", "_baton",
+                 "_burst",
                  "_unconfirmed", "_undelivered_at", "unread_reports", "_room", "_recorded",
                  "_faulted")
 
