@@ -55,6 +55,8 @@ FLAG_HELP = {
     "body_timeout_seconds": "a request body not fully received by then is answered 408 and cut",
     "max_chain_hops": "most hops an actor chain may have (counted before any signature work)",
     "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",
+    "max_thread_queries_per_link": "query.threadMessages in flight per provider link; past it, err",
+    "max_thread_messages_per_query": "most (newest) messages one query.threadMessages answers",
     "kyok_secret": "KYOK token secret, 32+ chars (default: generated, kept in the data dir)",
     "public_url": "URL agents reach funduq at, for KYOK's baseUrl (default: where it serves)",
     "push_allow_private": "allow A2A push notifications to loopback/private addresses (true/false)",
