@@ -57,6 +57,7 @@ FLAG_HELP = {
     "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",
     "max_thread_queries_per_link": "query.threadMessages in flight per provider link; past it, err",
     "max_thread_messages_per_query": "most (newest) messages one query.threadMessages answers",
+    "kyok_completions_per_run": "KYOK completions one run may have in flight; past it, 429",
     "kyok_secret": "KYOK token secret, 32+ chars (default: generated, kept in the data dir)",
     "public_url": "URL agents reach funduq at, for KYOK's baseUrl (default: where it serves)",
     "push_allow_private": "allow A2A push notifications to loopback/private addresses (true/false)",

@@ -167,7 +167,8 @@ class Funduq:
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
             self.providers.load()
-            self.kyok = Kyok(self.record, secret, self.metrics)
+            self.kyok = Kyok(self.record, secret, self.metrics,
+                             completions_per_run=self.settings.kyok_completions_per_run)
             await self.kyok.load()
             if self.settings.public_url:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
