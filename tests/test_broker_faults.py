@@ -16,12 +16,14 @@ from broker_support import (
     advance,
     broker,
     events_of,
+    interrupt_finish,
     last_offer_for,
     offer_ids_for,
     offered_runs,
     quiet,
     record_of,
     reply,
+    resume_input,
     start,
     status_of,
     user_input,
@@ -207,6 +209,27 @@ async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(
         messages = await funduq._messages(first.thread_id)
         assert [(m["id"], m.get("content")) for m in messages][-1] == ("m2", "again")
         assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+
+
+async def test_an_answer_the_record_could_not_take_leaves_its_thread_as_it_was(
+        tmp_path, mock_clock, disk_full):
+    """The same for an answer to a pause: its message id is the caller's again
+    when the answer is retried."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await accepted(funduq, p)
+        ask = [{"id": "ask-1", "reason": "approval", "message": "Proceed?"}]
+        p.stream(t.run_id, *reply(t.run_id, t.thread_id)[:-1],
+                 interrupt_finish(t.run_id, t.thread_id, ask))
+        assert await status_of(funduq, t.run_id) == "input-required"
+        answer = resume_input("ask-1", text="yes", message_id="r1")
+        disk_full["full"] = True
+        with pytest.raises(RecordUnavailable):
+            await funduq.answer_pause(t.run_id, answer)
+        disk_full["full"] = False
+        await funduq.answer_pause(t.run_id, resume_input("ask-1", text="yes", message_id="r1"))
+        messages = await funduq._messages(t.thread_id)
+        assert [(m["id"], m.get("content")) for m in messages][-1] == ("r1", "yes")
 
 
 async def test_a_running_move_the_record_refused_is_not_believed(tmp_path, mock_clock):
