@@ -765,18 +765,14 @@ class Funduq:
         if facts is None:
             raise RunNotFound(run_id)
         segment_head, key = facts
-        # Authority before anything else about the request: a refusal of its
-        # metadata (a bogus kyok opt-in, say) would tell a stranger that this
-        # bound thread has a paused run (DESIGN §8, refuse first).
-        by = None
-        if segment_head is not None:
-            resolution = metadata.get("resolution") if isinstance(metadata, dict) else None
-            by = authority.check_resolution(resolution, run_id,
-                                            (segment_head, key), time.time(), spent=self.spent)
         _check_carriable(metadata)
         metadata = dict(metadata or {})
         if "kyok" in metadata:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
+        by = None
+        if segment_head is not None:
+            by = authority.check_resolution(metadata.get("resolution"), run_id,
+                                            (segment_head, key), time.time(), spent=self.spent)
         try:
             run_input = agui.read_run_input(run_input)
         except agui.InvalidInput as exc:
