@@ -208,14 +208,14 @@ def test_a_long_text_message_folds_in_linear_time() -> None:
     projection = a2a.TaskProjection("run_1", "thread_1")
     projection.apply(1, STARTED)
     deltas, chunk = 40_000, "0123456789abcdefghij"
-    started = time.process_time()
+    started = time.thread_time()
     for seq in range(2, deltas + 2):
         projection.apply(seq, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": chunk})
         if seq % 1000 == 0:
-            assert time.process_time() - started < 2.5, f"folding slowed down by delta {seq}"
+            assert time.thread_time() - started < 2.5, f"folding slowed down by delta {seq}"
     (artifact,) = projection.task().artifacts
     assert [len(p.text) for p in artifact.parts] == [deltas * len(chunk)]
-    assert time.process_time() - started < 2.5
+    assert time.thread_time() - started < 2.5
 
 
 def test_text_deltas_after_an_artifact_of_the_same_id_extend_it() -> None:
