@@ -427,6 +427,40 @@ async def test_a_completion_in_flight_ends_when_the_cancel_arrives(tmp_path):
                'outcome="abandoned"} 1' in metrics
 
 
+async def test_completions_in_flight_per_run_are_bounded(tmp_path):
+    """FUNDUQ_KYOK_COMPLETIONS_PER_RUN: past it a call is refused 429 before
+    anything reaches the LLM provider; once one ends, another may start."""
+    abandoned = trio.Event()
+    async with running_server(tmp_path, kyok_completions_per_run=2) as info, \
+            llm_provider(info, {"slow": hanging(abandoned)}) as llm, \
+            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+        async with held_run(info, http, raw, opt_in(llm, "slow")) as run:
+            body = {**CHAT, "stream": True}
+            async with contextlib.AsyncExitStack() as open_calls:
+                streams = []
+                for _ in range(2):
+                    response = await open_calls.enter_async_context(http.stream(
+                        "POST", url_of(run.grant), **signed(run.grant, raw.identity, body)))
+                    assert response.status_code == 200
+                    lines = response.aiter_lines()
+                    assert (await lines.__anext__()).startswith("data: ")  # c0: in flight
+                    streams.append(lines)
+                with trio.fail_after(5):  # (unbounded, the third call streams forever)
+                    third = await http.post(url_of(run.grant),
+                                            **signed(run.grant, raw.identity, body))
+                assert third.status_code == 429, third.text
+                assert third.json()["error"]["code"] == "too_many_completions"
+                assert len(info.funduq.kyok.by_run[run.run_id]) == 2
+            # Both readers left: their completions ended, so a new one starts.
+            with trio.fail_after(5):
+                while info.funduq.kyok.by_run.get(run.run_id):
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0)
+            async with http.stream("POST", url_of(run.grant),
+                                   **signed(run.grant, raw.identity, body)) as response:
+                assert response.status_code == 200
+
+
 async def test_a_completion_in_flight_ends_when_the_run_settles(tmp_path):
     abandoned = trio.Event()
     async with running_server(tmp_path) as info, \

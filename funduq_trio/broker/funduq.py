@@ -173,7 +173,8 @@ class Funduq:
                                        max_roster_bytes=self.settings.max_frame_bytes)
             self.providers.load()
             self.kyok = Kyok(self.record, secret, self.metrics,
-                             max_spent_calls=self.settings.max_spent_proofs)
+                             max_spent_calls=self.settings.max_spent_proofs,
+                             completions_per_run=self.settings.kyok_completions_per_run)
             await self.kyok.load()
             if self.settings.public_url:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
@@ -459,12 +460,17 @@ class Funduq:
                 await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
             except BaseException as exc:
                 self.waiting.release(run_id)
+                # Not recorded: the cache must not believe the thread holds
+                # these messages (a retry would see its own id as taken).
+                self._unsee(info, messages, new=new_thread is not None)
                 if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the run: {exc}") from None
                 raise
-            if not view.online:
+            if self.providers.serving(key, agent) is None:
                 # Nobody serves the agent: the run fails before the door
                 # answers, so every answer (returnImmediately too) reads FAILED.
+                # Asked now, not of `view`: the agent may have come (or gone)
+                # while the run was being recorded.
                 self.waiting.release(run_id)
                 machine = RunMachine(st.QUEUED)
                 for action in machine.handle(Input.ARRIVED_UNSERVED):
@@ -489,14 +495,17 @@ class Funduq:
 
     def _unsee(self, info: ThreadInfo, messages: list[tuple[Any, ...]], *, new: bool) -> None:
         """Forget what ``_new_messages`` noted for a run that is not recorded
-        after all (no await came between, so nothing else noted anything since)."""
+        after all. Its ids were its own (``_new_messages`` gives no id twice);
+        its positions are given back only when nobody noted any since (an
+        await came between): a gap in positions is harmless, a reused one not."""
         if new:
             if self._thread_info.get(info.id) is info:
                 del self._thread_info[info.id]
             return
         for row in messages:
             info.message_ids.discard(row[2])
-        info.message_count -= len(messages)
+        if messages and info.message_count == messages[-1][1] + 1:
+            info.message_count -= len(messages)
 
     async def _writable(self) -> None:
         """Refuse new work while the record cannot write (a full disk, an I/O
@@ -696,8 +705,15 @@ class Funduq:
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
+        if lane.awaiting_answer and lane.cancel_pending:
+            # One cancel already waits behind the offer's answer: this one is
+            # the same request, answered alike without piling up in the lane.
+            run = await self.get_run(run_id)
+            assert run is not None
+            return run
         cancel = Cancel(by)
         lane.tell(cancel)
+        lane.cancel_pending = lane.awaiting_answer
         # Accepted: from this moment no KYOK completion is funded for the run
         # (the seed's rule), and the ones in flight end -- before the lane
         # has even read the cancel.
@@ -827,11 +843,17 @@ class Funduq:
                     run_id, move.to, metadata=row["metadata"], run_input=run_input,
                     caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
                     then=add_messages)
-            except Exception as exc:
-                if record_trouble(exc):
+            except BaseException as exc:
+                if info:
+                    self._unsee(info, messages, new=False)  # not recorded
+                if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the answer: {exc}") from None
                 raise
-            if not moved or run_id in self.lanes:
+            if not moved:
+                if info:
+                    self._unsee(info, messages, new=False)  # not recorded
+                raise RunNotPaused(f"run {run_id} is not waiting for an answer")
+            if run_id in self.lanes:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = move.to
             self._start_lane(row, arriving=False)

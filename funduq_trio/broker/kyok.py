@@ -317,8 +317,10 @@ class Kyok:
 
     def __init__(self, record: Record, secret: bytes, metrics: Metrics, *,
                  clock: Callable[[], float] = time.time,
-                 max_spent_calls: int = 100_000) -> None:
+                 max_spent_calls: int = 100_000, completions_per_run: int = 4) -> None:
         self.record = record
+        #: Completions one run may have in flight (FUNDUQ_KYOK_COMPLETIONS_PER_RUN).
+        self.completions_per_run = completions_per_run
         self.secret = secret
         self.metrics = metrics
         #: Call signatures accepted while fresh, each once. A store of its
@@ -467,6 +469,13 @@ class Kyok:
         """Ask the offering for a completion (KyokRefusal 503 when it is not
         attached). Never awaits: the checks before it and this start are one
         step, so no cancel can fall between them."""
+        in_flight = len(self.by_run.get(run_id, ()))
+        if in_flight >= self.completions_per_run:
+            # Each holds a buffer of chunks and the LLM provider's attention;
+            # an agent gets a bounded share, not whatever it asks for.
+            raise KyokRefusal(429, "too_many_completions",
+                              f"run {run_id} already has {in_flight} completions in flight "
+                              "(FUNDUQ_KYOK_COMPLETIONS_PER_RUN); retry once one ends")
         session = self.attached(*offering)
         if session is None:
             raise KyokRefusal(503, "llm_provider_unavailable",
