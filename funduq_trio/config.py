@@ -51,6 +51,13 @@ class Settings:
     body_timeout_seconds: float = 30.0
     max_chain_hops: int = 16
     max_spent_proofs: int = 100_000
+    # A provider's history queries (query.threadMessages): at most this many
+    # in flight per link, each answering at most this many (newest) messages.
+    max_thread_queries_per_link: int = 4
+    max_thread_messages_per_query: int = 1000
+    #: KYOK completions one run may have in flight at once (each holds a
+    #: chunk buffer and a slot on the LLM provider's link).
+    kyok_completions_per_run: int = 4
     #: KYOK (docs/kyok.md): the HMAC secret of completion tokens (unset: one
     #: generated on first start, kept in the data dir) and the URL agents
     #: reach funduq at (unset: where it serves).
@@ -110,6 +117,8 @@ class Settings:
                         "max_spent_proofs", "push_max_attempts", "push_configs_per_task",
                         "push_max_active")
         at_least_one += LIMITS_AT_LEAST_ONE
+        at_least_one += ("max_thread_queries_per_link", "max_thread_messages_per_query",
+                         "kyok_completions_per_run")
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import pytest
@@ -196,6 +197,52 @@ def test_a2a_artifact_in_its_v0_3_form_is_read_too() -> None:
     events = [{"type": "CUSTOM", "name": "a2a.artifact", "value": artifact}]
     task = a2a.task_from_record(record("running", events))
     assert [(a.artifact_id, a.parts[0].text) for a in task.artifacts] == [("old", "legacy")]
+
+
+def test_a_long_text_message_folds_in_linear_time() -> None:
+    # A provider may stream one message as tens of thousands of small deltas;
+    # GetTask, ListTasks, every subscriber and every push deliverer fold them
+    # on the event loop. Growing the artifact's text per delta copied it every
+    # time (40k deltas of 20 chars: a minute). Checked as a shape, not a speed:
+    # a delta folded late must cost about what one folded early did (a copying
+    # fold makes the last 5k deltas ~15x dearer than the first 5k), whatever
+    # the machine's pace.
+    projection = a2a.TaskProjection("run_1", "thread_1")
+    projection.apply(1, STARTED)
+    deltas, chunk, window = 40_000, "0123456789abcdefghij", 5_000
+    cost = {}
+    started = time.thread_time()
+    for seq in range(2, deltas + 2):
+        projection.apply(seq, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": chunk})
+        if seq - 1 in (window, deltas - window, deltas):
+            cost[seq - 1] = time.thread_time()
+    first = cost[window] - started
+    last = cost[deltas] - cost[deltas - window]
+    assert last < 4 * first + 0.05, f"the last {window} deltas cost {last:.3f}s, the first {first:.3f}s"
+    (artifact,) = projection.task().artifacts
+    assert [len(p.text) for p in artifact.parts] == [deltas * len(chunk)]
+
+
+def test_text_deltas_after_an_artifact_of_the_same_id_extend_it() -> None:
+    artifact = {"artifactId": "m", "parts": [{"text": "head "}]}
+    events = [
+        STARTED,
+        {"type": "CUSTOM", "name": "a2a.artifact", "value": artifact},
+        *text("m", "and", " tail"),
+        {"type": "CUSTOM", "name": "a2a.artifact", "value": {"artifactId": "n", "parts": [{"data": {"k": 1}}]}},
+        *text("n", "x", "y"),
+    ]
+    task = a2a.task_from_record(record("running", events))
+    assert [(a.artifact_id, [p.WhichOneof("content") for p in a.parts]) for a in task.artifacts] == [
+        ("m", ["text"]),
+        ("n", ["data", "text", "text"]),
+    ]
+    assert task.artifacts[0].parts[0].text == "head and tail"
+    assert [p.text for p in task.artifacts[1].parts[1:]] == ["x", "y"]
+    # A later artifact event with the same id replaces it, deltas and all.
+    again = [*events, {"type": "CUSTOM", "name": "a2a.artifact", "value": artifact}]
+    task = a2a.task_from_record(record("running", again))
+    assert [p.text for p in task.artifacts[0].parts] == ["head "]
 
 
 def test_a_custom_event_that_is_no_artifact_is_relayed_as_an_event() -> None:

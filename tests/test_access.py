@@ -163,6 +163,16 @@ def error_of(answer: dict[str, Any]) -> tuple[int | None, str | None]:
     return error.get("code"), (found[0] if found else None)
 
 
+# The push-config acts on a task (each beside "taskId"); the URL is one the
+# broker refuses, so an act that skipped the authority check would say so.
+PUSH_ACTS: dict[str, dict[str, Any]] = {
+    "CreateTaskPushNotificationConfig": {"id": "p1", "url": "https://192.0.2.1/hook"},
+    "GetTaskPushNotificationConfig": {"id": "p1"},
+    "ListTaskPushNotificationConfigs": {},
+    "DeleteTaskPushNotificationConfig": {"id": "p1"},
+}
+
+
 def same_as(response: httpx.Response, unknown: httpx.Response, known_id: str,
             unknown_id: str) -> bool:
     """Does `response` say exactly what the answer to an unknown id says?"""
@@ -284,6 +294,12 @@ async def test_a_bound_thread_reads_exactly_as_an_unknown_one_without_its_proof(
             for method in ("GetTask", "SubscribeToTask"):
                 pairs.append((await env.rpc(method, {"id": run_id}, headers=headers),
                               await env.rpc(method, {"id": "run_nope"})))
+            # A push config receives every update and holds its owner's
+            # secrets: each push-config act is a read of the task.
+            for method, params in PUSH_ACTS.items():
+                pairs.append((await env.rpc(method, {"taskId": run_id, **params},
+                                            headers=headers),
+                              await env.rpc(method, {"taskId": "run_nope", **params})))
             return pairs
 
         def one_header(signer: Identity, thread: str = thread_id) -> dict[str, str]:
@@ -318,7 +334,13 @@ async def test_a_bound_thread_reads_exactly_as_an_unknown_one_without_its_proof(
             answer = (await env.rpc("SubscribeToTask", {"id": run_id},
                                     headers=one_header(signer))).json()
             assert error_of(answer)[0] == -32004  # terminal: told only to a reader
+            listed = (await env.rpc("ListTaskPushNotificationConfigs", {"taskId": run_id},
+                                    headers=one_header(signer))).json()
+            assert listed["result"] == {}, listed
         assert (await env.http.get(f"/runs/{run_id}", headers=env.operator)).status_code == 200
+        listed = (await env.rpc("ListTaskPushNotificationConfigs", {"taskId": run_id},
+                                headers=env.operator)).json()
+        assert listed["result"] == {}, listed
 
         # An unbound thread stays readable by anyone holding its id.
         plain = await env.task("hello")
@@ -348,7 +370,8 @@ async def test_an_agui_resume_on_a_bound_thread_says_nothing_before_authority(tm
         unknown = await env.http.post(url, json=body("x", "thread_nope", resume=resume))
         assert unknown.status_code == 404
         for thread_id in (paused_thread, ended_thread):
-            for props in (None, {"resolution": proof(alice, resolve_payload, "run_other")}):
+            for props in (None, {"resolution": proof(alice, resolve_payload, "run_other")},
+                          {"kyok": "bogus"}):
                 got = await env.http.post(url, json=body("x", thread_id, props, resume=resume))
                 assert same_as(got, unknown, thread_id, "thread_nope"), (got.status_code,
                                                                           got.text)
@@ -369,6 +392,92 @@ async def test_an_agui_resume_on_a_bound_thread_says_nothing_before_authority(tm
             resume=resume))
         assert [e["type"] for e in events][-1] == "RUN_FINISHED"
         assert (await env.record(paused_run))["status"] == "completed"
+
+
+async def test_an_answer_cannot_hand_a_bound_thread_another_chain(tmp_path) -> None:
+    """An answer's actor chain is held to a new utterance's rule: headed by
+    the segment head (or the provider), however good its resolution."""
+    alice, mallory = Identity.generate(), Identity.generate()
+    async with serving(tmp_path) as env:
+        url = env.url("agui", "asker")
+
+        def body(text: str, thread_id: str, props: dict, **extra: Any) -> dict:
+            return {"threadId": thread_id, "runId": "r", "forwardedProps": props,
+                    "messages": [{"id": env.next_id("u"), "role": "user", "content": text}],
+                    **extra}
+
+        _, events = await post_sse(env.http, url, body("pause", "t-p",
+                                                       {"actorChain": chain(alice)}))
+        thread_id, run_id = events[0]["threadId"], events[0]["runId"]
+        resume = [{"interruptId": "ask-1", "status": "resolved", "payload": "stop"}]
+
+        got = await env.http.post(
+            url, json=body("x", thread_id, {
+                "resolution": proof(alice, resolve_payload, run_id, fresh()),
+                "actorChain": chain(mallory)}, resume=resume),
+            headers={PROOF: read_proof(alice, thread_id, fresh())})
+        assert got.status_code == 403 and got.json()["error"]["code"] == "not_authorized"
+        record = await env.record(run_id)
+        assert record["status"] == "input-required"
+
+        # Her own chain with her resolution answers it.
+        _, events = await post_sse(env.http, url, body("x", thread_id, {
+            "resolution": proof(alice, resolve_payload, run_id, fresh()),
+            "actorChain": chain(alice)}, resume=resume))
+        assert [e["type"] for e in events][-1] == "RUN_FINISHED"
+        assert (await env.record(run_id))["status"] == "completed"
+
+
+async def test_refusals_before_authority_say_nothing_of_the_thread(tmp_path) -> None:
+    """Refuse first: an unpresented chain is refused alike whether or not the
+    contextId names a thread, and an answer naming the wrong contextId is
+    refused as an unauthorized answer is, until its authority is proven."""
+    alice, mallory = Identity.generate(), Identity.generate()
+    async with serving(tmp_path) as env:
+        paused = await env.task("pause", {"actorChain": chain(alice)}, agent="asker")
+        run_id, thread_id = paused["id"], paused["contextId"]
+
+        unpresented = {UNPRESENTED: "1"}
+        answers = [await env.send("x", {"actorChain": chain(mallory)}, agent="asker",
+                                  headers=unpresented, contextId=context)
+                   for context in (thread_id, "thread_nope")]
+        assert [error_of(a) for a in answers] == [(-32602, "invalid_actor_chain")] * 2, answers
+
+        stranger = {"resolution": proof(mallory, resolve_payload, run_id, fresh())}
+        right = await env.send("stop", stranger, agent="asker", taskId=run_id,
+                               contextId=thread_id)
+        wrong = await env.send("stop", stranger, agent="asker", taskId=run_id,
+                               contextId="thread_other")
+        assert error_of(right) == error_of(wrong) == (-32602, "not_authorized"), (right, wrong)
+        # With her authority, the wrong context is refused as such.
+        wrong = await env.send("stop", {"resolution": proof(alice, resolve_payload, run_id,
+                                                            fresh())},
+                               agent="asker", taskId=run_id, contextId="thread_other")
+        assert error_of(wrong)[0] == -32602, wrong
+        assert "is not the thread of run" in wrong["error"]["message"]
+        assert (await env.record(run_id))["status"] == "input-required"
+
+
+async def test_strangers_listing_proofs_cannot_crowd_out_a_threads_reads(tmp_path) -> None:
+    """Listing and presenter proofs come from any key, fresh ones by the
+    thousand: they are kept apart from the proofs a thread's own keys spend."""
+    alice = Identity.generate()
+    async with serving(tmp_path, max_spent_proofs=3) as env:
+        task = await env.task("hi", {"actorChain": chain(alice)})
+        thread_id = task["contextId"]
+        for _ in range(4):
+            listed = await env.http.get(
+                "/runs", headers={PROOF: read_proof(Identity.generate(), "", fresh())})
+            assert listed.status_code in (200, 503)
+            # A self-made chain, presented, to a thread that is not there.
+            await env.send("x", {"actorChain": chain(Identity.generate())},
+                           contextId="thread_nope")
+        read = await env.http.get(f"/threads/{thread_id}",
+                                  headers={PROOF: read_proof(alice, thread_id, fresh())})
+        assert read.status_code == 200, read.text
+        listing = await env.http.get("/runs", headers={PROOF: read_proof(alice, "", fresh())})
+        assert listing.status_code == 503  # only listings wait for the store to drain
+        assert listing.json()["error"]["code"] == "proofs_busy"
 
 
 # ================================================================== item 4: presented chains

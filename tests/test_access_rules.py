@@ -137,6 +137,18 @@ def test_spent_proofs_expire_with_their_freshness_and_are_capped() -> None:
         spent.spend("k", "b", 1010, now=1061)
 
 
+def test_one_key_cannot_take_the_whole_spent_store() -> None:
+    spent = authority.SpentProofs(100, window=60, per_key=2)
+    assert authority.SpentProofs(100, window=60).per_key == 120
+    spent.spend("k", "a", 1000, now=1000)
+    spent.spend("k", "b", 1000, now=1000)
+    with pytest.raises(ProofsBusy):  # this key's share is full ...
+        spent.spend("k", "c", 1000, now=1000)
+    spent.spend("other", "c", 1000, now=1000)  # ... not anyone else's
+    spent.spend("k", "c", 1061, now=1061)  # its proofs went stale: room again
+    assert len(spent) == 1
+
+
 def test_a_400_digit_timestamp_is_refused_not_an_overflow() -> None:
     head = Identity.generate()
     for ts in (10**400, -(10**400)):

@@ -93,6 +93,26 @@ async def test_cancel_during_offering_then_accepted_runs_and_asks_to_stop(tmp_pa
         assert [e["type"] for e in events_of(record)] == ["RUN_STARTED"]
 
 
+async def test_repeated_cancels_during_offering_are_one_request(tmp_path, mock_clock):
+    """Each cancel of an offering run is answered at once; only the first is
+    told to the lane, so a flood of them piles nothing up (finding 6)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await start(funduq, p)
+        lane = funduq.lanes[a.run_id]
+        for _ in range(500):
+            answer = await funduq.cancel_run(a.run_id)
+            assert answer["status"] == "offering"
+        assert lane._send.statistics().current_buffer_used <= 1
+        p.session.answer(last_offer_for(p.link, a.run_id), "accepted")
+        await quiet()
+        assert p.link.cancels == [a.run_id]  # asked to stop once
+        assert await status_of(funduq, a.run_id) == "cancelling"
+        p.stream(a.run_id, reply(a.run_id, a.thread_id)[0])
+        assert (await record_of(funduq, a.run_id))["status"] == "cancelled"
+        assert not lane._cancels
+
+
 async def test_cancel_during_offering_then_declined_ends_cancelled_never_handed_over(
         tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:

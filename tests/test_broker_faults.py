@@ -16,12 +16,14 @@ from broker_support import (
     advance,
     broker,
     events_of,
+    interrupt_finish,
     last_offer_for,
     offer_ids_for,
     offered_runs,
     quiet,
     record_of,
     reply,
+    resume_input,
     start,
     status_of,
     user_input,
@@ -205,6 +207,49 @@ async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed
         assert c.run_id in offered_runs(p.link)
 
 
+async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(
+        tmp_path, mock_clock, disk_full):
+    """A write that fails must not leave the thread's cache believing it holds
+    the message: the caller's retry keeps its message id, in the next place."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        first = await accepted(funduq, p)
+        p.stream(first.run_id, *reply(first.run_id, first.thread_id))
+        await quiet()
+        assert await status_of(funduq, first.run_id) == "completed"
+        disk_full["full"] = True
+        with pytest.raises(RecordUnavailable):
+            await funduq.start_run(p.key, AGENT, user_input("again", "m2"),
+                                   thread_id=first.thread_id)
+        disk_full["full"] = False
+        await funduq.start_run(p.key, AGENT, user_input("again", "m2"),
+                               thread_id=first.thread_id)
+        messages = await funduq._messages(first.thread_id)
+        assert [(m["id"], m.get("content")) for m in messages][-1] == ("m2", "again")
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+
+
+async def test_an_answer_the_record_could_not_take_leaves_its_thread_as_it_was(
+        tmp_path, mock_clock, disk_full):
+    """The same for an answer to a pause: its message id is the caller's again
+    when the answer is retried."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await accepted(funduq, p)
+        ask = [{"id": "ask-1", "reason": "approval", "message": "Proceed?"}]
+        p.stream(t.run_id, *reply(t.run_id, t.thread_id)[:-1],
+                 interrupt_finish(t.run_id, t.thread_id, ask))
+        assert await status_of(funduq, t.run_id) == "input-required"
+        answer = resume_input("ask-1", text="yes", message_id="r1")
+        disk_full["full"] = True
+        with pytest.raises(RecordUnavailable):
+            await funduq.answer_pause(t.run_id, answer)
+        disk_full["full"] = False
+        await funduq.answer_pause(t.run_id, resume_input("ask-1", text="yes", message_id="r1"))
+        messages = await funduq._messages(t.thread_id)
+        assert [(m["id"], m.get("content")) for m in messages][-1] == ("r1", "yes")
+
+
 async def test_a_running_move_the_record_refused_is_not_believed(tmp_path, mock_clock):
     """The `running` write is queued without waiting; should the record's guard
     refuse it, the lane must not go on as if the run were running."""
@@ -241,6 +286,29 @@ async def test_a_run_for_an_agent_nobody_serves_has_failed_when_start_run_return
         run = await record_of(funduq, t.run_id)
         assert run["metadata"]["failureReason"] == reasons.AGENT_OFFLINE
         assert [e["code"] for e in run_errors(run)] == [reasons.AGENT_OFFLINE]
+
+
+async def test_an_agent_that_attaches_while_its_run_is_recorded_is_offered_the_run(
+        tmp_path, mock_clock):
+    """Whether anybody serves the agent is asked after the run is recorded,
+    not of what start_run saw before its awaits (forced: the provider attaches
+    during the record's write)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        p.session.detach()
+        write = funduq.record.write
+
+        async def attach_then_write(fn):
+            if p.session is not None and not p.session.live:
+                await p.attach()
+            return await write(fn)
+
+        funduq.record.write = attach_then_write
+        t = await funduq.start_run(p.key, AGENT, user_input())
+        funduq.record.write = write
+        await quiet()
+        assert await status_of(funduq, t.run_id) in ("queued", "offering")
+        assert t.run_id in offered_runs(p.link)
 
 
 # -- 4, at the doors: not ready, and new runs refused 503, while writes fail ----------------

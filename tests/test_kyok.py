@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -29,9 +30,9 @@ from support import (
 )
 
 from funduq_trio.broker.kyok import TOKEN_SECONDS, mint_token
-from funduq_trio.identity import Identity, kyok_call_payload
+from funduq_trio.identity import Identity, kyok_call_payload, verify
 from funduq_trio.provider import Provider, Refusal, fake_model, kyok_chat
-from funduq_trio.provider.llm import fake_answer, kyok_client
+from funduq_trio.provider.llm import fake_answer, kyok_client, kyok_http_client
 
 SECRET = "k" * 40
 V1 = {"A2A-Version": "1.0"}
@@ -124,12 +125,18 @@ async def held_run(info: Any, http: httpx.AsyncClient, raw: RawProvider, kyok: d
         nursery.cancel_scope.cancel()
 
 
+_calls = itertools.count()
+
+
 def signed(grant: dict[str, str], identity: Identity, body: Any = CHAT, *, now: float | None = None,
            token: str | None = None, timestamp: int | None = None) -> dict[str, Any]:
     """httpx keyword arguments for one signed call (body as bytes, signed as sent)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     token = token or grant["token"]
-    stamp = timestamp if timestamp is not None else int(time.time() if now is None else now)
+    # Each signature is taken once: calls signed anew get distinct timestamps
+    # (a few seconds back, well inside the window).
+    stamp = timestamp if timestamp is not None else (
+        int(time.time() if now is None else now) - next(_calls) % 30)
     signature = identity.sign(kyok_call_payload(token, stamp, raw))
     return {"content": raw, "headers": {"Authorization": f"Bearer {token}",
                                         "Funduq-Timestamp": str(stamp),
@@ -282,9 +289,14 @@ async def test_signature_body_and_attachment_checks(tmp_path):
             assert not_json.status_code == 400
             array = await http.post(url, **signed(grant, raw.identity, b"[1, 2]"))
             assert array.status_code == 400
-            good = await http.post(url, **signed(grant, raw.identity))
+            call = signed(grant, raw.identity)
+            good = await http.post(url, **call)
             assert good.status_code == 200
             assert good.json()["choices"][0]["message"]["content"] == heard("ping")
+            # The same call again (captured, replayed): its signature is spent.
+            replayed = await http.post(url, **call)
+            assert replayed.status_code == 401
+            assert replayed.json()["error"]["code"] == "invalid_signature"
 
             # The LLM provider detaches: 503 (after every other check passed).
             llm_gone = trio.Event()
@@ -413,6 +425,40 @@ async def test_a_completion_in_flight_ends_when_the_cancel_arrives(tmp_path):
         metrics = (await http.get("/metrics")).text
         assert f'funduq_kyok_completions_total{{offering="{llm.identity.fingerprint}/slow",' \
                'outcome="abandoned"} 1' in metrics
+
+
+async def test_completions_in_flight_per_run_are_bounded(tmp_path):
+    """FUNDUQ_KYOK_COMPLETIONS_PER_RUN: past it a call is refused 429 before
+    anything reaches the LLM provider; once one ends, another may start."""
+    abandoned = trio.Event()
+    async with running_server(tmp_path, kyok_completions_per_run=2) as info, \
+            llm_provider(info, {"slow": hanging(abandoned)}) as llm, \
+            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+        async with held_run(info, http, raw, opt_in(llm, "slow")) as run:
+            body = {**CHAT, "stream": True}
+            async with contextlib.AsyncExitStack() as open_calls:
+                streams = []
+                for _ in range(2):
+                    response = await open_calls.enter_async_context(http.stream(
+                        "POST", url_of(run.grant), **signed(run.grant, raw.identity, body)))
+                    assert response.status_code == 200
+                    lines = response.aiter_lines()
+                    assert (await lines.__anext__()).startswith("data: ")  # c0: in flight
+                    streams.append(lines)
+                with trio.fail_after(5):  # (unbounded, the third call streams forever)
+                    third = await http.post(url_of(run.grant),
+                                            **signed(run.grant, raw.identity, body))
+                assert third.status_code == 429, third.text
+                assert third.json()["error"]["code"] == "too_many_completions"
+                assert len(info.funduq.kyok.by_run[run.run_id]) == 2
+            # Both readers left: their completions ended, so a new one starts.
+            with trio.fail_after(5):
+                while info.funduq.kyok.by_run.get(run.run_id):
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0)
+            async with http.stream("POST", url_of(run.grant),
+                                   **signed(run.grant, raw.identity, body)) as response:
+                assert response.status_code == 200
 
 
 async def test_a_completion_in_flight_ends_when_the_run_settles(tmp_path):
@@ -580,3 +626,25 @@ async def test_chunks_relay_verbatim_and_a_whole_answer_is_one_chunk(tmp_path):
             whole = await http.post(url_of(run.grant), **signed(run.grant, raw.identity))
             assert whole.status_code == 502
             assert whole.json()["error"]["code"] == "llm_bad_response"
+
+
+async def test_the_sdk_signs_the_same_call_twice_in_a_second_apart():
+    """funduq takes a call signature once, so a retry within the second must
+    not be the same bytes: the SDK signs it a second earlier."""
+    identity = Identity.generate()
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        stamp = request.headers["Funduq-Timestamp"]
+        assert verify(identity.public_key_hex,
+                      kyok_call_payload("t", int(stamp), request.content),
+                      request.headers["Funduq-Signature"])
+        seen.append(stamp)
+        return httpx.Response(200, json={})
+
+    grant = {"token": "t", "baseUrl": "http://relay.test/kyok/v1"}
+    async with kyok_http_client(grant, identity, clock=lambda: 1000.5,
+                                transport=httpx.MockTransport(answer)) as client:
+        for _ in range(3):
+            await client.post("http://relay.test/kyok/v1/chat/completions", json=CHAT)
+    assert seen == ["1000", "999", "998"]

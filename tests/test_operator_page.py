@@ -53,6 +53,25 @@ async def test_the_page_needs_the_operator_token(tmp_path):
         finally:
             await bearer.aclose()
 
+    # `?token=` is the page's way in only: anywhere else a token in the URL
+    # is not the operator's (it would leak into proxy logs and Referer).
+    async with (
+        running_server(tmp_path / "2", operator_token=TOKEN) as info,
+        http_client(info) as http,
+        raw_provider(info, ["echo"]) as provider,
+    ):
+        async def refused_run():
+            await provider.answer(await provider.next_offer(), "refused", "busy")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(refused_run)
+            await post_sse(http, f"/agui/{provider.fingerprint}/echo", user_input("hi"))
+        assert (await http.get("/operator/view", params={"token": TOKEN})).status_code == 401
+        listed = await http.get("/runs", params={"token": TOKEN})
+        assert listed.status_code == 200 and listed.json()["runs"] == []
+        assert OPERATOR_COOKIE not in http.cookies
+        everything = await http.get("/runs", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert len(everything.json()["runs"]) == 1
 
 async def test_the_page_shows_roster_counters_runs_timeline_and_failures(tmp_path):
     async with (

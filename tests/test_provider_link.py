@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
-from support import http_client, running_server, user_input
+from support import http_client, raw_provider, running_server, user_input
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from funduq_trio.identity import (
@@ -463,6 +463,56 @@ async def test_a_provider_dropping_mid_run_fails_it_provider_left_holding_it(tmp
 
 
 # --- queries ----------------------------------------------------------------
+
+
+async def test_thread_queries_are_bounded_per_link_in_number_size_and_count(tmp_path):
+    """query.threadMessages: past FUNDUQ_MAX_THREAD_QUERIES_PER_LINK in flight a
+    query is answered err at once (forced: the history reads wait on a gate);
+    `limit: null` answers at most the newest FUNDUQ_MAX_THREAD_MESSAGES_PER_QUERY
+    messages, and the reply fits the frame limit (older messages give way)."""
+    async with (
+        running_server(tmp_path, max_thread_queries_per_link=2,
+                       max_thread_messages_per_query=3, max_frame_bytes=4096) as info,
+        raw_provider(info, ["echo"]) as raw,
+    ):
+        funduq = info.funduq
+        ticket = await funduq.start_run(raw.identity.fingerprint, "echo", user_input("ping"))
+        offer = await raw.next_offer()
+        await raw.answer(offer, "declined")
+        history = [{"id": f"h{i}", "role": "user", "content": "x" * 1200}
+                   for i in range(8)]
+        await funduq.record.write(lambda c: c.executemany(
+            "INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [(ticket.thread_id, 100 + i, m["id"], ticket.run_id, json.dumps(m))
+             for i, m in enumerate(history)]))
+        read, gate = funduq._messages, trio.Event()
+
+        async def gated(thread_id, limit=None):
+            await gate.wait()
+            return await read(thread_id, limit)
+
+        funduq._messages = gated
+        query = {"kind": "query.threadMessages", "threadId": ticket.thread_id, "limit": None}
+        replies, refused = [], trio.Event()
+        async with trio.open_nursery() as nursery:
+            async def ask():
+                replies.append(await raw.request(query))
+                if len(replies) == 3:
+                    refused.set()
+            for _ in range(5):
+                nursery.start_soon(ask)
+            with trio.fail_after(10):
+                await refused.wait()
+            assert [r["kind"] for r in replies] == ["err"] * 3
+            assert "FUNDUQ_MAX_THREAD_QUERIES_PER_LINK" in replies[0]["reason"]
+            gate.set()
+        assert [r["kind"] for r in replies[3:]] == ["ok", "ok"]
+        funduq._messages = read
+        reply = await raw.request({**query, "limit": 50})
+        got = [m["id"] for m in reply["payload"]["messages"]]
+        # At most the newest 3, and of those only what fits a 4 KiB frame.
+        assert got == ["h6", "h7"]
 
 
 async def test_query_thread_messages_answers_with_the_threads_messages(tmp_path):

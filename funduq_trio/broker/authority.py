@@ -92,22 +92,33 @@ class SpentProofs:
     timestamp is older than the window: from then on the proof is refused as
     stale anyway. The count is capped; past the cap new proofs are refused
     with ProofsBusy (a clear "try again shortly"), never by forgetting early.
+    Each signer key is capped too (`per_key`, by default two proofs a second
+    over the window), so one key -- anyone can make one -- cannot take the
+    whole store; many fresh keys are what the separate store for proofs by
+    any key (listings, presenters) is for, see `Funduq.spent_by_anyone`.
     """
 
-    def __init__(self, capacity: int, window: float = SIGNATURE_WINDOW_SECONDS) -> None:
+    def __init__(self, capacity: int, window: float = SIGNATURE_WINDOW_SECONDS,
+                 per_key: int | None = None) -> None:
         self.capacity = capacity
         self.window = window
+        self.per_key = per_key if per_key is not None else max(1, int(2 * window))
         self._expiry: dict[tuple[str, str], float] = {}
         self._heap: list[tuple[float, tuple[str, str]]] = []
+        self._of_key: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._expiry)
 
     def _expire(self, now: float) -> None:
-        heap = self._heap
+        heap, of_key = self._heap, self._of_key
         while heap and heap[0][0] < now:
             _, entry = heapq.heappop(heap)
             del self._expiry[entry]
+            key = entry[0]
+            of_key[key] -= 1
+            if not of_key[key]:
+                del of_key[key]
 
     def spend(self, key: str, payload: str, timestamp: int, now: float) -> None:
         """Accept this proof once; a second time NotAuthorized (the same
@@ -120,8 +131,13 @@ class SpentProofs:
             raise ProofsBusy(
                 f"funduq holds {self.capacity} fresh proofs already (FUNDUQ_MAX_SPENT_PROOFS); "
                 "retry in a few seconds")
+        if self._of_key.get(key, 0) >= self.per_key:
+            raise ProofsBusy(
+                f"funduq holds {self.per_key} fresh proofs by this key already; "
+                "retry in a few seconds")
         expires = timestamp + self.window
         self._expiry[entry] = expires
+        self._of_key[key] = self._of_key.get(key, 0) + 1
         heapq.heappush(self._heap, (expires, entry))
 
 

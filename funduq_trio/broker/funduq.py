@@ -128,6 +128,11 @@ class Funduq:
             max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
         #: Proofs accepted while fresh: each works once (DESIGN §8).
         self.spent = authority.SpentProofs(settings.max_spent_proofs)
+        # Listing and presenter proofs are accepted from any key, so anyone
+        # can mint them by the thousand: they are kept apart, where filling
+        # the store delays only other listings and presented chains, never a
+        # bound thread's reads, cancels and answers.
+        self.spent_by_anyone = authority.SpentProofs(settings.max_spent_proofs)
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -160,7 +165,9 @@ class Funduq:
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
             await self.providers.load()
-            self.kyok = Kyok(self.record, secret, self.metrics)
+            self.kyok = Kyok(self.record, secret, self.metrics,
+                             max_spent_calls=self.settings.max_spent_proofs,
+                             completions_per_run=self.settings.kyok_completions_per_run)
             await self.kyok.load()
             if self.settings.public_url:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
@@ -389,12 +396,14 @@ class Funduq:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
             run_metadata = {"funduq": {"kyok": {
                 "llmProvider": metadata["kyok"]["llmProvider"]}}}
+        # The chain's check comes before the thread's lookup, so the answer to
+        # a forged chain is the same whether or not the thread exists.
+        head = self._presented_head(metadata, run_input, key, agent)
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
             info = None
         if info is None and thread_id is not None and not create_unknown_thread:
             raise UnknownThread(f"unknown thread {thread_id!r} for this agent")
-        head = self._presented_head(metadata, run_input, key, agent)
         if info is not None and not authority.may_write(info.segment_head, head, key):
             raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
@@ -427,12 +436,17 @@ class Funduq:
                 await self.record.insert_run(row, new_thread, messages)
             except BaseException as exc:
                 self.waiting.release(run_id)
+                # Not recorded: the cache must not believe the thread holds
+                # these messages (a retry would see its own id as taken).
+                self._unsee(info, messages, new=new_thread is not None)
                 if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the run: {exc}") from None
                 raise
-            if not view.online:
+            if self.providers.serving(key, agent) is None:
                 # Nobody serves the agent: the run fails before the door
                 # answers, so every answer (returnImmediately too) reads FAILED.
+                # Asked now, not of `view`: the agent may have come (or gone)
+                # while the run was being recorded.
                 self.waiting.release(run_id)
                 machine = RunMachine(st.QUEUED)
                 for action in machine.handle(Input.ARRIVED_UNSERVED):
@@ -457,14 +471,17 @@ class Funduq:
 
     def _unsee(self, info: ThreadInfo, messages: list[tuple[Any, ...]], *, new: bool) -> None:
         """Forget what ``_new_messages`` noted for a run that is not recorded
-        after all (no await came between, so nothing else noted anything since)."""
+        after all. Its ids were its own (``_new_messages`` gives no id twice);
+        its positions are given back only when nobody noted any since (an
+        await came between): a gap in positions is harmless, a reused one not."""
         if new:
             if self._thread_info.get(info.id) is info:
                 del self._thread_info[info.id]
             return
         for row in messages:
             info.message_ids.discard(row[2])
-        info.message_count -= len(messages)
+        if messages and info.message_count == messages[-1][1] + 1:
+            info.message_count -= len(messages)
 
     async def _writable(self) -> None:
         """Refuse new work while the record cannot write (a full disk, an I/O
@@ -486,7 +503,7 @@ class Funduq:
         return authority.check_presented(
             chain, metadata.get("presenter"), key, agent,
             message_id if isinstance(message_id, str) else "", time.time(),
-            max_hops=self.settings.max_chain_hops, spent=self.spent)
+            max_hops=self.settings.max_chain_hops, spent=self.spent_by_anyone)
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -659,8 +676,15 @@ class Funduq:
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
+        if lane.awaiting_answer and lane.cancel_pending:
+            # One cancel already waits behind the offer's answer: this one is
+            # the same request, answered alike without piling up in the lane.
+            run = await self.get_run(run_id)
+            assert run is not None
+            return run
         cancel = Cancel(by)
         lane.tell(cancel)
+        lane.cancel_pending = lane.awaiting_answer
         # Accepted: from this moment no KYOK completion is funded for the run
         # (the seed's rule), and the ones in flight end -- before the lane
         # has even read the cancel.
@@ -712,30 +736,43 @@ class Funduq:
         return await self.record.paused_run(thread_id, st.INPUT_REQUIRED)
 
     async def answer_pause(self, run_id: str, run_input: Any, *,
-                           metadata: dict[str, Any] | None = None) -> RunTicket:
+                           metadata: dict[str, Any] | None = None,
+                           thread_id: str | None = None) -> RunTicket:
         """Answer a paused run: the same run id is queued again, offered in its
-        thread's order, its event log continuing."""
+        thread's order, its event log continuing. `thread_id`, when the caller
+        names one, must be the run's (checked after the authority check, so a
+        stranger learns nothing from naming the wrong one)."""
         facts = await self._run_facts(run_id)
         if facts is None:
             raise RunNotFound(run_id)
         segment_head, key = facts
+        # Authority before anything else about the request: a refusal of its
+        # metadata (a bogus kyok opt-in, say) would tell a stranger that this
+        # bound thread has a paused run (DESIGN §8, refuse first).
+        by = None
+        if segment_head is not None:
+            resolution = metadata.get("resolution") if isinstance(metadata, dict) else None
+            by = authority.check_resolution(resolution, run_id,
+                                            (segment_head, key), time.time(), spent=self.spent)
         _check_carriable(metadata)
         metadata = dict(metadata or {})
         if "kyok" in metadata:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
-        by = None
-        if segment_head is not None:
-            by = authority.check_resolution(metadata.get("resolution"), run_id,
-                                            (segment_head, key), time.time(), spent=self.spent)
         run_input = _read_run_input(run_input)
         await self._writable()
         found = await self.record.run_row(run_id)
         if found is None:
             raise RunNotFound(run_id)
         row = _run_row(found)
+        if thread_id is not None and thread_id != row["thread_id"]:
+            raise InvalidRunInput(f"thread {thread_id} is not the thread of run {run_id}")
         # An answer's chain joins the record's metadata, so it is held to the
-        # same rule as a new utterance's: presented by its last hop.
-        self._presented_head(metadata, run_input, key, row["agent_name"])
+        # same rules as a new utterance's: presented by its last hop, and on a
+        # bound thread headed by the segment head or the provider -- else an
+        # authorized answerer could hand the thread's next turns another chain.
+        head = self._presented_head(metadata, run_input, key, row["agent_name"])
+        if head is not None and not authority.may_write(segment_head, head, key):
+            raise NotAuthorized(authority.NOT_AUTHORIZED)
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
             raise RunNotPaused(f"run {run_id} is not waiting for an answer")
         run_input = {**run_input, "threadId": row["thread_id"], "runId": run_id}
@@ -769,11 +806,17 @@ class Funduq:
                     run_id, move.to, metadata=row["metadata"], run_input=run_input,
                     caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
                     messages=messages)
-            except Exception as exc:
-                if record_trouble(exc):
+            except BaseException as exc:
+                if info:
+                    self._unsee(info, messages, new=False)  # not recorded
+                if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the answer: {exc}") from None
                 raise
-            if not moved or run_id in self.lanes:
+            if not moved:
+                if info:
+                    self._unsee(info, messages, new=False)  # not recorded
+                raise RunNotPaused(f"run {run_id} is not waiting for an answer")
+            if run_id in self.lanes:
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = move.to
             self._start_lane(row, arriving=False)
@@ -863,7 +906,7 @@ class Funduq:
         if reader.proof is None:
             return None
         try:
-            key = authority.check_listing(reader.proof, time.time(), self.spent)
+            key = authority.check_listing(reader.proof, time.time(), self.spent_by_anyone)
         except NotAuthorized:
             return None
         return {"bound_to": key}

@@ -42,8 +42,8 @@ import trio
 
 from ..identity import fingerprint_of, kyok_call_payload
 from ..secret_file import load_or_create
-from .authority import SIGNATURE_WINDOW_SECONDS, check_signed_request
-from .errors import InvalidKyokOptIn, NotAuthorized
+from .authority import SIGNATURE_WINDOW_SECONDS, SpentProofs, check_signed_request
+from .errors import InvalidKyokOptIn, NotAuthorized, ProofsBusy
 from .metrics import Metrics
 from .store import Store, dumps
 
@@ -154,10 +154,13 @@ def read_token(secret: bytes, token: object, now: float) -> Grant:
 
 def check_call_signature(public_key: str, token: str, timestamp: str | None,
                          signature: str | None, body: bytes, now: float,
-                         window: float = SIGNATURE_WINDOW_SECONDS) -> None:
+                         window: float = SIGNATURE_WINDOW_SECONDS,
+                         spent: SpentProofs | None = None) -> None:
     """The call is signed by the agent's provider key over
     `funduq-kyok-call:{token}:{timestamp}:{sha256hex(body)}`, within `window`
-    seconds of `now`; else KyokRefusal 401."""
+    seconds of `now`, and (when `spent` keeps count) not used before: a
+    captured call does not replay. Else KyokRefusal 401 (503 while `spent`
+    is full)."""
     bad = KyokRefusal(401, "invalid_signature",
                       "Funduq-Signature must be the agent's provider key's signature over "
                       "funduq-kyok-call:{token}:{Funduq-Timestamp}:{sha256hex(body)}, "
@@ -169,9 +172,11 @@ def check_call_signature(public_key: str, token: str, timestamp: str | None,
     proof = {"publicKey": public_key, "timestamp": stamp, "signature": signature}
     try:
         check_signed_request(proof, kyok_call_payload(token, stamp, body),
-                             (public_key,), now, window)
-    except NotAuthorized:
+                             (public_key,), now, window, spent)
+    except NotAuthorized:  # a bad, stale or spent signature: one answer
         raise bad from None
+    except ProofsBusy as exc:
+        raise KyokRefusal(503, "proofs_busy", str(exc)) from None
 
 
 # -- LLM providers -------------------------------------------------------------------
@@ -311,10 +316,17 @@ class Kyok:
     flight, and the runs a cancel was accepted for."""
 
     def __init__(self, record: Store, secret: bytes, metrics: Metrics, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 max_spent_calls: int = 100_000, completions_per_run: int = 4) -> None:
         self.record = record
+        #: Completions one run may have in flight (FUNDUQ_KYOK_COMPLETIONS_PER_RUN).
+        self.completions_per_run = completions_per_run
         self.secret = secret
         self.metrics = metrics
+        #: Call signatures accepted while fresh, each once. A store of its
+        #: own, with no per-key share: only an agent's provider holding a live
+        #: grant can spend here, and one provider may make many calls.
+        self.spent = SpentProofs(max_spent_calls, per_key=max_spent_calls)
         #: Wall-clock seconds (tokens and signatures carry Unix time); tests
         #: inject their own.
         self.clock = clock
@@ -415,7 +427,8 @@ class Kyok:
 
     def check_signature(self, key: str, token: str, timestamp: str | None,
                         signature: str | None, body: bytes) -> None:
-        check_call_signature(key, token, timestamp, signature, body, self.clock())
+        check_call_signature(key, token, timestamp, signature, body, self.clock(),
+                             spent=self.spent)
 
     # -- runs --
 
@@ -441,6 +454,13 @@ class Kyok:
         """Ask the offering for a completion (KyokRefusal 503 when it is not
         attached). Never awaits: the checks before it and this start are one
         step, so no cancel can fall between them."""
+        in_flight = len(self.by_run.get(run_id, ()))
+        if in_flight >= self.completions_per_run:
+            # Each holds a buffer of chunks and the LLM provider's attention;
+            # an agent gets a bounded share, not whatever it asks for.
+            raise KyokRefusal(429, "too_many_completions",
+                              f"run {run_id} already has {in_flight} completions in flight "
+                              "(FUNDUQ_KYOK_COMPLETIONS_PER_RUN); retry once one ends")
         session = self.attached(*offering)
         if session is None:
             raise KyokRefusal(503, "llm_provider_unavailable",

@@ -218,7 +218,8 @@ class Lane:
     __slots__ = ("f", "run_id", "thread_id", "key", "agent", "machine", "run_input_json",
                  "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
                  "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_text_room",
-                 "_place", "_offer", "_backlog", "awaiting_answer", "_baton", "_burst",
+                 "_place", "_offer", "_backlog", "awaiting_answer", "cancel_pending", "_baton",
+                 "_burst",
                  "_unconfirmed", "_undelivered_at", "unread_reports", "_room", "_recorded",
                  "_faulted")
 
@@ -260,6 +261,9 @@ class Lane:
         self._backlog: list[Message] = []
         #: An offer is out: a cancel now is read after the answer.
         self.awaiting_answer = False
+        #: A cancel was told while the offer is out: later ones are the same
+        #: request and are not told again (the inbox is unbounded).
+        self.cancel_pending = False
         self._baton = False
         self._burst: list[dict[str, Any]] = []
         # A move queued without waiting, whose verdict is not read yet.
@@ -547,7 +551,7 @@ class Lane:
         try:
             await self._await_answer(offer, session)
         finally:
-            self.awaiting_answer = False
+            self.awaiting_answer = self.cancel_pending = False
         if offer.verdict is not None:
             await self._do(m.handle(Input(Verdict(offer.verdict).value),
                                     reason=offer.reason or "refused"))

@@ -112,6 +112,7 @@ so a provider that pinned funduq's key knows whom it reached.
 from __future__ import annotations
 
 import enum
+import json
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -148,6 +149,8 @@ __all__ = [
 CLOSE_NORMAL = 1000  # funduq closed the link (replaced, withdrawn, shutting down)
 CLOSE_POLICY = 1008  # the provider broke the protocol or failed the handshake
 CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
+#: Room kept in a query's reply frame for everything but its messages.
+_REPLY_ENVELOPE = 1024
 CLOSE_TRY_LATER = 1013  # funduq is full of links waiting for connect
 
 #: How many answered offer ids the machine remembers, to tell "a second
@@ -547,7 +550,8 @@ class LinkMachine:
                 error = f"the thread's messages cannot be carried by the link: {problem}"
         if error is not None:
             return [Send(f.Err(id=request_id, reason=error))]
-        return [Send(f.Ok(id=request_id, payload={"messages": messages or []}))]
+        messages = _newest_that_fit(messages or [], self._max_frame_bytes - _REPLY_ENVELOPE)
+        return [Send(f.Ok(id=request_id, payload={"messages": messages}))]
 
     def handshake_timed_out(self, seconds: float) -> list[Action]:
         """The shell's handshake deadline passed. Closes a link still waiting
@@ -573,3 +577,16 @@ class LinkMachine:
             if self.close_reason is None:
                 self.close_reason = "connection lost"
         return self._detach()
+
+
+def _newest_that_fit(messages: list[dict[str, Any]], room: int) -> list[dict[str, Any]]:
+    """The newest messages whose JSON fits in `room` bytes (a query's reply is
+    held to the link's frame limit: older history is what gives way)."""
+    kept = 0
+    for message in reversed(messages):
+        size = len(json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode()) + 1
+        if size > room:
+            break
+        room -= size
+        kept += 1
+    return messages[len(messages) - kept:]

@@ -76,9 +76,20 @@ def kyok_grant(run_input: RunAgentInput | dict[str, Any]) -> dict[str, str] | No
 
 
 def _signer(token: str, identity: Identity, clock: Callable[[], float]) -> Callable[..., Any]:
+    # funduq takes each call signature once; the same body sent twice within
+    # a second (a retry) is signed a second earlier, still inside the window.
+    used: dict[tuple[int, bytes], None] = {}
+
     async def sign(request: httpx.Request) -> None:
         body = await request.aread()
-        stamp = int(clock())
+        now = int(clock())
+        digest = hashlib.sha256(body).digest()
+        for old in [entry for entry in used if entry[0] < now - 120]:
+            del used[old]
+        stamp = now
+        while (stamp, digest) in used:
+            stamp -= 1
+        used[(stamp, digest)] = None
         request.headers["Funduq-Timestamp"] = str(stamp)
         request.headers["Funduq-Signature"] = identity.sign(kyok_call_payload(token, stamp, body))
 

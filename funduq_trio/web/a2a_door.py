@@ -254,9 +254,13 @@ class A2ADoor:
         raise InternalError(message=f"{call.method} has no handler")  # pragma: no cover
 
     async def push_config(self, op: str, req: Any) -> Any:
-        """The push-config operations, on tasks of this agent only."""
+        """The push-config operations, on tasks of this agent only, for whoever
+        may read the task (DESIGN §8): a push receives every update of the
+        task, and a config holds its owner's token and credentials, so each of
+        the four acts is a read of the task -- without the bound thread's
+        proof (or the operator's token) it answers as an unknown task."""
         pushes = self.funduq.pushes
-        await self.run_record(req.task_id)
+        await self.readable_record(req.task_id)
         if op == PUSH_CREATE:
             return await pushes.create(req.task_id, req, from_start=False)
         if op == PUSH_GET:
@@ -316,20 +320,15 @@ class A2ADoor:
         thread_id = message.context_id or None
         if message.task_id:
             record = await self.run_record(message.task_id)
-            if message.context_id and message.context_id != record["threadId"]:
-                # Not naming the task's own context: its thread id is not
-                # the sender's to learn from an error.
-                raise InvalidParamsError(
-                    message=f"Context {message.context_id} is not the context "
-                    f"of task {message.task_id}"
-                )
             interrupts = []
             if record.get("status") == statuses.INPUT_REQUIRED:
                 interrupts = (record.get("metadata") or {}).get("interrupts") or []
             run_input = run_input_from_message(message, interrupts=interrupts)
             try:
+                # A contextId that is not the task's is refused by the broker
+                # after the authority check (refuse first, DESIGN §8).
                 ticket = await self.funduq.answer_pause(
-                    message.task_id, run_input, metadata=metadata
+                    message.task_id, run_input, metadata=metadata, thread_id=thread_id
                 )
             except RunNotPaused:
                 # Ended, working, or answered meanwhile by someone else.

@@ -2,8 +2,10 @@
 
 The operator sees everything: unscoped listings and the operator's page.
 They prove it with funduq's operator token, in `Authorization: Bearer …`,
-or in `?token=` once (a page opened from the start banner's URL), which
-sets a cookie so the page's own requests carry it. Compared in constant
+or in `?token=` once on the operator page's own route (a page opened from the
+start banner's URL), which sets a cookie so the page's own requests carry it.
+`?token=` counts nowhere else: a token in a URL leaks into proxy logs and
+Referer headers, so no API route invites it there. Compared in constant
 time; a wrong or missing token is simply "not the operator".
 """
 
@@ -29,12 +31,15 @@ def bearer_of(header: str | None) -> str | None:
     return header[7:].strip()
 
 
-def operator_token_of(request: Any) -> str | None:
-    """The token the request presents, wherever it rides (None: none)."""
+def operator_token_of(request: Any, *, from_query: bool = False) -> str | None:
+    """The token the request presents (None: none): its bearer header or the
+    cookie, and `?token=` only where `from_query` (the operator page's route)."""
     bearer = bearer_of(request.headers.get("Authorization"))
     if bearer is not None:
         return bearer
-    return request.args.get("token") or request.cookies.get(OPERATOR_COOKIE)
+    if from_query and request.args.get("token"):
+        return str(request.args["token"])
+    return request.cookies.get(OPERATOR_COOKIE)
 
 
 def of_agent(record: Mapping[str, Any] | None, key: str, fingerprint: str, name: str) -> bool:
@@ -46,9 +51,9 @@ def of_agent(record: Mapping[str, Any] | None, key: str, fingerprint: str, name:
     return agent.get("name") == name and agent.get("provider") in (key, fingerprint)
 
 
-def is_operator(funduq: Any, request: Any) -> bool:
+def is_operator(funduq: Any, request: Any, *, from_query: bool = False) -> bool:
     """Does the request carry funduq's operator token?"""
-    presented = operator_token_of(request)
+    presented = operator_token_of(request, from_query=from_query)
     expected = funduq.operator_token
     return bool(presented and expected) and hmac.compare_digest(
         presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))

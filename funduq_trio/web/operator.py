@@ -206,7 +206,7 @@ def _html(body: str, status: int = 200) -> Response:
 def mount_operator_page(app: Any, funduq: Funduq) -> None:
     @app.get("/")
     async def operator_page() -> Response:
-        if not is_operator(funduq, request):
+        if not is_operator(funduq, request, from_query=True):
             return _html(UNAUTHORIZED, 401)
         if "token" in request.args:
             return remember_operator(redirect("/", 303), funduq)

@@ -98,6 +98,7 @@ class ProviderSocket:
         self._llm: Any = None  # the KYOK side, once the link publishes offerings
         self._nursery: trio.Nursery | None = None
         self._close: L.Close | None = None  # how this side closes the socket
+        self._queries = 0  # query.threadMessages in flight
 
     # -- the broker's port (ProviderLink): never blocks ------------------------
 
@@ -316,7 +317,14 @@ class ProviderSocket:
                 elif isinstance(action, L.RegisterLlm):
                     await self._register_llm(action)
                 elif isinstance(action, L.QueryThreadMessages):
-                    nursery.start_soon(self._query, action)
+                    if self._queries >= self._funduq.settings.max_thread_queries_per_link:
+                        # One task and one history read each: past the bound
+                        # the provider is told at once, the link stays up.
+                        self._perform(self.machine.query_done(
+                            action.request_id, error=_TOO_MANY_QUERIES.format(self._queries)))
+                    else:
+                        self._queries += 1
+                        nursery.start_soon(self._query, action)
                 else:
                     self._perform([action])
             if self._session is not None:
@@ -356,13 +364,21 @@ class ProviderSocket:
         self._perform(self.machine.register_llm_done(action.request_id, error))
 
     async def _query(self, action: L.QueryThreadMessages) -> None:
+        cap = self._funduq.settings.max_thread_messages_per_query
+        limit = cap if action.limit is None else min(action.limit, cap)
         try:
-            messages = await self._session.thread_messages(action.thread_id, action.limit)
+            messages = await self._session.thread_messages(action.thread_id, limit)
         except Exception as exc:  # noqa: BLE001 - any failure is answered, not fatal
             log.info("query.threadMessages from %s failed: %r", self.machine.public_key, exc)
             self._perform(self.machine.query_done(action.request_id, error=str(exc) or repr(exc)))
             return
+        finally:
+            self._queries -= 1
         self._perform(self.machine.query_done(action.request_id, messages))
+
+
+_TOO_MANY_QUERIES = ("{} query.threadMessages already in flight on this link "
+                     "(FUNDUQ_MAX_THREAD_QUERIES_PER_LINK); retry once one is answered")
 
 
 def _encoded(frame: Any) -> str | None:

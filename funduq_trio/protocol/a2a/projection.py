@@ -138,6 +138,10 @@ class TaskProjection:
     cancel_requested: bool = False
     last_seq: int = 0
     _artifacts: dict[str, pb.Artifact] = field(default_factory=dict)
+    # Text deltas per artifact id, joined only when a Task is asked for:
+    # growing a protobuf string by `+=` copies it on every delta (quadratic in
+    # the message's length, and it runs on the event loop).
+    _texts: dict[str, list[str]] = field(default_factory=dict)
     _last_text_id: str | None = None
     _run_error: str | None = None
     _terminal_event: dict[str, Any] | None = None
@@ -186,6 +190,7 @@ class TaskProjection:
             artifact = _artifact_from_value(event.get("value"), f"artifact-{seq}")
             if artifact is not None:
                 self._artifacts[artifact.artifact_id] = artifact
+                self._texts.pop(artifact.artifact_id, None)  # replaced whole
                 update = pb.TaskArtifactUpdateEvent(
                     task_id=self.task_id,
                     context_id=self.context_id,
@@ -223,13 +228,8 @@ class TaskProjection:
         self._last_text_id = message_id
         existing = self._artifacts.get(message_id)
         if existing is None:
-            self._artifacts[message_id] = pb.Artifact(
-                artifact_id=message_id, parts=[pb.Part(text=delta)]
-            )
-        elif len(existing.parts) == 1 and existing.parts[0].WhichOneof("content") == "text":
-            existing.parts[0].text += delta
-        else:
-            existing.parts.append(pb.Part(text=delta))
+            self._artifacts[message_id] = pb.Artifact(artifact_id=message_id)
+        self._texts.setdefault(message_id, []).append(delta)
         chunk = pb.Artifact(artifact_id=message_id, parts=[pb.Part(text=delta)])
         update = pb.TaskArtifactUpdateEvent(
             task_id=self.task_id,
@@ -241,6 +241,23 @@ class TaskProjection:
         return pb.StreamResponse(artifact_update=update)
 
     # -- views
+
+    def _artifact(self, artifact_id: str) -> pb.Artifact:
+        """The artifact with its text deltas folded in: one text part grows by
+        them (a text message), any other artifact gains a part per delta."""
+        artifact = self._artifacts[artifact_id]
+        deltas = self._texts.get(artifact_id)
+        if not deltas:
+            return artifact
+        whole = pb.Artifact()
+        whole.CopyFrom(artifact)
+        if not whole.parts:
+            whole.parts.append(pb.Part(text="".join(deltas)))
+        elif len(whole.parts) == 1 and whole.parts[0].WhichOneof("content") == "text":
+            whole.parts[0].text = whole.parts[0].text + "".join(deltas)
+        else:
+            whole.parts.extend(pb.Part(text=delta) for delta in deltas)
+        return whole
 
     def task_status(self) -> pb.TaskStatus:
         status = pb.TaskStatus(state=task_state(self.status))
@@ -294,7 +311,7 @@ class TaskProjection:
     def task(self, *, include_artifacts: bool = True) -> pb.Task:
         task = pb.Task(id=self.task_id, context_id=self.context_id, status=self.task_status())
         if include_artifacts:
-            task.artifacts.extend(self._artifacts.values())
+            task.artifacts.extend(self._artifact(key) for key in self._artifacts)
         metadata = self.metadata()
         if metadata:
             set_struct(task.metadata, metadata)
