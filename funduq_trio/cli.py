@@ -33,7 +33,8 @@ FLAG_HELP = {
     "host": "interface to listen on",
     "port": "port to listen on (0 = any free port)",
     "data_dir": "directory for the SQLite file and funduq's identity key",
-    "database_url": "sqlite:///path (default: the SQLite file in the data directory)",
+    "database_url": "sqlite:///path or postgresql://user@host:port/db "
+                    "(default: the SQLite file in the data directory)",
     "identity_key": "funduq's Ed25519 private key, hex (default: generated, kept in the data dir)",
     "unserved_grace_seconds": "how long queued runs of an agent that lost its provider wait",
     "deliver_timeout_seconds": "how long an offer waits for the provider's answer",

@@ -76,6 +76,11 @@ class Settings:
     access_log: bool = False
 
     @property
+    def database_is_postgres(self) -> bool:
+        """FUNDUQ_DATABASE_URL names a PostgreSQL database (postgresql://...)."""
+        return (self.database_url or "").startswith(POSTGRES_SCHEMES)
+
+    @property
     def database_path(self) -> Path:
         """The SQLite file: FUNDUQ_DATABASE_URL (sqlite:///path) or the data dir's."""
         url = self.database_url
@@ -90,7 +95,7 @@ class Settings:
                 )
             return Path(path)
         raise ValueError(
-            f"FUNDUQ_DATABASE_URL={url}: only sqlite:///path is supported by this build"
+            f"FUNDUQ_DATABASE_URL={shown_url(url)}: not a SQLite URL (sqlite:///path)"
         )
 
     def problems(self) -> list[str]:
@@ -153,7 +158,12 @@ class Settings:
                          + ", ".join(LOG_LEVELS))
         if self.log_format not in ("text", "json"):
             found.append(f"{env_name('log_format')}={self.log_format}: text or json")
-        if self.database_url is not None:
+        if self.database_is_postgres:
+            found += _postgres_problems(self.database_url or "")
+        elif self.database_url is not None and not self.database_url.startswith("sqlite:///"):
+            found.append(f"{env_name('database_url')}={shown_url(self.database_url)}: give "
+                         "sqlite:///path or postgresql://user@host:port/database")
+        elif self.database_url is not None:
             try:
                 _ = self.database_path
             except ValueError as exc:
@@ -178,6 +188,32 @@ class Settings:
 
 #: The --log-level choices, least to most quiet.
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+#: The URL schemes of the PostgreSQL store.
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def shown_url(url: str) -> str:
+    """A database URL as messages show it: its password (if any) masked."""
+    return re.sub(r"^([a-z]+://[^:@/]*:)[^@/]*@", r"\1***@", url)
+
+
+def _postgres_problems(url: str) -> list[str]:
+    """A PostgreSQL URL's problems found without connecting: the driver
+    missing, or a URL libpq cannot parse."""
+    shown = shown_url(url)
+    try:
+        from psycopg import conninfo
+    except ImportError:
+        return [f"{env_name('database_url')}={shown}: the PostgreSQL store needs psycopg; "
+                "install funduq-trio[postgres]"]
+    try:
+        conninfo.conninfo_to_dict(url)
+    except Exception as exc:  # noqa: BLE001 -- whatever libpq objects to
+        reason = " ".join(str(exc).split()).replace(url, shown)
+        return [f"{env_name('database_url')}={shown}: not a PostgreSQL URL libpq accepts "
+                f"({reason})"]
+    return []
 
 
 def env_name(field_name: str) -> str:

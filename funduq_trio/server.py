@@ -15,7 +15,6 @@ import dataclasses
 import errno
 import gc
 import logging
-import os
 import signal
 import socket
 import tempfile
@@ -30,7 +29,8 @@ from hypercorn.config import Config as HypercornConfig
 
 from .broker.funduq import Funduq
 from .broker.schema import SchemaTooNew
-from .config import Settings, env_name
+from .broker.store import RecordUnreachable, record_name
+from .config import Settings, env_name, shown_url
 from .secret_file import SecretFileError
 from .web.app import create_app
 
@@ -134,7 +134,7 @@ def prepare_storage(settings: Settings) -> None:
     """The data directory (and the record's directory) exist and take writes."""
     if not (settings.identity_key and settings.operator_token and settings.database_url):
         _usable_dir(settings.data_dir, env_name("data_dir"), str(settings.data_dir))
-    if settings.database_url:
+    if settings.database_url and not settings.database_is_postgres:
         path = settings.database_path
         if path.is_dir():
             raise StartupError(f"{env_name('database_url')}={settings.database_url}: "
@@ -193,6 +193,8 @@ def changed_settings(settings: Settings) -> list[str]:
             shown = "(set)"
         elif isinstance(value, frozenset):
             shown = ",".join(sorted(value))
+        elif f.name == "database_url":
+            shown = shown_url(str(value))  # a PostgreSQL URL may carry a password
         else:
             shown = str(value)
         changed.append(f"{env_name(f.name)}={shown}")
@@ -208,7 +210,7 @@ def banner(info: ServerInfo, version: str) -> list[str]:
     lines = [
         f"funduq-trio {version} serving on {info.url}",
         f"providers attach at {info.provider_url}",
-        f"record: {Path(os.path.abspath(settings.database_path))}",
+        f"record: {record_name(settings)}",
         f"funduq key: {funduq.identity.public_key_hex} "
         "(providers pin it with --funduq-key)",
         "settings: " + (", ".join(changed_settings(settings)) or "all defaults"),
@@ -251,6 +253,6 @@ def run_server(settings: Settings, listener: socket.socket | None = None,
             raise
         cause = _first_cause(exc)
         # Errors written for a person already say what and where.
-        said = isinstance(cause, SchemaTooNew | SecretFileError)
+        said = isinstance(cause, SchemaTooNew | SecretFileError | RecordUnreachable)
         raise StartupError(str(cause) if said else f"{type(cause).__name__}: {cause}") from None
     return 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import stores
 import trio
 import trio.testing
 
@@ -101,6 +102,7 @@ def reply(run_id: str, thread_id: str, text: str = "hi", deltas: int = 1) -> lis
 
 @contextlib.asynccontextmanager
 async def broker(tmp_path: Path, **overrides: Any) -> AsyncIterator[Funduq]:
+    overrides.setdefault("database_url", stores.database_url)  # this test's store
     settings = Settings(data_dir=tmp_path, **overrides)
     async with Funduq(settings) as funduq:
         yield funduq

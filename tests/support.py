@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import stores
 import trio
 from httpx_sse import EventSource
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
@@ -64,6 +65,7 @@ HTTP_TIMEOUT = 30.0
 
 @contextlib.asynccontextmanager
 async def running_server(tmp_path: Path, **overrides: Any) -> AsyncIterator[ServerInfo]:
+    overrides.setdefault("database_url", stores.database_url)  # this test's store
     settings = Settings(host="127.0.0.1", port=0, data_dir=Path(tmp_path)).replace(**overrides)
     async with trio.open_nursery() as nursery:
         info: ServerInfo = await nursery.start(serve, settings)

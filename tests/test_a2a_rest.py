@@ -138,6 +138,11 @@ async def test_subscribe_and_cancel_over_rest(tmp_path) -> None:
             assert sent.status_code == 200, sent.text
             task_id = sent.json()["task"]["id"]
             await agents.slow_started_any.wait()
+            # The provider's accept and first report are only on their way when
+            # its agent starts: the run is working once funduq recorded that
+            # report (a store that writes through a worker thread takes longer).
+            async with contextlib.aclosing(info.funduq.follow(task_id)) as bursts:
+                await anext(bursts)
             async with http.stream("GET", f"{base}/tasks/{task_id}:subscribe",
                                    headers=v1) as stream:
                 assert stream.headers["content-type"].startswith("text/event-stream")

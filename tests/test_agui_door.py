@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import stores
 import trio
 from support import (
     RawProvider,
@@ -370,7 +371,8 @@ async def test_full_thread_is_429(tmp_path):
 
 
 async def test_shutdown_ends_open_streams_and_restart_settles_the_run(tmp_path):
-    settings = Settings(host="127.0.0.1", port=0, data_dir=tmp_path)
+    settings = Settings(host="127.0.0.1", port=0, data_dir=tmp_path,
+                        database_url=stores.database_url)
     seen: list[dict[str, Any]] = []
     first_seen, stream_ended = trio.Event(), trio.Event()
     server_scope = trio.CancelScope()

@@ -1,7 +1,7 @@
 """No fault wedges a run (DESIGN §12, issue #11): a lane that raises, an offer
 the link keeps chattering past, a cancel during the offering write, a record
 that cannot write for a while, a move the record refused, an agent nobody
-serves. The real Funduq on a SQLite file, under MockClock with no autojump."""
+serves. The real Funduq on each store, under MockClock with no autojump."""
 
 from __future__ import annotations
 
@@ -129,30 +129,48 @@ async def test_a_cancel_during_the_offering_write_cancels_before_anything_leaves
 
 
 @pytest.fixture(params=["in the transaction", "at BEGIN"])
-def disk_full(request, monkeypatch):
-    """While ``state["full"]``, every write fails as SQLite fails on a full
-    disk: inside the transaction (each write's statement fails), or before it
-    (the group commit's BEGIN itself fails, as on an I/O error)."""
+def disk_full(request, monkeypatch, store):
+    """While ``state["full"]``, every write fails as the store's database fails
+    when its disk is full: inside the transaction (each write's statement
+    fails), or before it (the group commit's BEGIN itself fails, as on an I/O
+    error or a PostgreSQL server gone)."""
     state = {"full": False}
-    apply, begin = Record._apply, Record._begin_now
+    if store == "postgres":
+        import psycopg
 
-    def failing_apply(self, ops, *, begun=False):
+        from funduq_trio.broker.postgres import PostgresStore as Store
+        full, broken = (psycopg.OperationalError("could not extend file: No space left on device"),
+                        psycopg.OperationalError("server closed the connection unexpectedly"))
+        begin_name, begin = "_commit", Store._commit
+
+        async def failing_begin(self, ops):
+            if state["full"]:
+                raise broken
+            return await begin(self, ops)
+    else:
+        Store = Record
+        full = sqlite3.OperationalError("database or disk is full")
+        begin_name, begin = "_begin_now", Record._begin_now
+
+        def failing_begin(self):
+            if state["full"]:
+                raise sqlite3.OperationalError("disk I/O error")
+            return begin(self)
+
+    apply = Store._apply
+
+    def failing_apply(self, ops, **kwargs):
         if not state["full"]:
-            return apply(self, ops, begun=begun)
-        if begun:
+            return apply(self, ops, **kwargs)
+        if kwargs.get("begun"):
             self._writer_conn.execute("ROLLBACK")
         for op in ops:
-            op.error = sqlite3.OperationalError("database or disk is full")
-
-    def failing_begin(self):
-        if state["full"]:
-            raise sqlite3.OperationalError("disk I/O error")
-        return begin(self)
+            op.error = full
 
     if request.param == "at BEGIN":
-        monkeypatch.setattr(Record, "_begin_now", failing_begin)
+        monkeypatch.setattr(Store, begin_name, failing_begin)
     else:
-        monkeypatch.setattr(Record, "_apply", failing_apply)
+        monkeypatch.setattr(Store, "_apply", failing_apply)
     return state
 
 
@@ -391,10 +409,8 @@ async def test_a_settling_write_that_raises_still_ends_the_run(tmp_path, mock_cl
         p = await Provider(funduq).attach()
         t = await accepted(funduq, p)
 
-        def broken_replies(conn):
-            raise RuntimeError("a bug in the thread's history write")
-
-        funduq.replies_writer = lambda lane: broken_replies
+        # A bug in the thread's history write: a message row short of columns.
+        funduq.reply_messages = lambda lane: [(lane.thread_id, 0, "m")]
         p.stream(t.run_id, *reply(t.run_id, t.thread_id))
         run = await record_of(funduq, t.run_id)
         assert run["status"] == "failed"

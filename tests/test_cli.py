@@ -40,7 +40,9 @@ def test_flags_override_the_environment():
         (["--thread-queue-limit", "0"], {}, "--thread-queue-limit 0"),
         (["--lane-inbox-reports", "0"], {}, "--lane-inbox-reports 0"),
         (["--provider-keys", "abc"], {}, "--provider-keys"),
-        (["--database-url", "postgres://x"], {}, "--database-url postgres://x"),
+        (["--database-url", "mysql://x"], {}, "--database-url mysql://x"),
+        (["--database-url", "postgresql://u:pw@x/db?bogus=1"], {},
+         r"--database-url postgresql://u:\*\*\*@x/db\?bogus=1: not a PostgreSQL URL"),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
     ],
 )
@@ -228,3 +230,16 @@ async def test_call_shows_funduqs_own_error_for_an_unknown_agent(tmp_path):
     assert stderr.count("\n") == 1, stderr
     assert stderr.startswith("funduq-trio call: error: ") and "(404 " in stderr
     assert "nobody" in stderr and "https://" not in stderr  # funduq's words, no a2a-sdk link
+
+
+def test_serve_says_in_one_line_when_its_postgresql_does_not_answer(tmp_path):
+    """A database that does not answer at start: exit 2 with one line naming
+    the database (never its password), no traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
+         str(tmp_path), "--database-url", "postgresql://funduq:hunter2@127.0.0.1:1/records"],
+        capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "serve: error: PostgreSQL database records on 127.0.0.1:1 does not answer" \
+        in result.stderr
+    assert "Traceback" not in result.stderr and "hunter2" not in result.stderr

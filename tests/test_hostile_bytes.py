@@ -10,10 +10,10 @@ a hand-played provider on the real WebSocket, the real SQLite file."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
+import stores
 import trio
 from support import http_client, post_sse, raw_provider, running_server, user_input
 
@@ -139,31 +139,24 @@ def _patch_record(path: Path, thread_id: str, rows: list[tuple[str, str]]) -> No
     """Queue runs on `thread_id` the way an older deployment could have
     recorded them: (run id, input JSON text) each, in arrival order, copying
     the thread's first run for everything else."""
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            arrival = conn.execute("SELECT MAX(arrival) FROM runs").fetchone()[0]
-            template = conn.execute(
-                "SELECT provider_key, agent_name FROM runs WHERE thread_id=? LIMIT 1",
-                (thread_id,)).fetchone()
-            for run_id, input_text in rows:
-                arrival += 1
-                conn.execute(
-                    "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
-                    " input, caller_metadata, metadata, created_at) VALUES"
-                    " (?, ?, ?, ?, ?, 'queued', ?, '{}', '{}', 0)",
-                    (arrival, run_id, thread_id, *template, input_text))
-    finally:
-        conn.close()
+    with stores.record_connection(path) as conn:  # either store
+        arrival = conn.execute("SELECT MAX(arrival) FROM runs").fetchone()[0]
+        template = conn.execute(
+            "SELECT provider_key, agent_name FROM runs WHERE thread_id=? LIMIT 1",
+            (thread_id,)).fetchone()
+        for run_id, input_text in rows:
+            arrival += 1
+            conn.execute(
+                "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
+                " input, caller_metadata, metadata, created_at) VALUES"
+                " (?, ?, ?, ?, ?, 'queued', ?, '{}', '{}', 0)",
+                (arrival, run_id, thread_id, *template, input_text))
 
 
 def _counters(path: Path) -> list[tuple[int, ...]]:
-    conn = sqlite3.connect(path)
-    try:
-        return conn.execute(
-            "SELECT misdeclared, unanswered, abandoned, undelivered FROM providers").fetchall()
-    finally:
-        conn.close()
+    with stores.record_connection(path) as conn:
+        return [tuple(row) for row in conn.execute(
+            "SELECT misdeclared, unanswered, abandoned, undelivered FROM providers").fetchall()]
 
 
 async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
@@ -489,12 +482,10 @@ async def test_a_stored_event_with_a_lone_surrogate_degrades_the_a2a_views(tmp_p
     stored = {2: {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m" + SURROGATE,
                   "delta": "x" + SURROGATE},
               3: {"type": "SOMETHING_NEWER", "payload": {"k" + SURROGATE: SURROGATE}}}
-    conn = sqlite3.connect(path)
-    with conn:
+    with stores.record_connection(path) as conn:
         for seq, event in stored.items():
             conn.execute("UPDATE events SET event=? WHERE run_id=? AND seq=?",
                          (json.dumps(event), run["runId"], seq))
-    conn.close()
 
     async with (
         running_server(tmp_path) as info,
@@ -542,12 +533,10 @@ async def test_a_thread_history_the_link_cannot_carry_fails_the_query_not_the_li
             run = await provider.next_offer()
             await provider.answer(run, "refused", "not now")
     # What an older funduq (whose door took lone surrogates) left in the history.
-    conn = sqlite3.connect(path)
-    with conn:
+    with stores.record_connection(path) as conn:
         conn.execute("UPDATE messages SET message=? WHERE thread_id=?",
                      (json.dumps({"id": "m1", "role": "user", "content": "bad " + SURROGATE}),
                       run["threadId"]))
-    conn.close()
 
     async with (
         running_server(tmp_path) as info,

@@ -31,12 +31,12 @@ are ignored -- never "recorded cancelled and handed over".
 from __future__ import annotations
 
 import random
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import stores
 import trio
 from reliability_support import (
     A2A,
@@ -517,7 +517,7 @@ async def test_a_cancel_read_after_the_provider_finished_is_not_answered_as_acce
 ) -> None:
     """The race between a caller's cancel and the provider's `finish`, pinned
     down. The test holds SQLite's write lock (well inside the server's busy
-    timeout), so the run's lane is parked writing the provider's last reports
+    timeout; PostgreSQL's table locks on that store), so the run's lane is parked writing the provider's last reports
     while the `finish` waits in its inbox -- a probe on the link proves funduq
     has read it -- and the record still says `running`. The caller's cancel
     arrives behind the finish, the lock is released, and the run ends
@@ -529,7 +529,6 @@ async def test_a_cancel_read_after_the_provider_finished_is_not_answered_as_acce
     (Seen in the provider-fault load as an accepted CancelTask answered with a
     COMPLETED or FAILED task.)"""
     fig = Figures("cancel_after_finish")
-    db = tmp_path / "funduq.sqlite3"
     async with (
         running_server(tmp_path) as info,
         httpx.AsyncClient(base_url=info.url, timeout=HTTP_TIMEOUT) as http,
@@ -550,10 +549,8 @@ async def test_a_cancel_read_after_the_provider_finished_is_not_answered_as_acce
                 return run is not None and run["status"] == "running" and len(run["events"]) == 1
 
             await eventually(started, f"{rid} running with its first event")
-            blocker = sqlite3.connect(db, isolation_level=None, timeout=5)
             answers: list[dict[str, Any]] = []
-            try:
-                blocker.execute("BEGIN IMMEDIATE")  # funduq's writer now waits
+            with stores.writes_held(tmp_path):  # funduq's writer now waits
                 await offer.play([*text_events(f"m-{rid}", "done"), finished_event(offer)])
                 probe = await offer.link.request(
                     {"kind": "query.threadMessages", "threadId": "thread_none", "limit": 0}
@@ -573,9 +570,6 @@ async def test_a_cancel_read_after_the_provider_finished_is_not_answered_as_acce
                     not answers,
                     f"{rid}: the cancel was answered while the run's lane was parked: {answers}",
                 )
-            finally:
-                blocker.execute("ROLLBACK")
-                blocker.close()
             run = await wait_status(http, rid, TERMINAL)
 
             async def answered(answers: list = answers) -> bool:

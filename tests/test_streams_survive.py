@@ -12,6 +12,7 @@ are httpx (raw SSE lines, to see ids and comments) and a2a-sdk's own client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import AsyncIterator
@@ -364,6 +365,11 @@ async def test_a_message_naming_a_task_that_is_not_paused_is_refused(tmp_path) -
             assert ended.status.state == S.TASK_STATE_COMPLETED
             working = await send_blocking(slow, send_request("busy", immediately=True))
             await agents.slow_started_any.wait()
+            # The provider's accept and first report are only on their way when
+            # its agent starts: the task is working once funduq recorded that
+            # report (a store that writes through a worker thread takes longer).
+            async with contextlib.aclosing(info.funduq.follow(working.id)) as bursts:
+                await anext(bursts)
 
             cases = ((echo, ended, "is in terminal state: TASK_STATE_COMPLETED"),
                      (slow, working, "is not waiting for input (TASK_STATE_WORKING)"))

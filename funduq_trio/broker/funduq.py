@@ -13,7 +13,6 @@ import contextvars
 import json
 import logging
 import secrets
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Collection, Iterator
 from dataclasses import dataclass
@@ -47,8 +46,8 @@ from .lanes import Lane, ThreadLanes
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .pushes import Pushes
-from .record import Record, dumps, iso, open_record, record_trouble
 from .run_machine import Input, Move, RunMachine, Settle
+from .store import Store, dumps, iso, keepable, open_store, record_trouble
 
 log = logging.getLogger("funduq")
 
@@ -58,11 +57,6 @@ THREAD_CACHE = 16384
 #: Request-level metadata keys that prove something to funduq; they are not
 #: forwarded to providers.
 PROOF_KEYS = ("cancel", "resolution", "presenter")
-
-#: When a run's status last changed (what A2A calls the status timestamp);
-#: the same expression as the record's index on it, so SQL can use it.
-STATUS_TIME = "COALESCE(r.completed_at, r.started_at, r.created_at)"
-
 
 def _check_carriable(metadata: Any, thread_id: Any = None) -> None:
     """Refuse request metadata (or a thread id) the provider link could not
@@ -122,7 +116,7 @@ class Funduq:
         self.identity = identity
         #: The operator's bearer token (see _load_operator_token).
         self.operator_token = ""
-        self.record: Record
+        self.record: Store
         self.providers: Providers
         self.lanes: dict[str, Lane] = {}
         self.threads: dict[str, ThreadLanes] = {}
@@ -165,13 +159,12 @@ class Funduq:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
             secret = await trio.to_thread.run_sync(self._load_kyok_secret)
-            self.record = await self._stack.enter_async_context(
-                open_record(self.settings.database_path))
+            self.record = await self._stack.enter_async_context(open_store(self.settings))
             self.providers = Providers(self.record, self.settings.quality_allowance,
                                        self._provider_thread_messages, self.metrics,
                                        max_agents=self.settings.max_agents_per_provider,
                                        max_roster_bytes=self.settings.max_frame_bytes)
-            self.providers.load()
+            await self.providers.load()
             self.kyok = Kyok(self.record, secret, self.metrics,
                              max_spent_calls=self.settings.max_spent_proofs,
                              completions_per_run=self.settings.kyok_completions_per_run)
@@ -228,30 +221,16 @@ class Funduq:
         """After a restart: what nobody can still be holding fails
         ``orphaned_by_restart``; queued runs queue again in arrival order;
         paused runs stay answerable."""
-        orphaned = tuple(st.ORPHANED_BY_RESTART)
-
-        def read(conn: Any) -> tuple[int, list[Any], list[Any]]:
-            arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
-            marks = ",".join("?" * len(orphaned))
-            orphans = conn.execute(
-                f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
-                f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
-                f"AND json_extract(e.event, '$.type') = 'RUN_ERROR') "
-                f"FROM runs r WHERE status IN ({marks})", orphaned).fetchall()
-            queued = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ? ORDER BY arrival",
-                (st.QUEUED,)).fetchall()
-            return arrival, orphans, queued
-
-        self._arrival, orphans, queued = await self.record.read(read)
+        self._arrival, orphans, queued = await self.record.restore_reads(
+            tuple(st.ORPHANED_BY_RESTART))
         for run_id, status, metadata, last_seq, reported in orphans:
             machine = RunMachine(status)
             machine.reported_error = bool(reported)
             for action in machine.handle(Input.RESTARTED):
                 assert isinstance(action, Settle), action
                 await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
-        for row in queued:
-            row = _run_row(row)
+        for found in queued:
+            row = _run_row(found)
             self.waiting.charge(row["id"], (row["provider_key"], row["agent_name"]),
                                 _input_size(row), force=True)
             await self._thread(row["thread_id"])  # its history, for the replies it will add
@@ -300,8 +279,8 @@ class Funduq:
     def offer_payload(self, lane: Lane) -> dict[str, Any]:
         return self._offer_payload(lane)
 
-    def replies_writer(self, lane: Lane) -> Any:
-        return self._replies_writer(lane)
+    def reply_messages(self, lane: Lane) -> list[tuple[Any, ...]] | None:
+        return self._reply_messages(lane)
 
     def lane_ended(self, lane: Lane) -> None:
         self._lane_ended(lane)
@@ -409,10 +388,7 @@ class Funduq:
         key = view.key
         await self._writable()
         _check_carriable(metadata, thread_id)
-        try:
-            run_input = agui.read_run_input(run_input)
-        except agui.InvalidInput as exc:
-            raise InvalidRunInput(str(exc)) from None
+        run_input = _read_run_input(run_input)
         metadata = dict(metadata or {})
         run_metadata: dict[str, Any] = {}
         if "kyok" in metadata:
@@ -457,7 +433,7 @@ class Funduq:
                 self._unsee(info, messages, new=new_thread is not None)
                 raise
             try:
-                await self.record.write(lambda c: _insert_run(c, row, new_thread, messages))
+                await self.record.insert_run(row, new_thread, messages)
             except BaseException as exc:
                 self.waiting.release(run_id)
                 # Not recorded: the cache must not believe the thread holds
@@ -559,9 +535,9 @@ class Funduq:
             info.message_count += 1
         return rows
 
-    def _replies_writer(self, lane: Lane) -> Any:
-        """The write that appends a run's assistant replies to its thread's
-        history, done in the same transaction as the run's settling."""
+    def _reply_messages(self, lane: Lane) -> list[tuple[Any, ...]] | None:
+        """The messages that append a run's assistant replies to its thread's
+        history, written in the same transaction as the run's settling."""
         info = self._thread_info.get(lane.thread_id)
         replies = lane.replies()
         if not replies or info is None:
@@ -573,7 +549,7 @@ class Funduq:
             rows.append((info.id, info.message_count, message["id"], lane.run_id, dumps(message)))
             info.message_ids.add(message["id"])
             info.message_count += 1
-        return lambda conn: conn.executemany(_INSERT_MESSAGE, rows)
+        return rows
 
     async def follow(self, run_id: str, after_seq: int = 0
                      ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
@@ -645,12 +621,7 @@ class Funduq:
             if run_id in self.lanes:
                 return
 
-            def read(conn: Any) -> Any:
-                return conn.execute(
-                    "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
-                    "WHERE e.run_id = r.id) FROM runs r WHERE id=?", (run_id,)).fetchone()
-
-            found = await self.record.read(read)
+            found = await self.record.run_progress(run_id)
             if found is None:
                 raise RunNotFound(run_id)
             status, last_seq = found
@@ -762,9 +733,7 @@ class Funduq:
                        opt_in.get("context"), chain)
 
     async def paused_run(self, thread_id: str) -> str | None:
-        return await self.record.read(lambda c: _scalar(c.execute(
-            "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
-            (thread_id, st.INPUT_REQUIRED))))
+        return await self.record.paused_run(thread_id, st.INPUT_REQUIRED)
 
     async def answer_pause(self, run_id: str, run_input: Any, *,
                            metadata: dict[str, Any] | None = None,
@@ -789,14 +758,12 @@ class Funduq:
         metadata = dict(metadata or {})
         if "kyok" in metadata:
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
-        try:
-            run_input = agui.read_run_input(run_input)
-        except agui.InvalidInput as exc:
-            raise InvalidRunInput(str(exc)) from None
+        run_input = _read_run_input(run_input)
         await self._writable()
-        row = await self.record.read(lambda c: c.execute(
-            f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)).fetchone())
-        row = _run_row(row)
+        found = await self.record.run_row(run_id)
+        if found is None:
+            raise RunNotFound(run_id)
+        row = _run_row(found)
         if thread_id is not None and thread_id != row["thread_id"]:
             raise InvalidRunInput(f"thread {thread_id} is not the thread of run {run_id}")
         # An answer's chain joins the record's metadata, so it is held to the
@@ -831,10 +798,6 @@ class Funduq:
         arrival = self._arrival
         self._answering[tid] = self._answering.get(tid, 0) + 1  # keep its info cached
 
-        def add_messages(conn: Any) -> None:
-            if messages:
-                conn.executemany(_INSERT_MESSAGE, messages)
-
         try:
             (move,) = RunMachine(st.INPUT_REQUIRED).handle(Input.PAUSE_ANSWERED)
             assert isinstance(move, Move), move
@@ -842,7 +805,7 @@ class Funduq:
                 moved = await self.record.move(
                     run_id, move.to, metadata=row["metadata"], run_input=run_input,
                     caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
-                    then=add_messages)
+                    messages=messages)
             except BaseException as exc:
                 if info:
                     self._unsee(info, messages, new=False)  # not recorded
@@ -872,17 +835,7 @@ class Funduq:
     # -- reading the record ------------------------------------------------------------
 
     async def get_run(self, run_id: str) -> dict[str, Any] | None:
-        def read(conn: Any) -> Any:
-            row = conn.execute(
-                "SELECT id, thread_id, provider_key, agent_name, status, metadata, created_at, "
-                "started_at, completed_at FROM runs WHERE id=?", (run_id,)).fetchone()
-            if row is None:
-                return None
-            events = conn.execute("SELECT seq, event FROM events WHERE run_id=? ORDER BY seq",
-                                  (run_id,)).fetchall()
-            return row, events
-
-        found = await self.record.read(read)
+        found = await self.record.get_run(run_id)
         if found is None:
             return None
         row, events = found
@@ -899,31 +852,11 @@ class Funduq:
         it). `before` is a run id: only runs that arrived before it (a cursor;
         an unknown id lists nothing). `bound_to` keeps the threads whose
         segment head is that key."""
-        where, args = [], []
-        if thread_id is not None:
-            where.append("r.thread_id=?")
-            args.append(thread_id)
-        if provider is not None:
-            where.append("r.provider_key=?")
-            args.append(self.providers.resolve_key(provider) or provider)
-        if agent is not None:
-            where.append("r.agent_name=?")
-            args.append(agent)
-        if status is not None:
-            wanted = [status] if isinstance(status, str) else list(status)
-            where.append(f"r.status IN ({','.join('?' * len(wanted))})")
-            args.extend(wanted)
-        if before is not None:
-            where.append("r.arrival < (SELECT arrival FROM runs WHERE id=?)")
-            args.append(before)
-        if bound_to is not None:
-            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
-            args.append(bound_to)
-        sql = ("SELECT r.id, r.thread_id, r.provider_key, r.agent_name, r.status, r.metadata, "
-               "r.created_at, r.started_at, r.completed_at FROM runs r"
-               + (" WHERE " + " AND ".join(where) if where else "")
-               + " ORDER BY r.arrival DESC LIMIT ?")
-        rows = await self.record.read(lambda c: c.execute(sql, (*args, limit)).fetchall())
+        key = None if provider is None else self.providers.resolve_key(provider) or provider
+        wanted = None if status is None else [status] if isinstance(status, str) else list(status)
+        rows = await self.record.list_runs(thread_id=thread_id, provider_key=key, agent=agent,
+                                           limit=limit, status=wanted, before=before,
+                                           bound_to=bound_to)
         return [_run_json(r) for r in rows]
 
     # -- who may read what (DESIGN §8); the doors call these, never authority.py
@@ -1007,37 +940,10 @@ class Funduq:
         scope = await self.listing_scope(reader, thread_id)
         if scope is None:
             return [], 0, False
-        where: list[str] = ["r.provider_key=?", "r.agent_name=?"]
-        args: list[Any] = [provider_key, agent]
-        if "thread_id" in scope:
-            where.append("r.thread_id=?")
-            args.append(scope["thread_id"])
-        if "bound_to" in scope:
-            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
-            args.append(scope["bound_to"])
-        if status is not None:
-            where.append(f"r.status IN ({','.join('?' * len(status))})")
-            args.extend(status)
-        if status_after is not None:
-            where.append(f"{STATUS_TIME} >= ?")
-            args.append(status_after)
-        matching = " AND ".join(where)
-        keyset, keyset_args = "", []
-        if after_run is not None:
-            keyset = (f" AND ({STATUS_TIME}, r.id) < (SELECT {STATUS_TIME}, r.id FROM runs r "
-                      "WHERE r.id=?)")
-            keyset_args = [after_run]
-
-        def read(conn: Any) -> tuple[int, list[str]]:
-            total = conn.execute(f"SELECT COUNT(*) FROM runs r WHERE {matching}",
-                                 args).fetchone()[0]
-            ids = [r[0] for r in conn.execute(
-                f"SELECT r.id FROM runs r WHERE {matching}{keyset} "
-                f"ORDER BY {STATUS_TIME} DESC, r.id DESC LIMIT ?",
-                (*args, *keyset_args, page_size + 1))]
-            return total, ids
-
-        total, ids = await self.record.read(read)
+        total, ids = await self.record.task_ids(
+            provider_key, agent, thread_id=scope.get("thread_id"),
+            bound_to=scope.get("bound_to"), status=None if status is None else list(status),
+            status_after=status_after, limit=page_size + 1, after_run=after_run)
         records = []
         for run_id in ids[:page_size]:
             record = await self.get_run(run_id)
@@ -1050,11 +956,7 @@ class Funduq:
         if info is None:
             return None
 
-        def read(conn: sqlite3.Connection) -> list[Any]:
-            return conn.execute("SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival",
-                                (thread_id,)).fetchall()
-
-        runs = await self.record.read(read)
+        runs = await self.record.thread_runs(thread_id)
         return {"threadId": thread_id, "agent": {"provider": info.key, "name": info.agent},
                 "segmentHead": info.segment_head, "messages": await self._messages(thread_id),
                 "runs": [{"runId": r, "status": s} for r, s in runs]}
@@ -1067,7 +969,7 @@ class Funduq:
             # Writes fail (a full disk, an I/O error): not ready until one goes through.
             return await self.record.probe()
         try:
-            await self.record.read(lambda c: c.execute("SELECT 1").fetchone())
+            await self.record.ping()
         except Exception:  # noqa: BLE001 -- any failure means not ready
             return False
         return True
@@ -1078,16 +980,7 @@ class Funduq:
             self._thread_info[thread_id] = info  # most recently used last
             return info
 
-        def read(conn: Any) -> Any:
-            row = conn.execute("SELECT provider_key, agent_name, segment_head FROM threads "
-                               "WHERE id=?", (thread_id,)).fetchone()
-            if row is None:
-                return None
-            ids = [r[0] for r in conn.execute(
-                "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,))]
-            return row, ids
-
-        found = await self.record.read(read)
+        found = await self.record.thread(thread_id)
         if found is None:
             return None
         (key, agent, head), ids = found
@@ -1096,36 +989,21 @@ class Funduq:
         return info
 
     async def _messages(self, thread_id: str, limit: int | None = None) -> list[dict[str, Any]]:
-        def read(conn: sqlite3.Connection) -> list[Any]:
-            if limit is None:
-                return conn.execute("SELECT message FROM messages WHERE thread_id=? ORDER BY idx",
-                                    (thread_id,)).fetchall()
-            rows = conn.execute("SELECT message FROM messages WHERE thread_id=? "
-                                "ORDER BY idx DESC LIMIT ?", (thread_id, limit)).fetchall()
-            return rows[::-1]
-
-        return [json.loads(m) for (m,) in await self.record.read(read)]
+        return [json.loads(m) for m in await self.record.messages(thread_id, limit)]
 
     async def _events(self, run_id: str, after: int, before: int | None = None, *,
-                      limit: int = -1) -> list[tuple[int, dict[str, Any]]]:
-        def read(conn: sqlite3.Connection) -> list[Any]:
-            return conn.execute(
-                "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq "
-                "LIMIT ?", (run_id, after, before if before is not None else 2**62, limit)
-            ).fetchall()
-
-        return [(s, json.loads(e)) for s, e in await self.record.read(read)]
+                      limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+        return [(s, json.loads(e))
+                for s, e in await self.record.events_after(run_id, after, before, limit)]
 
     async def _run_thread(self, run_id: str) -> str | None:
         lane = self.lanes.get(run_id)
         if lane is not None:
             return lane.thread_id
-        return await self.record.read(lambda c: _scalar(c.execute(
-            "SELECT thread_id FROM runs WHERE id=?", (run_id,))))
+        return await self.record.run_thread(run_id)
 
     async def _run_exists(self, run_id: str) -> bool:
-        return await self.record.read(lambda c: c.execute(
-            "SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None)
+        return await self.record.run_exists(run_id)
 
     async def _run_facts(self, run_id: str) -> tuple[str | None, str] | None:
         """(segment head of its thread, its provider key), or None."""
@@ -1133,18 +1011,10 @@ class Funduq:
         if lane is not None:
             info = await self._thread(lane.thread_id)
             return (info.segment_head if info else None), lane.key
-        return await self.record.read(lambda c: c.execute(
-            "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
-            "ON t.id = r.thread_id WHERE r.id=?", (run_id,)).fetchone())
+        return await self.record.run_facts(run_id)
 
 
-# -- SQL helpers -----------------------------------------------------------------------
-
-_RUN_COLUMNS = ("id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
-                "metadata, arrival, created_at, started_at, "
-                "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)")
-_INSERT_MESSAGE = ("INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
-                   "VALUES (?,?,?,?,?)")
+# -- rows ------------------------------------------------------------------------------
 
 
 def _run_row(row: Any) -> dict[str, Any]:
@@ -1171,28 +1041,23 @@ def _run_json(row: Any) -> dict[str, Any]:
             "startedAt": iso(started), "completedAt": iso(completed)}
 
 
-def _insert_run(conn: Any, row: dict[str, Any], new_thread: tuple[Any, ...] | None,
-                messages: list[tuple[Any, ...]]) -> None:
-    if new_thread is not None:
-        conn.execute("INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at)"
-                     " VALUES (?,?,?,?,?)", new_thread)
-    conn.execute(
-        "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input, "
-        "caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-        (row["arrival"], row["id"], row["thread_id"], row["provider_key"], row["agent_name"],
-         row["status"], row["input"], row["caller_metadata"],
-         dumps(row["metadata"]), row["created_at"]))
-    if messages:
-        conn.executemany(_INSERT_MESSAGE, messages)
+def _read_run_input(raw: Any) -> dict[str, Any]:
+    """A caller's RunAgentInput, valid, and with message ids the record can
+    keep as text (no NUL, no lone surrogate: see ``store.keepable``)."""
+    try:
+        run_input = agui.read_run_input(raw)
+    except agui.InvalidInput as exc:
+        raise InvalidRunInput(str(exc)) from None
+    for message in run_input.get("messages") or ():
+        mid = message.get("id") if isinstance(message, dict) else None
+        if isinstance(mid, str) and not keepable(mid):
+            raise InvalidRunInput("messages: a message id holds a character funduq cannot "
+                                  "record (NUL or a lone surrogate)")
+    return run_input
 
 
 def _not_cancellable(run_id: str) -> RunNotCancellable:
     return RunNotCancellable(f"run {run_id} is paused or has ended; nothing to stop")
-
-
-def _scalar(cursor: Any) -> Any:
-    row = cursor.fetchone()
-    return None if row is None else row[0]
 
 
 __all__ = ["Funduq", "RunTicket", "NotAuthorized"]

@@ -45,7 +45,7 @@ from ..secret_file import load_or_create
 from .authority import SIGNATURE_WINDOW_SECONDS, SpentProofs, check_signed_request
 from .errors import InvalidKyokOptIn, NotAuthorized, ProofsBusy
 from .metrics import Metrics
-from .record import Record, dumps
+from .store import Store, dumps
 
 __all__ = [
     "COMPLETION_BUFFER_CHUNKS",
@@ -315,7 +315,7 @@ class Kyok:
     """The relay's state: LLM providers, offerings, counters, completions in
     flight, and the runs a cancel was accepted for."""
 
-    def __init__(self, record: Record, secret: bytes, metrics: Metrics, *,
+    def __init__(self, record: Store, secret: bytes, metrics: Metrics, *,
                  clock: Callable[[], float] = time.time,
                  max_spent_calls: int = 100_000, completions_per_run: int = 4) -> None:
         self.record = record
@@ -339,15 +339,9 @@ class Kyok:
         self.by_run: dict[str, dict[str, Completion]] = {}
 
     async def load(self) -> None:
-        def read(conn: Any) -> tuple[list[Any], list[Any]]:
-            return (conn.execute("SELECT key, " + ", ".join(COUNTERS)
-                                 + " FROM llm_providers").fetchall(),
-                    conn.execute("SELECT provider_key, name, description, metadata "
-                                 "FROM llm_offerings").fetchall())
-
-        providers, offerings = await self.record.read(read)
+        providers, offerings = await self.record.llm_providers_and_offerings()
         for key, *counts in providers:
-            self.counters[key] = dict(zip(COUNTERS, counts, strict=True))
+            self.counters[key] = dict(zip(COUNTERS, map(int, counts), strict=True))
         for key, name, description, metadata in offerings:
             self.offerings[(key, name)] = {"description": description,
                                            "metadata": json.loads(metadata)}
@@ -367,15 +361,7 @@ class Kyok:
     async def _record_offerings(self, key: str, offerings: list[dict[str, Any]]) -> None:
         rows = [(key, o["name"], o.get("description") or "", dumps(o.get("metadata") or {}))
                 for o in offerings]
-
-        def write(conn: Any) -> None:
-            conn.execute("INSERT OR IGNORE INTO llm_providers (key) VALUES (?)", (key,))
-            conn.executemany(
-                "INSERT INTO llm_offerings (provider_key, name, description, metadata) "
-                "VALUES (?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
-                "description=excluded.description, metadata=excluded.metadata", rows)
-
-        await self.record.write(write)
+        await self.record.record_offerings(key, rows)
         self.counters.setdefault(key, dict.fromkeys(COUNTERS, 0))
         for o in offerings:
             self.offerings[(key, o["name"])] = {"description": o.get("description") or "",
@@ -406,8 +392,7 @@ class Kyok:
         counts = self.counters.setdefault(key, dict.fromkeys(COUNTERS, 0))
         counts[counter] += 1
         value = counts[counter]
-        self.record.write_soon(lambda c: c.execute(
-            f"UPDATE llm_providers SET {counter}=? WHERE key=?", (value, key)))
+        self.record.set_llm_counter_soon(key, counter, value)
 
     # -- the door --
 

@@ -64,12 +64,10 @@ from ..protocol import agui, carriable
 from ..protocol.statuses import Status
 from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
-from .record import PendingWrite, Record, iso, record_trouble
 from .run_machine import Input, Phase, RunMachine, Verdict
+from .store import PendingWrite, Store, iso, record_trouble
 
 if TYPE_CHECKING:
-    import sqlite3
-
     from ..config import Settings
     from .metrics import Metrics
     from .providers import Offer, Providers, ProviderSession
@@ -96,7 +94,7 @@ class LaneHost(Protocol):
     """What a lane needs of the broker (``Funduq`` implements it)."""
 
     settings: Settings
-    record: Record
+    record: Store
     providers: Providers
     metrics: Metrics
 
@@ -104,8 +102,9 @@ class LaneHost(Protocol):
         """The ``run`` of the offer frame for this run."""
         ...
 
-    def replies_writer(self, lane: Lane) -> Callable[[sqlite3.Connection], Any] | None:
-        """The write adding the run's replies to its thread (with its settling)."""
+    def reply_messages(self, lane: Lane) -> list[tuple[Any, ...]] | None:
+        """The messages adding the run's replies to its thread (written with its
+        settling)."""
         ...
 
     def lane_ended(self, lane: Lane) -> None:
@@ -575,7 +574,7 @@ class Lane:
             elif isinstance(action, rm.Pause):
                 self.metadata["interrupts"] = agui.interrupts_of(self._finished or {})
                 await self._move(Status.INPUT_REQUIRED, stamp="completed_at",
-                                 then=self.f.replies_writer(self))
+                                 messages=self.f.reply_messages(self))
             elif isinstance(action, rm.SendOffer):
                 await self._send_offer()
             elif isinstance(action, rm.Withdraw):
@@ -688,7 +687,8 @@ class Lane:
 
     async def _move(self, to: Status, *, stamp: str | None = None,
                     events: list[tuple[int, dict[str, Any]]] | None = None,
-                    then: Any = None, soon: bool = False) -> None:
+                    messages: list[tuple[Any, ...]] | None = None,
+                    soon: bool = False) -> None:
         await self._confirm()
         when = time.time()
         record = self.f.record
@@ -700,7 +700,7 @@ class Lane:
                                                  stamp=(stamp, when) if stamp else None)
         elif not await self._retrying(lambda: record.move(
                 self.run_id, to, metadata=self.metadata, events=events or (),
-                stamp=(stamp, when) if stamp else None, then=then)):
+                stamp=(stamp, when) if stamp else None, messages=messages)):
             raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
         self._recorded = to
         if stamp:
@@ -730,8 +730,8 @@ class Lane:
         if settle.error_event:
             events.append((self.next_seq, agui.run_error(settle.reason or "failed")))
         # After a fault, the least that ends the run: no replies for its thread.
-        then = None if self._faulted else self.f.replies_writer(self)
-        await self._move(settle.to, stamp="completed_at", events=events, then=then)
+        replies = None if self._faulted else self.f.reply_messages(self)
+        await self._move(settle.to, stamp="completed_at", events=events, messages=replies)
         self.next_seq += len(events)
         for seq, event in events:
             self.feed.publish(seq, event)

@@ -22,8 +22,8 @@ from ..identity import fingerprint_of
 from .errors import TooManyAgents
 from .inbox import Finish, Gone, Message, Report, Wake
 from .metrics import Metrics
-from .record import COUNTERS, Record, dumps
 from .run_machine import Verdict
+from .store import COUNTERS, Store, dumps
 
 log = logging.getLogger("funduq.providers")
 
@@ -271,7 +271,7 @@ class ProviderSession:
 class Providers:
     """The registry of providers, their agents, places and counters."""
 
-    def __init__(self, record: Record, allowance: int,
+    def __init__(self, record: Store, allowance: int,
                  messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]],
                  metrics: Metrics, *, max_agents: int = 100,
                  max_roster_bytes: int = 1024 * 1024) -> None:
@@ -294,16 +294,11 @@ class Providers:
         self.serve_waiters: dict[str, dict[int, Lane]] = {}
         self.started_at = 0.0
 
-    def load(self) -> None:
+    async def load(self) -> None:
         """Read counters and published agents back from the record (start-up)."""
-        def read(conn: Any) -> tuple[list[Any], list[Any]]:
-            return (conn.execute("SELECT key, fingerprint, " + ", ".join(COUNTERS)
-                                 + " FROM providers").fetchall(),
-                    conn.execute("SELECT provider_key, name, description, card, metadata "
-                                 "FROM agents").fetchall())
-        providers, agents = self.record.read_now(read)
+        providers, agents = await self.record.providers_and_agents()
         for key, fp, *counts in providers:
-            self.counters[key] = dict(zip(COUNTERS, counts, strict=True))
+            self.counters[key] = dict(zip(COUNTERS, map(int, counts), strict=True))
             self.by_fingerprint[fp] = key
         for key, name, description, card, metadata in agents:
             self.agents[(key, name)] = {"name": name, "description": description,
@@ -358,23 +353,10 @@ class Providers:
                  dumps(a.get("metadata") or {})) for a in agents]
         listed = {row[1]: sum(map(len, row[1:])) for row in rows}
 
-        def write(conn: Any) -> list[str]:
-            conn.execute("INSERT OR IGNORE INTO providers (key, fingerprint) VALUES (?, ?)",
-                         (key, fp))
-            recorded = conn.execute(
-                "SELECT name, length(name) + length(description) + length(card) + "
-                "length(metadata) FROM agents WHERE provider_key=? ORDER BY rowid",
-                (key,)).fetchall()
-            forget = agents_to_forget(recorded, listed, self.max_agents, self.max_roster_bytes)
-            conn.executemany("DELETE FROM agents WHERE provider_key=? AND name=?",
-                             [(key, name) for name in forget])
-            conn.executemany(
-                "INSERT INTO agents (provider_key, name, description, card, metadata) "
-                "VALUES (?,?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
-                "description=excluded.description, card=excluded.card, "
-                "metadata=excluded.metadata", rows)
-            return forget
-        forgotten = await self.record.write(write)
+        forgotten = await self.record.record_agents(
+            key, fp, rows,
+            lambda recorded: agents_to_forget(recorded, listed, self.max_agents,
+                                              self.max_roster_bytes))
         for name in forgotten:
             self.agents.pop((key, name), None)
             self.unserved.pop((key, name), None)
@@ -442,8 +424,7 @@ class Providers:
         counts = self.counters.setdefault(key, dict.fromkeys(COUNTERS, 0))
         counts[counter] += 1
         value = counts[counter]
-        await self.record.write(lambda c: c.execute(
-            f"UPDATE providers SET {counter}=? WHERE key=?", (value, key)))
+        await self.record.set_counter(key, counter, value)
         if value >= self.allowance:
             self.withdraw(key, f"{counter} reached the allowance ({self.allowance})")
 

@@ -41,28 +41,11 @@ from ..protocol import agui, push, statuses
 from ..protocol.a2a.projection import TaskProjection
 from ..protocol.push import SETTLE, TargetRefused
 from .errors import PushConfigNotFound, PushRefused
+from .store import PUSH_DELIVERING
 
 log = logging.getLogger("funduq.pushes")
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS push_configs (
-    task_id TEXT NOT NULL,
-    id TEXT NOT NULL,
-    url TEXT NOT NULL,
-    token TEXT NOT NULL DEFAULT '',
-    authentication TEXT NOT NULL DEFAULT '{}',
-    created_at REAL NOT NULL,
-    cursor_seq INTEGER NOT NULL DEFAULT 0,
-    cursor_index INTEGER NOT NULL DEFAULT -1,
-    state TEXT NOT NULL DEFAULT 'delivering',
-    attempts INTEGER NOT NULL DEFAULT 0,
-    last_error TEXT,
-    PRIMARY KEY (task_id, id)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS push_configs_state ON push_configs (state);
-"""
-
-DELIVERING, DONE, GIVEN_UP = "delivering", "done", "given_up"
+DELIVERING, DONE, GIVEN_UP = PUSH_DELIVERING, "done", "given_up"
 
 
 class _GiveUp(Exception):
@@ -93,10 +76,8 @@ class PushConfig:
         return config
 
 
-_COLUMNS = "task_id, id, url, token, authentication, cursor_seq, cursor_index, state"
-
-
 def _config(row: Any) -> PushConfig:
+    """A push config from its row (``store.PUSH_COLUMNS``)."""
     task_id, cid, url, token, auth, seq, index, state = row
     return PushConfig(task_id, cid, url, token, json.loads(auth), (seq, index), state)
 
@@ -208,17 +189,8 @@ class Pushes:
     # -- life
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        def create_tables(conn: Any) -> None:
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-
-        await self.record.write(create_tables)
-        rows = await self.record.read(
-            lambda c: c.execute(
-                f"SELECT {_COLUMNS} FROM push_configs WHERE state=?", (DELIVERING,)
-            ).fetchall()
-        )
+        # The table is the record's (schema migration 4 on either store).
+        rows = await self.record.push_configs_delivering()
         timeout = httpx.Timeout(self.settings.push_timeout_seconds)
         async with httpx.AsyncClient(
             timeout=timeout, follow_redirects=False, trust_env=False,
@@ -319,9 +291,7 @@ class Pushes:
         return PushSlot(self)
 
     async def _config_ids(self, task_id: str) -> set[str]:
-        rows = await self.record.read(lambda c: c.execute(
-            "SELECT id FROM push_configs WHERE task_id=?", (task_id,)).fetchall())
-        return {row[0] for row in rows}
+        return {row[1] for row in await self.record.push_configs(task_id)}
 
     async def vet(self, config: pb.TaskPushNotificationConfig) -> None:
         """Refuse (PushRefused) a config `create` would refuse for its own
@@ -369,36 +339,22 @@ class Pushes:
             last = max((e["seq"] for e in (record or {}).get("events") or ()), default=0)
             cursor = (last, SETTLE - 1)  # the status as it stands is still to go
         row = PushConfig(task_id, config_id, config.url, config.token, auth, cursor)
-        limits = self.settings
-
-        def insert(conn: Any) -> str | None:
-            existing = conn.execute(
-                "SELECT 1 FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)
-            ).fetchone()
-            if existing is None and slot is None:
-                per_task = conn.execute(
-                    "SELECT COUNT(*) FROM push_configs WHERE task_id=?", (task_id,)
-                ).fetchone()[0]
-                if per_task >= limits.push_configs_per_task:
-                    return (f"task has {per_task} push configs already "
-                            "(FUNDUQ_PUSH_CONFIGS_PER_TASK)")
-                active = conn.execute(
-                    "SELECT COUNT(*) FROM push_configs WHERE state=?", (DELIVERING,)
-                ).fetchone()[0]
-                if active >= limits.push_max_active:
-                    return ("funduq delivers to as many push configs as it may "
-                            "(FUNDUQ_PUSH_MAX_ACTIVE)")
-            conn.execute(
-                "INSERT OR REPLACE INTO push_configs (task_id, id, url, token, authentication, "
-                "created_at, cursor_seq, cursor_index, state) VALUES (?,?,?,?,?,?,?,?,?)",
-                (task_id, config_id, row.url, row.token, json.dumps(auth), time.time(),
-                 cursor[0], cursor[1], DELIVERING))
-            return None
-
         try:
-            refused = await self.record.write(insert)
+            # With a slot the room is held already: the store checks none.
+            refused = await self.record.put_push_config(
+                task_id, config_id, row.url, row.token, json.dumps(auth), cursor,
+                per_task=None if slot is not None else self.settings.push_configs_per_task,
+                active=None if slot is not None else self.settings.push_max_active)
             if refused is not None:
-                raise PushRefused(refused)
+                why, count = refused
+                raise PushRefused({
+                    "per_task": f"task has {count} push configs already "
+                                "(FUNDUQ_PUSH_CONFIGS_PER_TASK)",
+                    "active": "funduq delivers to as many push configs as it may "
+                              "(FUNDUQ_PUSH_MAX_ACTIVE)",
+                    "unrecordable": "push config holds a character funduq cannot record "
+                                    "(NUL or a lone surrogate)",
+                }[why])
             old = self._scopes.pop((task_id, config_id), None)
             if old is not None:  # replaced: the old deliverer stops
                 old.cancel()
@@ -409,22 +365,17 @@ class Pushes:
         return row.as_proto()
 
     async def get(self, task_id: str, config_id: str) -> pb.TaskPushNotificationConfig:
-        row = await self.record.read(lambda c: c.execute(
-            f"SELECT {_COLUMNS} FROM push_configs WHERE task_id=? AND id=?",
-            (task_id, config_id)).fetchone())
+        row = await self.record.push_config(task_id, config_id)
         if row is None:
             raise PushConfigNotFound(config_id)
         return _config(row).as_proto()
 
     async def list(self, task_id: str) -> list[pb.TaskPushNotificationConfig]:
-        rows = await self.record.read(lambda c: c.execute(
-            f"SELECT {_COLUMNS} FROM push_configs WHERE task_id=? ORDER BY created_at, id",
-            (task_id,)).fetchall())
+        rows = await self.record.push_configs(task_id)
         return [_config(r).as_proto() for r in rows]
 
     async def delete(self, task_id: str, config_id: str) -> None:
-        deleted = await self.record.write(lambda c: c.execute(
-            "DELETE FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)).rowcount)
+        deleted = await self.record.delete_push_config(task_id, config_id)
         if not deleted:
             raise PushConfigNotFound(config_id)
         scope = self._scopes.pop((task_id, config_id), None)
@@ -512,9 +463,7 @@ class Pushes:
 
     async def _finish(self, config: PushConfig, state: str, error: str | None) -> None:
         config.state = state
-        await self.record.write(lambda c: c.execute(
-            "UPDATE push_configs SET state=?, last_error=? WHERE task_id=? AND id=?",
-            (state, error, config.task_id, config.id)))
+        await self.record.end_push_config(config.task_id, config.id, state, error)
 
     async def _send(
         self, config: PushConfig, key: tuple[int, int], update: pb.StreamResponse
@@ -539,10 +488,7 @@ class Pushes:
                 self._note()
                 raise _GiveUp
             await trio.sleep(push.backoff_delay(failures, self.settings.push_backoff_seconds))
-        await self.record.write(lambda c: c.execute(
-            "UPDATE push_configs SET cursor_seq=?, cursor_index=?, attempts=attempts+? "
-            "WHERE task_id=? AND id=?",
-            (key[0], key[1], failures + 1, config.task_id, config.id)))
+        await self.record.push_delivered(config.task_id, config.id, key, failures + 1)
         config.cursor = key
         self.delivered += 1
         self._note()

@@ -115,7 +115,25 @@ CREATE TABLE IF NOT EXISTS llm_offerings (
     PRIMARY KEY (provider_key, name)
 );
 """),
-    # Next: Migration(4, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+    # IF NOT EXISTS: builds of main before this step made the table at start.
+    Migration(4, "push notifications (DESIGN §10): each push config and its delivery cursor", """
+CREATE TABLE IF NOT EXISTS push_configs (
+    task_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    token TEXT NOT NULL DEFAULT '',
+    authentication TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    cursor_seq INTEGER NOT NULL DEFAULT 0,
+    cursor_index INTEGER NOT NULL DEFAULT -1,
+    state TEXT NOT NULL DEFAULT 'delivering',
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    PRIMARY KEY (task_id, id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS push_configs_state ON push_configs (state);
+"""),
+    # Next: Migration(5, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
 

@@ -1,0 +1,1141 @@
+"""The record as an interface: the ``Store`` protocol, and what its two stores
+(SQLite, ``record.py``; PostgreSQL, ``postgres.py``) share.
+
+The broker (the facade, the registry, the lanes, KYOK, the push outbox) speaks
+to the record only in the domain's words -- insert a run, move it, append its
+events, read its thread -- and never writes SQL. Both stores keep the same two
+promises:
+
+* **guarded status writes**: ``move`` is ``UPDATE runs ... WHERE status IN
+  (legal sources)`` and reports whether the run moved; what goes with the move
+  (events, metadata, messages) is written only when it did, in its transaction;
+* **group commit, first-in first-out**: one writer takes every write waiting
+  and commits them as one transaction, batches in order.
+
+``SqlStore`` holds that machinery and the domain's SQL, written once in the
+dialect both databases speak (``?`` placeholders; the PostgreSQL store turns
+them into its own). A store supplies its connections, its transactions and the
+few expressions the two dialects spell differently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+
+import trio
+
+from ..protocol import statuses
+
+if TYPE_CHECKING:
+    from ..config import Settings
+
+T = TypeVar("T")
+log = logging.getLogger("funduq.record")
+
+COUNTERS = ("misdeclared", "unanswered", "abandoned", "undelivered")
+#: A push config's columns as the stores read them (pushes._config).
+PUSH_COLUMNS = "task_id, id, url, token, authentication, cursor_seq, cursor_index, state"
+PUSH_DELIVERING = "delivering"
+#: An LLM provider's counters (KYOK; kyok.COUNTERS).
+LLM_COUNTERS = ("completions", "refused", "failed")
+
+#: A message of a thread as the record keeps it:
+#: (thread id, idx, message id, run id, message JSON).
+MessageRow = tuple[Any, ...]
+#: A run's row for the broker: id, thread_id, provider_key, agent_name, status,
+#: input, caller_metadata, metadata, arrival, created_at, started_at, next seq.
+RunRow = tuple[Any, ...]
+#: A run's summary for the read routes: id, thread_id, provider_key,
+#: agent_name, status, metadata, created_at, started_at, completed_at.
+SummaryRow = tuple[Any, ...]
+
+
+def dumps(value: Any) -> str:
+    # ASCII-escaped: valid JSON may carry lone surrogates ("\ud800"), which
+    # SQLite's UTF-8 text cannot hold unescaped.
+    return json.dumps(value, separators=(",", ":"))
+
+
+def iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class RecordUnreachable(RuntimeError):
+    """The record could not be opened at start: its database does not answer
+    (the message says where and why, never a password)."""
+
+
+class Unrecordable(ValueError):
+    """Text the record cannot keep outside JSON: a NUL character (PostgreSQL's
+    text refuses it) or a lone surrogate (neither database's UTF-8 holds it).
+    JSON columns never meet it -- ``dumps`` escapes both."""
+
+
+def keepable(*texts: str | None) -> bool:
+    """Whether every one of ``texts`` (None: nothing) can be kept in, or
+    looked up in, a text column of either store. What cannot be kept was never
+    recorded, so a lookup of it finds nothing without asking the database."""
+    for text in texts:
+        if text is None or (text.isascii() and "\x00" not in text):
+            continue
+        if "\x00" in text:
+            return False
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return True
+
+
+def record_trouble(exc: BaseException) -> bool:
+    """A write failed because of the record's medium (disk full, I/O error,
+    a lock held too long, the database server gone), not because of what it
+    wrote: worth retrying."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
+
+
+@dataclass
+class _Write:
+    fn: Callable[[Any], Any]
+    result: Any = None
+    error: BaseException | None = None
+
+
+class PendingWrite:
+    """A write queued with ``write_soon``: its result, once its batch committed."""
+
+    __slots__ = ("_op", "_done", "_record")
+
+    def __init__(self, record: SqlStore, op: _Write, done: trio.Event) -> None:
+        self._record, self._op, self._done = record, op, done
+
+    async def result(self) -> Any:
+        await self._done.wait()
+        self._record._note(self._op)
+        if self._op.error is not None:
+            raise self._op.error
+        return self._op.result
+
+
+class Store(Protocol):
+    """What the broker asks of its record. Every write is durable when its
+    await returns; ``move_soon`` queues one first-in first-out."""
+
+    #: The last write failed for the medium's sake: not ready, no new runs.
+    failing: bool
+
+    async def probe(self) -> bool:
+        """One small write; True when it went through (clears ``failing``)."""
+        ...
+
+    async def ping(self) -> None:
+        """One small read; raises when the record does not answer."""
+        ...
+
+    # -- writes
+    async def insert_run(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> None: ...
+
+    async def move(self, run_id: str, to: str, **changes: Any) -> bool: ...
+
+    def move_soon(
+        self,
+        run_id: str,
+        to: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        stamp: tuple[str, float] | None = None,
+    ) -> PendingWrite: ...
+
+    async def append_events(
+        self, run_id: str, events: list[tuple[int, dict[str, Any]]]
+    ) -> None: ...
+
+    async def record_agents(
+        self,
+        key: str,
+        fingerprint: str,
+        rows: list[tuple[str, str, str, str, str]],
+        forget: Callable[[list[tuple[str, int]]], list[str]],
+    ) -> list[str]: ...
+
+    async def set_counter(self, key: str, counter: str, value: int) -> None: ...
+
+    async def record_offerings(self, key: str, rows: list[tuple[str, str, str, str]]) -> None: ...
+
+    def set_llm_counter_soon(self, key: str, counter: str, value: int) -> PendingWrite: ...
+
+    async def llm_providers_and_offerings(self) -> tuple[list[Any], list[Any]]: ...
+
+    async def push_configs_delivering(self) -> list[Any]: ...
+
+    async def put_push_config(
+        self,
+        task_id: str,
+        config_id: str,
+        url: str,
+        token: str,
+        authentication: str,
+        cursor: tuple[int, int],
+        *,
+        per_task: int | None,
+        active: int | None,
+    ) -> tuple[str, int] | None: ...
+
+    async def push_config(self, task_id: str, config_id: str) -> Any: ...
+
+    async def push_configs(self, task_id: str) -> list[Any]: ...
+
+    async def delete_push_config(self, task_id: str, config_id: str) -> bool: ...
+
+    async def end_push_config(
+        self, task_id: str, config_id: str, state: str, error: str | None
+    ) -> None: ...
+
+    async def push_delivered(
+        self, task_id: str, config_id: str, cursor: tuple[int, int], attempts: int
+    ) -> None: ...
+
+    # -- reads
+    async def providers_and_agents(self) -> tuple[list[Any], list[Any]]: ...
+
+    async def restore_reads(
+        self, orphaned: Sequence[str]
+    ) -> tuple[int, list[Any], list[RunRow]]: ...
+
+    async def run_row(self, run_id: str) -> RunRow | None: ...
+
+    async def get_run(self, run_id: str) -> tuple[SummaryRow, list[tuple[int, str]]] | None: ...
+
+    async def list_runs(
+        self,
+        *,
+        thread_id: str | None,
+        provider_key: str | None,
+        agent: str | None,
+        limit: int,
+        status: Sequence[str] | None = None,
+        before: str | None = None,
+        bound_to: str | None = None,
+    ) -> list[SummaryRow]: ...
+
+    async def task_ids(
+        self,
+        provider_key: str,
+        agent: str,
+        *,
+        thread_id: str | None,
+        bound_to: str | None,
+        status: Sequence[str] | None,
+        status_after: float | None,
+        limit: int,
+        after_run: str | None,
+    ) -> tuple[int, list[str]]: ...
+
+    async def run_thread(self, run_id: str) -> str | None: ...
+
+    async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]: ...
+
+    async def thread(
+        self, thread_id: str
+    ) -> tuple[tuple[str, str, str | None], list[str]] | None: ...
+
+    async def messages(self, thread_id: str, limit: int | None) -> list[str]: ...
+
+    async def events_after(
+        self, run_id: str, after: int, before: int | None, limit: int | None
+    ) -> list[tuple[int, str]]: ...
+
+    async def run_exists(self, run_id: str) -> bool: ...
+
+    async def run_facts(self, run_id: str) -> tuple[str | None, str] | None: ...
+
+    async def paused_run(self, thread_id: str, status: str) -> str | None: ...
+
+    async def run_progress(self, run_id: str) -> tuple[str, int] | None: ...
+
+
+# -- the SQL both stores speak ---------------------------------------------------------
+
+_RUN_COLUMNS = (
+    "id, thread_id, provider_key, agent_name, status, input, caller_metadata, "
+    "metadata, arrival, created_at, started_at, "
+    "(SELECT COALESCE(MAX(seq), 0) + 1 FROM events e WHERE e.run_id = r.id)"
+)
+_SUMMARY_COLUMNS = (
+    "id, thread_id, provider_key, agent_name, status, metadata, created_at, "
+    "started_at, completed_at"
+)
+_SUMMARY_COLUMNS_R = (
+    "r.id, r.thread_id, r.provider_key, r.agent_name, r.status, r.metadata, "
+    "r.created_at, r.started_at, r.completed_at"
+)
+#: When a run's status last changed (what A2A calls the status timestamp);
+#: the same expression as the stores' index on it, so SQL can use it.
+STATUS_TIME = "COALESCE(r.completed_at, r.started_at, r.created_at)"
+_INSERT_MESSAGE = (
+    "INSERT INTO messages (thread_id, idx, message_id, run_id, message) VALUES (?,?,?,?,?)"
+)
+_INSERT_EVENT = "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)"
+
+
+class SqlStore:
+    """The group-committed writer and the domain's SQL; a store subclasses it
+    with its connections (``_commit``, ``_read_sync``, ``_open_sync``,
+    ``_close_sync``, ``_touch``) and its dialect (``EVENT_TYPE``,
+    ``AGENT_ORDER``)."""
+
+    #: The SQL expression for an event row's ``type`` (``e.event`` is its JSON).
+    EVENT_TYPE = "json_extract(e.event, '$.type')"
+    #: The column that orders a key's agents oldest first.
+    AGENT_ORDER = "rowid"
+    #: Reads running at once, each on a connection of its own.
+    READERS = 4
+
+    def __init__(self) -> None:
+        self._pending: list[_Write] = []
+        self._batch_done = trio.Event()
+        self._wake = trio.Event()
+        self._read_limiter = trio.CapacityLimiter(self.READERS)
+        #: The last write failed for the medium's sake (see ``record_trouble``):
+        #: funduq is not ready and takes no new runs until a write succeeds.
+        self.failing = False
+        self.commits = 0  # group commits done (for benchmarks)
+        self.writes = 0
+
+    # -- what a store supplies ----------------------------------------------------------
+
+    def _open_sync(self) -> None:
+        """Connect and create (or upgrade) the schema; in a worker thread."""
+        raise NotImplementedError
+
+    def _close_sync(self) -> None:
+        raise NotImplementedError
+
+    async def _commit(self, ops: list[_Write]) -> None:
+        """Run ``ops`` as one transaction (replayed one by one should one fail),
+        setting each op's result or error. Raises when no write could start."""
+        raise NotImplementedError
+
+    def _read_sync(self, fn: Callable[[Any], T]) -> T:
+        """In a worker thread: ``fn`` on an idle reader connection."""
+        raise NotImplementedError
+
+    def read_now(self, fn: Callable[[Any], T]) -> T:
+        """Blocking read on the trio thread: only for start-up and tests."""
+        raise NotImplementedError
+
+    def _medium_error(self, exc: BaseException) -> bool:
+        """An error of the database itself (its driver's), as opposed to a bug."""
+        raise NotImplementedError
+
+    def _touch(self, conn: Any) -> None:
+        """The probe's write: one that touches the medium and changes nothing."""
+        raise NotImplementedError
+
+    async def _background(self) -> None:
+        """Whatever else the store runs while open (checkpoints)."""
+
+    # -- writing ------------------------------------------------------------------------
+
+    async def write(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn`` in the next group commit; return once it is durable."""
+        op = _Write(fn)
+        self._pending.append(op)
+        done = self._batch_done
+        self._wake.set()
+        await done.wait()
+        self._note(op)
+        if op.error is not None:
+            raise op.error
+        return cast(T, op.result)
+
+    def _note(self, op: _Write) -> None:
+        if op.error is None:
+            self.failing = False
+        elif record_trouble(op.error):
+            self.failing = True
+
+    def write_soon(self, fn: Callable[[Any], Any]) -> PendingWrite:
+        """Queue ``fn`` for the next group commit without waiting for it. The
+        writer is first-in first-out, so anything written (and awaited) after
+        it is durable only once this is too. Its result (or error) is the
+        returned handle's, once that commit is done."""
+        op = _Write(fn)
+        self._pending.append(op)
+        self._wake.set()
+        return PendingWrite(self, op, self._batch_done)
+
+    async def probe(self) -> bool:
+        """Try a write that touches the medium; True when it went through.
+        Clears ``failing`` then."""
+        try:
+            await self.write(self._touch)
+        except Exception as exc:
+            if not self._medium_error(exc):
+                raise
+            return False
+        return True
+
+    async def _run_writer(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            await self._wake.wait()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        self._wake = trio.Event()
+        ops, done = self._pending, self._batch_done
+        if not ops:
+            return
+        self._pending, self._batch_done = [], trio.Event()
+        try:
+            await self._commit(ops)
+        except Exception as exc:
+            if not self._medium_error(exc):
+                for op in ops:
+                    op.error = op.error or exc
+                raise
+            # The medium failed before any write could start (an I/O error at
+            # BEGIN, the server gone): each write of the batch fails with it,
+            # and the writer lives on for the next batch -- a dead writer
+            # would wedge every run.
+            log.warning("group commit failed: %s", exc)
+            for op in ops:
+                op.error = op.error or exc
+        except BaseException as exc:
+            for op in ops:
+                op.error = op.error or exc
+            raise
+        finally:
+            self.commits += 1
+            self.writes += len(ops)
+            done.set()
+
+    # -- reading ------------------------------------------------------------------------
+
+    async def read(self, fn: Callable[[Any], T]) -> T:
+        async with self._read_limiter:
+            return await trio.to_thread.run_sync(self._read_sync, fn)
+
+    async def ping(self) -> None:
+        await self.read(lambda c: c.execute("SELECT 1").fetchone())
+
+    # -- the writes the broker makes ----------------------------------------------------
+
+    async def insert_run(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> None:
+        """A new run (and its new thread, and the messages it adds)."""
+        if not keepable(*(m[2] for m in messages), *(new_thread or ())[:4]):
+            raise Unrecordable(
+                "a message id or thread holds a character the record cannot "
+                "keep (NUL or a lone surrogate)"
+            )
+
+        def apply(conn: Any) -> None:
+            if new_thread is not None:
+                conn.execute(
+                    "INSERT INTO threads (id, provider_key, agent_name, segment_head, "
+                    "created_at) VALUES (?,?,?,?,?)",
+                    new_thread,
+                )
+            conn.execute(
+                "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, "
+                "input, caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    row["arrival"],
+                    row["id"],
+                    row["thread_id"],
+                    row["provider_key"],
+                    row["agent_name"],
+                    row["status"],
+                    row["input"],
+                    row["caller_metadata"],
+                    dumps(row["metadata"]),
+                    row["created_at"],
+                ),
+            )
+            if messages:
+                conn.executemany(_INSERT_MESSAGE, messages)
+
+        await self.write(apply)
+
+    async def move(self, run_id: str, to: str, **changes: Any) -> bool:
+        """Guarded status write, with any events, metadata and messages that go
+        with it, in one transaction (the changes are ``_move_write``'s).
+        Returns False (and writes nothing) when the run is not in a status the
+        move starts from. ``move_soon`` queues the same write without waiting."""
+        return await self.write(self._move_write(run_id, to, **changes))
+
+    def move_soon(
+        self,
+        run_id: str,
+        to: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        stamp: tuple[str, float] | None = None,
+    ) -> PendingWrite:
+        """``move`` queued without waiting (first-in first-out): whatever is
+        written after it lands after it. Its verdict is the handle's result."""
+        return self.write_soon(self._move_write(run_id, to, metadata=metadata, stamp=stamp))
+
+    def _move_write(
+        self,
+        run_id: str,
+        to: str,
+        *,
+        metadata: dict[str, Any] | None = None,
+        events: Iterable[tuple[int, dict[str, Any]]] = (),
+        stamp: tuple[str, float | None] | None = None,
+        run_input: dict[str, Any] | None = None,
+        arrival: int | None = None,
+        caller_metadata: str | None = None,
+        messages: Sequence[MessageRow] | None = None,
+    ) -> Callable[[Any], bool]:
+        src = tuple(statuses.sources(to))
+        sets: list[str] = ["status=?"]
+        args: list[Any] = [to]
+        if metadata is not None:
+            sets.append("metadata=?")
+            args.append(dumps(metadata))
+        if stamp is not None:
+            column, when = stamp
+            if column not in ("started_at", "completed_at"):
+                raise ValueError(f"not a stamp: {column!r}")
+            sets.append(f"{column}=?")
+            args.append(when)
+        if run_input is not None:
+            sets.append("input=?")
+            args.append(dumps(run_input))
+        if arrival is not None:
+            sets.append("arrival=?")
+            args.append(arrival)
+        if caller_metadata is not None:
+            sets.append("caller_metadata=?")
+            args.append(caller_metadata)
+        sql = (
+            f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
+            f"({','.join('?' * len(src))})"
+        )
+        rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
+
+        def apply(conn: Any) -> bool:
+            moved = bool(conn.execute(sql, (*args, run_id, *src)).rowcount == 1)
+            if moved and rows:
+                conn.executemany(_INSERT_EVENT, rows)
+            if moved and messages:
+                conn.executemany(_INSERT_MESSAGE, messages)
+            if not moved:
+                log.error("run %s: guarded write to %r refused", run_id, to)
+            return moved
+
+        return apply
+
+    async def append_events(self, run_id: str, events: list[tuple[int, dict[str, Any]]]) -> None:
+        rows = [(run_id, seq, dumps(event)) for seq, event in events]
+        await self.write(lambda c: c.executemany(_INSERT_EVENT, rows))
+
+    async def record_agents(
+        self,
+        key: str,
+        fingerprint: str,
+        rows: list[tuple[str, str, str, str, str]],
+        forget: Callable[[list[tuple[str, int]]], list[str]],
+    ) -> list[str]:
+        """Upsert a key's published agents; ``forget`` decides, from the key's
+        recorded ``(name, size)`` oldest first, which of them to delete.
+        Returns the names forgotten."""
+        for row in rows:
+            if not keepable(*row):
+                raise Unrecordable(
+                    f"agent {row[1]!r}: holds a character the record cannot "
+                    "keep (NUL or a lone surrogate)"
+                )
+
+        def apply(conn: Any) -> list[str]:
+            conn.execute(
+                "INSERT INTO providers (key, fingerprint) VALUES (?, ?) "
+                "ON CONFLICT (key) DO NOTHING",
+                (key, fingerprint),
+            )
+            recorded = conn.execute(
+                "SELECT name, length(name) + length(description) + length(card) + "
+                f"length(metadata) FROM agents WHERE provider_key=? ORDER BY {self.AGENT_ORDER}",
+                (key,),
+            ).fetchall()
+            gone = forget([(name, size) for name, size in recorded])
+            if gone:
+                conn.executemany(
+                    "DELETE FROM agents WHERE provider_key=? AND name=?",
+                    [(key, name) for name in gone],
+                )
+            if rows:
+                conn.executemany(
+                    "INSERT INTO agents (provider_key, name, description, card, metadata) "
+                    "VALUES (?,?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
+                    "description=excluded.description, card=excluded.card, "
+                    "metadata=excluded.metadata",
+                    rows,
+                )
+            return gone
+
+        return await self.write(apply)
+
+    async def set_counter(self, key: str, counter: str, value: int) -> None:
+        if counter not in COUNTERS:
+            raise ValueError(f"not a counter: {counter!r}")
+        await self.write(
+            lambda c: c.execute(f"UPDATE providers SET {counter}=? WHERE key=?", (value, key))
+        )
+
+    # KYOK (DESIGN §9): LLM providers' counters and their offerings.
+
+    async def record_offerings(self, key: str, rows: list[tuple[str, str, str, str]]) -> None:
+        """Upsert an LLM provider's offerings: (key, name, description, metadata JSON)."""
+        for row in rows:
+            if not keepable(*row):
+                raise Unrecordable(
+                    f"offering {row[1]!r}: holds a character the record "
+                    "cannot keep (NUL or a lone surrogate)"
+                )
+
+        def apply(conn: Any) -> None:
+            conn.execute(
+                "INSERT INTO llm_providers (key) VALUES (?) ON CONFLICT (key) DO NOTHING", (key,)
+            )
+            if rows:
+                conn.executemany(
+                    "INSERT INTO llm_offerings (provider_key, name, description, metadata) "
+                    "VALUES (?,?,?,?) ON CONFLICT (provider_key, name) DO UPDATE SET "
+                    "description=excluded.description, metadata=excluded.metadata",
+                    rows,
+                )
+
+        await self.write(apply)
+
+    def set_llm_counter_soon(self, key: str, counter: str, value: int) -> PendingWrite:
+        """An LLM provider's counter, queued without waiting (nothing hangs on it)."""
+        if counter not in LLM_COUNTERS:
+            raise ValueError(f"not an LLM provider counter: {counter!r}")
+        return self.write_soon(
+            lambda c: c.execute(f"UPDATE llm_providers SET {counter}=? WHERE key=?", (value, key))
+        )
+
+    async def llm_providers_and_offerings(self) -> tuple[list[Any], list[Any]]:
+        """(key, *counters) of every LLM provider; (provider_key, name,
+        description, metadata) of every offering."""
+
+        def read(conn: Any) -> tuple[list[Any], list[Any]]:
+            return (
+                conn.execute(
+                    "SELECT key, " + ", ".join(LLM_COUNTERS) + " FROM llm_providers"
+                ).fetchall(),
+                conn.execute(
+                    "SELECT provider_key, name, description, metadata FROM llm_offerings"
+                ).fetchall(),
+            )
+
+        return await self.read(read)
+
+    # Push notifications (DESIGN §10): each config and its delivery cursor.
+
+    async def push_configs_delivering(self) -> list[Any]:
+        """Every push config still delivering (``PUSH_COLUMNS``)."""
+        return cast(
+            list[Any],
+            await self.read(
+                lambda c: c.execute(
+                    f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE state=?", (PUSH_DELIVERING,)
+                ).fetchall()
+            ),
+        )
+
+    async def put_push_config(
+        self,
+        task_id: str,
+        config_id: str,
+        url: str,
+        token: str,
+        authentication: str,
+        cursor: tuple[int, int],
+        *,
+        per_task: int | None,
+        active: int | None,
+    ) -> tuple[str, int] | None:
+        """Record a push config (replacing one of that id, cursor and all),
+        delivering from ``cursor``; or, writing nothing, why not: ("per_task",
+        configs the task has) at ``per_task``, ("active", configs delivering)
+        at ``active`` (None: room held already, nothing checked),
+        ("unrecordable", 0) for text the record cannot keep."""
+        if not keepable(task_id, config_id, url, token, authentication):
+            return "unrecordable", 0
+
+        def apply(conn: Any) -> tuple[str, int] | None:
+            existing = conn.execute(
+                "SELECT 1 FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)
+            ).fetchone()
+            if existing is None and per_task is not None:
+                count = int(
+                    conn.execute(
+                        "SELECT COUNT(*) FROM push_configs WHERE task_id=?", (task_id,)
+                    ).fetchone()[0]
+                )
+                if count >= per_task:
+                    return "per_task", count
+            if existing is None and active is not None:
+                count = int(
+                    conn.execute(
+                        "SELECT COUNT(*) FROM push_configs WHERE state=?", (PUSH_DELIVERING,)
+                    ).fetchone()[0]
+                )
+                if count >= active:
+                    return "active", count
+            conn.execute(
+                "INSERT INTO push_configs (task_id, id, url, token, authentication, created_at, "
+                "cursor_seq, cursor_index, state, attempts, last_error) "
+                "VALUES (?,?,?,?,?,?,?,?,?,0,NULL) ON CONFLICT (task_id, id) DO UPDATE SET "
+                "url=excluded.url, token=excluded.token, authentication=excluded.authentication, "
+                "created_at=excluded.created_at, cursor_seq=excluded.cursor_seq, "
+                "cursor_index=excluded.cursor_index, state=excluded.state, attempts=0, "
+                "last_error=NULL",
+                (
+                    task_id,
+                    config_id,
+                    url,
+                    token,
+                    authentication,
+                    time.time(),
+                    cursor[0],
+                    cursor[1],
+                    PUSH_DELIVERING,
+                ),
+            )
+            return None
+
+        return cast(tuple[str, int] | None, await self.write(apply))
+
+    async def push_config(self, task_id: str, config_id: str) -> Any:
+        """One push config (``PUSH_COLUMNS``), or None."""
+        if not keepable(task_id, config_id):
+            return None
+        return await self.read(
+            lambda c: c.execute(
+                f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? AND id=?",
+                (task_id, config_id),
+            ).fetchone()
+        )
+
+    async def push_configs(self, task_id: str) -> list[Any]:
+        """A task's push configs (``PUSH_COLUMNS``), oldest first."""
+        if not keepable(task_id):
+            return []
+        return cast(
+            list[Any],
+            await self.read(
+                lambda c: c.execute(
+                    f"SELECT {PUSH_COLUMNS} FROM push_configs WHERE task_id=? "
+                    "ORDER BY created_at, id",
+                    (task_id,),
+                ).fetchall()
+            ),
+        )
+
+    async def delete_push_config(self, task_id: str, config_id: str) -> bool:
+        if not keepable(task_id, config_id):
+            return False
+        return bool(
+            await self.write(
+                lambda c: (
+                    c.execute(
+                        "DELETE FROM push_configs WHERE task_id=? AND id=?", (task_id, config_id)
+                    ).rowcount
+                )
+            )
+        )
+
+    async def end_push_config(
+        self, task_id: str, config_id: str, state: str, error: str | None
+    ) -> None:
+        """A config stops delivering: done, or given up with its last error."""
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE push_configs SET state=?, last_error=? WHERE task_id=? AND id=?",
+                (state, error, task_id, config_id),
+            )
+        )
+
+    async def push_delivered(
+        self, task_id: str, config_id: str, cursor: tuple[int, int], attempts: int
+    ) -> None:
+        """The receiver acknowledged the update at ``cursor`` after ``attempts``."""
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE push_configs SET cursor_seq=?, cursor_index=?, attempts=attempts+? "
+                "WHERE task_id=? AND id=?",
+                (cursor[0], cursor[1], attempts, task_id, config_id),
+            )
+        )
+
+    # -- the reads the broker makes -----------------------------------------------------
+
+    async def providers_and_agents(self) -> tuple[list[Any], list[Any]]:
+        """(key, fingerprint, *counters) of every provider; (provider_key,
+        name, description, card, metadata) of every agent."""
+
+        def read(conn: Any) -> tuple[list[Any], list[Any]]:
+            return (
+                conn.execute(
+                    "SELECT key, fingerprint, " + ", ".join(COUNTERS) + " FROM providers"
+                ).fetchall(),
+                conn.execute(
+                    "SELECT provider_key, name, description, card, metadata FROM agents"
+                ).fetchall(),
+            )
+
+        return await self.read(read)
+
+    async def restore_reads(self, orphaned: Sequence[str]) -> tuple[int, list[Any], list[RunRow]]:
+        """What a restart needs: the last arrival; the runs in ``orphaned``
+        statuses as (id, status, metadata, last seq, reported an error); the
+        queued runs in arrival order."""
+        marks = ",".join("?" * len(orphaned))
+
+        def read(conn: Any) -> tuple[int, list[Any], list[Any]]:
+            arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
+            orphans = conn.execute(
+                f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
+                f"AND {self.EVENT_TYPE} = 'RUN_ERROR') "
+                f"FROM runs r WHERE status IN ({marks})",
+                tuple(orphaned),
+            ).fetchall()
+            queued = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ? ORDER BY arrival",
+                (statuses.QUEUED,),
+            ).fetchall()
+            return int(arrival), orphans, queued
+
+        return await self.read(read)
+
+    async def run_row(self, run_id: str) -> RunRow | None:
+        if not keepable(run_id):
+            return None
+        return cast(
+            RunRow | None,
+            await self.read(
+                lambda c: c.execute(
+                    f"SELECT {_RUN_COLUMNS} FROM runs r WHERE id=?", (run_id,)
+                ).fetchone()
+            ),
+        )
+
+    async def get_run(self, run_id: str) -> tuple[SummaryRow, list[tuple[int, str]]] | None:
+        """A run's summary and its events (seq, JSON) in order."""
+        if not keepable(run_id):
+            return None
+
+        def read(conn: Any) -> Any:
+            row = conn.execute(
+                f"SELECT {_SUMMARY_COLUMNS} FROM runs WHERE id=?", (run_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            events = conn.execute(
+                "SELECT seq, event FROM events WHERE run_id=? ORDER BY seq", (run_id,)
+            ).fetchall()
+            return row, events
+
+        return cast(tuple[SummaryRow, list[tuple[int, str]]] | None, await self.read(read))
+
+    async def list_runs(
+        self,
+        *,
+        thread_id: str | None,
+        provider_key: str | None,
+        agent: str | None,
+        limit: int,
+        status: Sequence[str] | None = None,
+        before: str | None = None,
+        bound_to: str | None = None,
+    ) -> list[SummaryRow]:
+        """Run summaries, newest first, narrowed to a thread, a provider, an
+        agent, statuses; ``before`` a run id (only runs that arrived before
+        it; an unknown id lists nothing); ``bound_to`` the threads whose
+        segment head is that key."""
+        where, args = [], []
+        if not keepable(thread_id, provider_key, agent, before, bound_to, *(status or ())):
+            return []
+        for column, value in (
+            ("thread_id", thread_id),
+            ("provider_key", provider_key),
+            ("agent_name", agent),
+        ):
+            if value is not None:
+                where.append(f"r.{column}=?")
+                args.append(value)
+        if status is not None:
+            where.append(f"r.status IN ({','.join('?' * len(status))})")
+            args.extend(status)
+        if before is not None:
+            where.append("r.arrival < (SELECT arrival FROM runs WHERE id=?)")
+            args.append(before)
+        if bound_to is not None:
+            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
+            args.append(bound_to)
+        sql = (
+            f"SELECT {_SUMMARY_COLUMNS_R} FROM runs r"
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + " ORDER BY r.arrival DESC LIMIT ?"
+        )
+        return cast(
+            list[SummaryRow], await self.read(lambda c: c.execute(sql, (*args, limit)).fetchall())
+        )
+
+    async def task_ids(
+        self,
+        provider_key: str,
+        agent: str,
+        *,
+        thread_id: str | None,
+        bound_to: str | None,
+        status: Sequence[str] | None,
+        status_after: float | None,
+        limit: int,
+        after_run: str | None,
+    ) -> tuple[int, list[str]]:
+        """An agent's runs by status time (A2A ListTasks): how many match in
+        all, and the ids of up to ``limit`` of them, newest status time first,
+        ties by id descending, after ``after_run`` (keyset: an unknown one
+        pages nothing). Narrowed like ``list_runs``; ``status_after`` keeps
+        runs whose status time is at least that."""
+        if not keepable(provider_key, agent, thread_id, bound_to, after_run, *(status or ())):
+            return 0, []
+        where = ["r.provider_key=?", "r.agent_name=?"]
+        args: list[Any] = [provider_key, agent]
+        if thread_id is not None:
+            where.append("r.thread_id=?")
+            args.append(thread_id)
+        if bound_to is not None:
+            where.append("r.thread_id IN (SELECT id FROM threads WHERE segment_head=?)")
+            args.append(bound_to)
+        if status is not None:
+            where.append(f"r.status IN ({','.join('?' * len(status))})")
+            args.extend(status)
+        if status_after is not None:
+            where.append(f"{STATUS_TIME} >= ?")
+            args.append(status_after)
+        matching = " AND ".join(where)
+        keyset, keyset_args = "", []
+        if after_run is not None:
+            keyset = (
+                f" AND ({STATUS_TIME}, r.id) < (SELECT {STATUS_TIME}, r.id FROM runs r "
+                "WHERE r.id=?)"
+            )
+            keyset_args = [after_run]
+
+        def read(conn: Any) -> tuple[int, list[str]]:
+            total = conn.execute(f"SELECT COUNT(*) FROM runs r WHERE {matching}", args).fetchone()[
+                0
+            ]
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    f"SELECT r.id FROM runs r WHERE {matching}{keyset} "
+                    f"ORDER BY {STATUS_TIME} DESC, r.id DESC LIMIT ?",
+                    (*args, *keyset_args, limit),
+                ).fetchall()
+            ]
+            return int(total), ids
+
+        return await self.read(read)
+
+    async def run_thread(self, run_id: str) -> str | None:
+        """The thread a run is in."""
+        if not keepable(run_id):
+            return None
+        row = await self.read(
+            lambda c: c.execute("SELECT thread_id FROM runs WHERE id=?", (run_id,)).fetchone()
+        )
+        return None if row is None else str(row[0])
+
+    async def thread_runs(self, thread_id: str) -> list[tuple[str, str]]:
+        """(run id, status) of a thread's runs in arrival order."""
+        if not keepable(thread_id):
+            return []
+        return cast(
+            list[tuple[str, str]],
+            await self.read(
+                lambda c: c.execute(
+                    "SELECT id, status FROM runs WHERE thread_id=? ORDER BY arrival", (thread_id,)
+                ).fetchall()
+            ),
+        )
+
+    async def thread(self, thread_id: str) -> tuple[tuple[str, str, str | None], list[str]] | None:
+        """((provider key, agent, segment head), message ids) of a thread."""
+        if not keepable(thread_id):
+            return None
+
+        def read(conn: Any) -> Any:
+            row = conn.execute(
+                "SELECT provider_key, agent_name, segment_head FROM threads WHERE id=?",
+                (thread_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,)
+                ).fetchall()
+            ]
+            return tuple(row), ids
+
+        return cast(tuple[tuple[str, str, str | None], list[str]] | None, await self.read(read))
+
+    async def messages(self, thread_id: str, limit: int | None) -> list[str]:
+        """A thread's messages (JSON) in order: all, or the last ``limit``."""
+        if not keepable(thread_id):
+            return []
+
+        def read(conn: Any) -> list[Any]:
+            if limit is None:
+                return cast(
+                    list[Any],
+                    conn.execute(
+                        "SELECT message FROM messages WHERE thread_id=? ORDER BY idx", (thread_id,)
+                    ).fetchall(),
+                )
+            rows = conn.execute(
+                "SELECT message FROM messages WHERE thread_id=? ORDER BY idx DESC LIMIT ?",
+                (thread_id, limit),
+            ).fetchall()
+            return cast(list[Any], rows[::-1])
+
+        return [m for (m,) in await self.read(read)]
+
+    async def events_after(
+        self, run_id: str, after: int, before: int | None, limit: int | None
+    ) -> list[tuple[int, str]]:
+        """A run's events (seq, JSON) with after < seq < before, in order."""
+        if not keepable(run_id):
+            return []
+        sql = "SELECT seq, event FROM events WHERE run_id=? AND seq>? AND seq<? ORDER BY seq"
+        args: tuple[Any, ...] = (run_id, after, before if before is not None else 2**62)
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", (*args, limit)
+        return [(int(s), e) for s, e in await self.read(lambda c: c.execute(sql, args).fetchall())]
+
+    async def run_exists(self, run_id: str) -> bool:
+        if not keepable(run_id):
+            return False
+        return bool(
+            await self.read(
+                lambda c: (
+                    c.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
+                )
+            )
+        )
+
+    async def run_facts(self, run_id: str) -> tuple[str | None, str] | None:
+        """(segment head of its thread, its provider key), or None."""
+        if not keepable(run_id):
+            return None
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT t.segment_head, r.provider_key FROM runs r JOIN threads t "
+                "ON t.id = r.thread_id WHERE r.id=?",
+                (run_id,),
+            ).fetchone()
+        )
+        return None if row is None else (row[0], row[1])
+
+    async def paused_run(self, thread_id: str, status: str) -> str | None:
+        """The thread's latest run in ``status``."""
+        if not keepable(thread_id):
+            return None
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT id FROM runs WHERE thread_id=? AND status=? ORDER BY arrival DESC LIMIT 1",
+                (thread_id, status),
+            ).fetchone()
+        )
+        return None if row is None else str(row[0])
+
+    async def run_progress(self, run_id: str) -> tuple[str, int] | None:
+        """(status, last seq) of a run."""
+        if not keepable(run_id):
+            return None
+        row = await self.read(
+            lambda c: c.execute(
+                "SELECT status, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                "WHERE e.run_id = r.id) FROM runs r WHERE id=?",
+                (run_id,),
+            ).fetchone()
+        )
+        return None if row is None else (row[0], int(row[1]))
+
+
+@asynccontextmanager
+async def run_store(store: SqlStore) -> AsyncIterator[SqlStore]:
+    """Open ``store`` and run its writer; on the way out, commit whatever is
+    still waiting before its connections close."""
+    await trio.to_thread.run_sync(store._open_sync)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store._run_writer)
+            nursery.start_soon(store._background)
+            try:
+                yield store
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await store._flush()
+            await trio.to_thread.run_sync(store._close_sync)
+
+
+def record_name(settings: Settings) -> str:
+    """Where the record is, for people: the SQLite file's absolute path, or
+    the PostgreSQL database (never its password)."""
+    if settings.database_is_postgres:
+        from .postgres import PostgresStore
+
+        return PostgresStore(settings.database_url or "").where
+    return os.path.abspath(settings.database_path)
+
+
+def open_store(settings: Settings) -> Any:
+    """The store ``FUNDUQ_DATABASE_URL`` names (the data directory's SQLite
+    file by default), as an async context manager."""
+    if settings.database_is_postgres:
+        from .postgres import PostgresStore
+
+        return run_store(PostgresStore(settings.database_url or ""))
+    from .record import SqliteStore
+
+    return run_store(SqliteStore(settings.database_path))
