@@ -40,9 +40,16 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     while (await receive()).get("more_body"):
         pass
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(BODY)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(BODY)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": BODY})
 
 
@@ -84,8 +91,12 @@ class Child:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(
             [*h.DIE_WITH_PARENT, sys.executable, str(Path(__file__).resolve()), "serve", kind],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            env=h.child_env(), cwd=workdir)
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=h.child_env(),
+            cwd=workdir,
+        )
         self.url = h._wait_in_log(self.proc, self.log_path, r"serving on (http://\S+)", kind)
 
     def stop(self) -> None:
@@ -103,8 +114,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--client", choices=["httpx", "lean"], default="httpx")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="alternate the two servers this many times")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternate the two servers this many times"
+    )
     args = parser.parse_args()
     figures: dict[str, list[dict[str, Any]]] = {"bare": [], "quart": []}
     with h.fresh_dir("funduq-asgi-floor-") as tmp:
@@ -112,23 +124,36 @@ def main() -> None:
             for kind in ("bare", "quart"):
                 child = Child(kind, Path(tmp))
                 try:
-                    figures[kind].append(trio.run(
-                        lambda url=child.url, pid=child.proc.pid: h.healthz_baseline(
-                            url, args.requests, args.concurrency, pid,
-                            lean=args.client == "lean")))
+                    figures[kind].append(
+                        trio.run(
+                            lambda url=child.url, pid=child.proc.pid: h.healthz_baseline(
+                                url,
+                                args.requests,
+                                args.concurrency,
+                                pid,
+                                lean=args.client == "lean",
+                            )
+                        )
+                    )
                 finally:
                     child.stop()
-    print(f"GET /healthz, {args.requests} requests from {args.concurrency} callers "
-          f"({args.client} client), funduq's hypercorn configuration, {args.rounds} rounds")
-    for kind, label in (("bare", "hypercorn + plain ASGI app"),
-                        ("quart", "hypercorn + quart-trio, one route")):
+    print(
+        f"GET /healthz, {args.requests} requests from {args.concurrency} callers "
+        f"({args.client} client), funduq's hypercorn configuration, {args.rounds} rounds"
+    )
+    for kind, label in (
+        ("bare", "hypercorn + plain ASGI app"),
+        ("quart", "hypercorn + quart-trio, one route"),
+    ):
         cpu = ", ".join(f"{f['server_cpu_ms']:.3f}" for f in figures[kind])
         rate = ", ".join(f"{f['per_s']:.0f}" for f in figures[kind])
         print(f"  {label:36s} server CPU per request {cpu} ms; {rate} req/s")
     for bare, quart in zip(figures["bare"], figures["quart"], strict=True):
         share = 1 - bare["server_cpu_ms"] / quart["server_cpu_ms"]
-        print(f"  quart's share of a healthz: {share:.0%} "
-              f"({quart['server_cpu_ms'] - bare['server_cpu_ms']:.3f} ms a request)")
+        print(
+            f"  quart's share of a healthz: {share:.0%} "
+            f"({quart['server_cpu_ms'] - bare['server_cpu_ms']:.3f} ms a request)"
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,15 @@ class Load:
             return self.args.door
         return "a2a" if thread % 2 == 0 else "agui"
 
-    async def a2a_call(self, client: h.Caller, path: str, text: str, message_id: str,
-                       context: str | None, result: dict[str, Any]) -> str | None:
+    async def a2a_call(
+        self,
+        client: h.Caller,
+        path: str,
+        text: str,
+        message_id: str,
+        context: str | None,
+        result: dict[str, Any],
+    ) -> str | None:
         body = h.a2a_send_body(1, text, message_id, context)
         _, data = await client.post_json(path, body, h.A2A_HEADERS)
         if "result" not in data:
@@ -78,20 +85,33 @@ class Load:
             raise RuntimeError(f"A2A task {task['id']} ended {state}, reply {reply[:40]!r}")
         return task["contextId"]
 
-    async def agui_call(self, client: h.Caller, path: str, text: str, message_id: str,
-                        context: str, result: dict[str, Any]) -> str:
+    async def agui_call(
+        self,
+        client: h.Caller,
+        path: str,
+        text: str,
+        message_id: str,
+        context: str,
+        result: dict[str, Any],
+    ) -> str:
         status, events = await client.post_sse(
-            path, h.agui_body(context, text, message_id),
-            lambda: result.__setitem__("first", time.monotonic()))
+            path,
+            h.agui_body(context, text, message_id),
+            lambda: result.__setitem__("first", time.monotonic()),
+        )
         if status != 200:
             raise RuntimeError(f"AG-UI HTTP {status}: {events[:1]!r}")
         result["run_id"] = events[0].get("runId") if events else None
         reply = "".join(e.get("delta", "") for e in events if e["type"] == "TEXT_MESSAGE_CONTENT")
-        result["ok"] = (len(events) == self.events_per_run and events[-1]["type"] == "RUN_FINISHED"
-                        and reply == text)
+        result["ok"] = (
+            len(events) == self.events_per_run
+            and events[-1]["type"] == "RUN_FINISHED"
+            and reply == text
+        )
         if not result["ok"]:
-            raise RuntimeError(f"AG-UI stream of {len(events)} events ended "
-                               f"{events[-1] if events else None}")
+            raise RuntimeError(
+                f"AG-UI stream of {len(events)} events ended {events[-1] if events else None}"
+            )
         return events[0]["threadId"]
 
     async def caller(self, thread: int, count: int) -> None:
@@ -108,15 +128,21 @@ class Load:
             if self.tickets is not None:
                 await self.tickets.receive()  # --rate: wait for this run's slot
             text = utterance(thread, k)
-            result: dict[str, Any] = {"door": door, "ok": False, "run_id": None,
-                                      "began": time.monotonic()}
+            result: dict[str, Any] = {
+                "door": door,
+                "ok": False,
+                "run_id": None,
+                "began": time.monotonic(),
+            }
             try:
                 if door == "a2a":
-                    context = await self.a2a_call(client, url, text, f"m-{thread}-{k}", context,
-                                                  result)
+                    context = await self.a2a_call(
+                        client, url, text, f"m-{thread}-{k}", context, result
+                    )
                 else:
-                    context = await self.agui_call(client, url, text, f"m-{thread}-{k}",
-                                                   context, result)
+                    context = await self.agui_call(
+                        client, url, text, f"m-{thread}-{k}", context, result
+                    )
             except (httpx.HTTPError, OSError, RuntimeError, ValueError, KeyError) as exc:
                 self.errors.append(f"thread {thread} run {k}: {type(exc).__name__}: {exc}")
             result["done"] = time.monotonic()
@@ -144,8 +170,9 @@ class Load:
                 await send.send(None)
 
 
-async def verify(client: httpx.AsyncClient, url: str, run_ids: list[str], concurrency: int,
-                 events_per_run: int) -> dict[str, Any]:
+async def verify(
+    client: httpx.AsyncClient, url: str, run_ids: list[str], concurrency: int, events_per_run: int
+) -> dict[str, Any]:
     """GET /runs/{id} for each run: how many completed with all their events."""
     statuses: dict[str, int] = {}
     events = 0
@@ -169,8 +196,9 @@ async def verify(client: httpx.AsyncClient, url: str, run_ids: list[str], concur
     return {"statuses": statuses, "events": events, "short": short}
 
 
-async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.ProviderChild],
-                workdir: Path) -> dict[str, Any]:
+async def drive(
+    args: argparse.Namespace, server: h.Server, providers: list[h.ProviderChild], workdir: Path
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     async with httpx.AsyncClient(limits=limits, timeout=120) as client:
@@ -185,19 +213,33 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
         out["rss_before_kib"] = server.status()["VmRSS"]
 
         if not args.no_baseline:
-            out["healthz"] = await h.healthz_baseline(server.url, args.baseline_requests,
-                                                      args.threads, server.pid,
-                                                      lean=args.client == "lean")
-            out["ws"] = await h.websocket_baseline(server.ws_url, len(providers),
-                                                   max(1, args.threads // len(providers)),
-                                                   args.baseline_frames, server.pid)
+            out["healthz"] = await h.healthz_baseline(
+                server.url,
+                args.baseline_requests,
+                args.threads,
+                server.pid,
+                lean=args.client == "lean",
+            )
+            out["ws"] = await h.websocket_baseline(
+                server.ws_url,
+                len(providers),
+                max(1, args.threads // len(providers)),
+                args.baseline_frames,
+                server.pid,
+            )
 
         load = Load(args, server.url, fingerprints)
-        pids = {"server": server.pid, **{f"provider{i}": p.pid for i, p in enumerate(providers)},
-                "callers (this process)": __import__("os").getpid()}
+        pids = {
+            "server": server.pid,
+            **{f"provider{i}": p.pid for i, p in enumerate(providers)},
+            "callers (this process)": __import__("os").getpid(),
+        }
         cpu = h.CpuWatch(pids)
-        profiler = (h.Profiler(server.pid, Path(args.profile), rate=args.profile_rate)
-                    if args.profile else None)
+        profiler = (
+            h.Profiler(server.pid, Path(args.profile), rate=args.profile_rate)
+            if args.profile
+            else None
+        )
         sched_before = server.scheduler() if args.sched_stats else None
         server_cpu_before = h.proc_cpu(server.pid)
         round_trips_before = await h.offer_round_trips(client, server.url)
@@ -206,12 +248,13 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
             out["seconds"] = await load.run(args.runs, args.threads, args.rate)
         out["cpu"] = cpu.shares()
         out["server_cpu_s"] = h.proc_cpu(server.pid) - server_cpu_before
-        out["round_trips"] = (round_trips_before,
-                              await h.offer_round_trips(client, server.url))
+        out["round_trips"] = (round_trips_before, await h.offer_round_trips(client, server.url))
         if sched_before is not None:
             after = server.scheduler()
-            out["sched"] = {k: after[k] - sched_before[k]
-                            for k in ("rounds", "steps", "busy", "rounds_over_20ms", "at")}
+            out["sched"] = {
+                k: after[k] - sched_before[k]
+                for k in ("rounds", "steps", "busy", "rounds_over_20ms", "at")
+            }
             # Over the server's life (the warm-up included): the worst stall.
             out["sched"]["longest_round"] = after["longest_round"]
             out["sched"]["longest_step"] = after["longest_step"]
@@ -224,8 +267,9 @@ async def drive(args: argparse.Namespace, server: h.Server, providers: list[h.Pr
     return out
 
 
-def offer_figures(results: list[dict[str, Any]], stamps: dict[str, dict[str, float]]
-                  ) -> dict[str, list[float]]:
+def offer_figures(
+    results: list[dict[str, Any]], stamps: dict[str, dict[str, float]]
+) -> dict[str, list[float]]:
     to_offer, answer, tail = [], [], []
     for r in results:
         s = stamps.get(r["run_id"] or "")
@@ -242,55 +286,101 @@ def offer_figures(results: list[dict[str, Any]], stamps: dict[str, dict[str, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
-    parser.add_argument("--threads", type=int, default=100,
-                        help="conversations (concurrent callers)")
+    parser.add_argument(
+        "--threads", type=int, default=100, help="conversations (concurrent callers)"
+    )
     parser.add_argument("--deltas", type=int, default=8, help="text deltas per run (events = +4)")
     parser.add_argument("--providers", type=int, default=2, help="provider processes")
-    parser.add_argument("--max-concurrent", type=int, default=None,
-                        help="each provider's maxConcurrentRuns (default unlimited)")
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        help="each provider's maxConcurrentRuns (default unlimited)",
+    )
     parser.add_argument("--door", choices=["mix", "a2a", "agui"], default="mix")
-    parser.add_argument("--rate", type=float, default=None, metavar="RUNS_PER_S",
-                        help="offer the load at this rate (runs start on a clock) instead of "
-                        "as fast as the callers go; --threads is then the most in flight")
-    parser.add_argument("--client", choices=["httpx", "lean"], default="httpx",
-                        help="the callers' HTTP client (and the healthz baseline's): httpx, "
-                        "or a lean h11 client that leaves the server more of the cores")
-    parser.add_argument("--provider", choices=["sdk", "raw"], default="sdk",
-                        help="sdk: the SDK provider, batching its frames; raw: the same agent "
-                        "with no batch extension on either side, one frame per websocket "
-                        "message (every event, ok and finish), as a third-party provider")
-    parser.add_argument("--provider-cli", action="store_true",
-                        help="use `funduq-trio provider` itself (no offer stamps)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        metavar="RUNS_PER_S",
+        help="offer the load at this rate (runs start on a clock) instead of "
+        "as fast as the callers go; --threads is then the most in flight",
+    )
+    parser.add_argument(
+        "--client",
+        choices=["httpx", "lean"],
+        default="httpx",
+        help="the callers' HTTP client (and the healthz baseline's): httpx, "
+        "or a lean h11 client that leaves the server more of the cores",
+    )
+    parser.add_argument(
+        "--provider",
+        choices=["sdk", "raw"],
+        default="sdk",
+        help="sdk: the SDK provider, batching its frames; raw: the same agent "
+        "with no batch extension on either side, one frame per websocket "
+        "message (every event, ok and finish), as a third-party provider",
+    )
+    parser.add_argument(
+        "--provider-cli",
+        action="store_true",
+        help="use `funduq-trio provider` itself (no offer stamps)",
+    )
     parser.add_argument("--warmup", type=int, default=50, help="runs before measuring")
     parser.add_argument("--baseline-requests", type=int, default=5000)
     parser.add_argument("--baseline-frames", type=int, default=20000)
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--profile", metavar="RAW",
-                        help="py-spy record --gil -f raw the server during the load into RAW")
-    parser.add_argument("--profile-rate", type=int, default=200,
-                        help="py-spy samples a second (more: finer shares, more py-spy CPU)")
+    parser.add_argument(
+        "--profile",
+        metavar="RAW",
+        help="py-spy record --gil -f raw the server during the load into RAW",
+    )
+    parser.add_argument(
+        "--profile-rate",
+        type=int,
+        default=200,
+        help="py-spy samples a second (more: finer shares, more py-spy CPU)",
+    )
     parser.add_argument("--time-limit", type=float, default=600, help="seconds for the load")
-    parser.add_argument("--sched-stats", action="store_true",
-                        help="diagnostic: count the server's trio scheduler rounds during the "
-                        "load (provider-link frames per round)")
-    parser.add_argument("--server-switch-interval", type=float, default=None, metavar="SECONDS",
-                        help="diagnostic: run the server with sys.setswitchinterval(SECONDS) "
-                        "(CPython's default is 0.005)")
+    parser.add_argument(
+        "--sched-stats",
+        action="store_true",
+        help="diagnostic: count the server's trio scheduler rounds during the "
+        "load (provider-link frames per round)",
+    )
+    parser.add_argument(
+        "--server-switch-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="diagnostic: run the server with sys.setswitchinterval(SECONDS) "
+        "(CPython's default is 0.005)",
+    )
     args = parser.parse_args()
 
     build = h.describe_build()
     with h.fresh_dir("funduq-e2e-") as tmp:
         workdir = Path(tmp)
-        server = h.Server(workdir / "data", switch_interval=args.server_switch_interval,
-                          sched_stats=args.sched_stats)
+        server = h.Server(
+            workdir / "data",
+            switch_interval=args.server_switch_interval,
+            sched_stats=args.sched_stats,
+        )
         providers: list[h.ProviderChild] = []
         stamps: dict[str, dict[str, float]] = {}
         try:
             for i in range(args.providers):
-                providers.append(h.ProviderChild(server.ws_url, workdir, i, deltas=args.deltas,
-                                                 max_concurrent=args.max_concurrent,
-                                                 use_cli=args.provider_cli,
-                                                 unbatched=args.provider == "raw"))
+                providers.append(
+                    h.ProviderChild(
+                        server.ws_url,
+                        workdir,
+                        i,
+                        deltas=args.deltas,
+                        max_concurrent=args.max_concurrent,
+                        use_cli=args.provider_cli,
+                        unbatched=args.provider == "raw",
+                    )
+                )
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -313,83 +403,121 @@ def main() -> None:
     events_per_s = v["events"] / seconds
 
     print(f"  measuring {build}")
-    print(f"e2e: {args.runs} runs over {args.threads} threads ({args.door} doors), "
-          f"{load.events_per_run} events each, {args.providers} {args.provider} provider "
-          f"process(es) over websockets, server in its own process, SQLite on disk, "
-          f"{args.client} callers"
-          + (f", offered at {args.rate:g} runs/s" if args.rate else ", as fast as they go"))
+    print(
+        f"e2e: {args.runs} runs over {args.threads} threads ({args.door} doors), "
+        f"{load.events_per_run} events each, {args.providers} {args.provider} provider "
+        f"process(es) over websockets, server in its own process, SQLite on disk, "
+        f"{args.client} callers"
+        + (f", offered at {args.rate:g} runs/s" if args.rate else ", as fast as they go")
+    )
     print(f"  wall time           {seconds:10.2f} s")
     print(f"  runs/s              {runs_per_s:10.1f}")
     print(f"  events/s            {events_per_s:10.1f}   (events in the record / wall time)")
-    print(f"  caller latency p50  {h.ms(lat, .5):10.2f} ms   p99 {h.ms(lat, .99):8.2f} ms")
+    print(f"  caller latency p50  {h.ms(lat, 0.5):10.2f} ms   p99 {h.ms(lat, 0.99):8.2f} ms")
     for door, values in by_door.items():
         if values:
-            print(f"    {door:5s} p50         {h.ms(values, .5):10.2f} ms   "
-                  f"p99 {h.ms(values, .99):8.2f} ms   ({len(values)} runs)")
+            print(
+                f"    {door:5s} p50         {h.ms(values, 0.5):10.2f} ms   "
+                f"p99 {h.ms(values, 0.99):8.2f} ms   ({len(values)} runs)"
+            )
     if first:
-        print(f"  AG-UI first event   {h.ms(first, .5):10.2f} ms   p99 {h.ms(first, .99):8.2f} ms"
-              "   (POST sent -> first SSE event read)")
+        print(
+            f"  AG-UI first event   {h.ms(first, 0.5):10.2f} ms   p99 {h.ms(first, 0.99):8.2f} ms"
+            "   (POST sent -> first SSE event read)"
+        )
     f = offer_figures(results, stamps)
     if f["to_offer"]:
-        print(f"  caller -> offer     {h.ms(f['to_offer'], .5):10.2f} ms   "
-              f"p99 {h.ms(f['to_offer'], .99):8.2f} ms   (request sent -> offer frame read "
-              "by the provider)")
-        print(f"  provider answer     {h.ms(f['answer'], .5):10.3f} ms   "
-              f"p99 {h.ms(f['answer'], .99):8.3f} ms   (offer read -> its ok written)")
-        print(f"  finish -> caller    {h.ms(f['tail'], .5):10.2f} ms   "
-              f"p99 {h.ms(f['tail'], .99):8.2f} ms   (finish written -> caller has the answer)")
+        print(
+            f"  caller -> offer     {h.ms(f['to_offer'], 0.5):10.2f} ms   "
+            f"p99 {h.ms(f['to_offer'], 0.99):8.2f} ms   (request sent -> offer frame read "
+            "by the provider)"
+        )
+        print(
+            f"  provider answer     {h.ms(f['answer'], 0.5):10.3f} ms   "
+            f"p99 {h.ms(f['answer'], 0.99):8.3f} ms   (offer read -> its ok written)"
+        )
+        print(
+            f"  finish -> caller    {h.ms(f['tail'], 0.5):10.2f} ms   "
+            f"p99 {h.ms(f['tail'], 0.99):8.2f} ms   (finish written -> caller has the answer)"
+        )
     else:
         print("  offer figures       (none: --provider-cli has no stamps)")
     p50, answered = h.histogram_quantile(*out["round_trips"], 0.5)
     p99, _ = h.histogram_quantile(*out["round_trips"], 0.99)
-    print(f"  offer round trip    p50 <= {p50 * 1e3:g} ms, p99 <= {p99 * 1e3:g} ms   (server side, "
-          f"GET /metrics buckets: offer handed to the link -> answer read; {answered} offers)")
+    print(
+        f"  offer round trip    p50 <= {p50 * 1e3:g} ms, p99 <= {p99 * 1e3:g} ms   (server side, "
+        f"GET /metrics buckets: offer handed to the link -> answer read; {answered} offers)"
+    )
     cpu_per_run = out["server_cpu_s"] / max(1, len(ok)) * 1e3
-    print(f"  server CPU per run  {cpu_per_run:10.2f} ms   (all its threads; a ceiling of "
-          f"{1e3 / cpu_per_run:.0f} runs/s per core)")
+    print(
+        f"  server CPU per run  {cpu_per_run:10.2f} ms   (all its threads; a ceiling of "
+        f"{1e3 / cpu_per_run:.0f} runs/s per core)"
+    )
     if "sched" in out:
         sc = out["sched"]
         frames = len(ok) * (load.events_per_run + 2)  # its events, the ok, the finish
-        print(f"  server scheduler    {sc['rounds'] / seconds:10.0f} rounds/s, "
-              f"{sc['steps'] / max(1, sc['rounds']):.1f} task steps a round, busy "
-              f"{sc['busy'] / seconds * 100:.0f}% of the wall time")
-        print(f"  link frames/round   {frames / max(1, sc['rounds']) / args.providers:10.2f}   "
-              f"(frames from providers per scheduler round per provider link)")
+        print(
+            f"  server scheduler    {sc['rounds'] / seconds:10.0f} rounds/s, "
+            f"{sc['steps'] / max(1, sc['rounds']):.1f} task steps a round, busy "
+            f"{sc['busy'] / seconds * 100:.0f}% of the wall time"
+        )
+        print(
+            f"  link frames/round   {frames / max(1, sc['rounds']) / args.providers:10.2f}   "
+            f"(frames from providers per scheduler round per provider link)"
+        )
         step_s, step_task = sc["longest_step"]
-        print(f"  longest round       {sc['longest_round'] * 1e3:10.1f} ms   "
-              f"({sc['rounds_over_20ms']} rounds over 20 ms during the load; longest task "
-              f"step {step_s * 1e3:.1f} ms in {step_task})")
-    print(f"  server RSS          {out['rss_before_kib'] / 1024:10.1f} MiB before the load, "
-          f"{out['rss_after_kib'] / 1024:.1f} MiB after, peak (VmHWM) {hwm_kib / 1024:.1f} MiB")
-    print(f"  CPU during the load {h.format_shares(out['cpu'])} "
-          "(100% = one core; this host has " f"{__import__('os').cpu_count()} cores)")
-    print(f"  record              {v['statuses']}, {len(v['short'])} completed with events "
-          "missing")
+        print(
+            f"  longest round       {sc['longest_round'] * 1e3:10.1f} ms   "
+            f"({sc['rounds_over_20ms']} rounds over 20 ms during the load; longest task "
+            f"step {step_s * 1e3:.1f} ms in {step_task})"
+        )
+    print(
+        f"  server RSS          {out['rss_before_kib'] / 1024:10.1f} MiB before the load, "
+        f"{out['rss_after_kib'] / 1024:.1f} MiB after, peak (VmHWM) {hwm_kib / 1024:.1f} MiB"
+    )
+    print(
+        f"  CPU during the load {h.format_shares(out['cpu'])} "
+        "(100% = one core; this host has "
+        f"{__import__('os').cpu_count()} cores)"
+    )
+    print(f"  record              {v['statuses']}, {len(v['short'])} completed with events missing")
     print(f"  runs not completed  {not_completed:10d}   (caller errors: {len(load.errors)})")
     for line in load.errors[:5]:
         print(f"    {line}")
     if "healthz" in out:
         hz, ws = out["healthz"], out["ws"]
-        print(f"baseline, GET /healthz from {args.threads} concurrent callers: "
-              f"{hz['per_s']:.1f} req/s (p50 {hz['p50_ms']:.2f} ms, p99 {hz['p99_ms']:.2f} ms)")
-        print(f"  runs/s / healthz req/s ratio: {runs_per_s / hz['per_s']:.3f}; server CPU "
-              f"{hz['server_cpu_ms']:.2f} ms per healthz, a run costs "
-              f"{cpu_per_run / hz['server_cpu_ms']:.1f} healthz of server CPU")
-        print(f"  in healthz units ({args.provider} provider): server CPU per run "
-              f"{cpu_per_run / hz['server_cpu_ms']:.2f} healthz (goal <= 1.5), "
-              f"runs/s / healthz req/s {runs_per_s / hz['per_s']:.3f} (goal >= 0.6)")
-        print(f"baseline, provider-link websocket round trips ({args.providers} links, "
-              f"{max(1, args.threads // args.providers)} in flight each): {ws['per_s']:.1f} msg/s "
-              f"(p50 {ws['p50_ms']:.2f} ms, p99 {ws['p99_ms']:.2f} ms)")
-        print(f"  events/s / websocket msg/s ratio: {events_per_s / ws['per_s']:.3f}; server CPU "
-              f"{ws['server_cpu_ms']:.3f} ms per round trip")
+        print(
+            f"baseline, GET /healthz from {args.threads} concurrent callers: "
+            f"{hz['per_s']:.1f} req/s (p50 {hz['p50_ms']:.2f} ms, p99 {hz['p99_ms']:.2f} ms)"
+        )
+        print(
+            f"  runs/s / healthz req/s ratio: {runs_per_s / hz['per_s']:.3f}; server CPU "
+            f"{hz['server_cpu_ms']:.2f} ms per healthz, a run costs "
+            f"{cpu_per_run / hz['server_cpu_ms']:.1f} healthz of server CPU"
+        )
+        print(
+            f"  in healthz units ({args.provider} provider): server CPU per run "
+            f"{cpu_per_run / hz['server_cpu_ms']:.2f} healthz (goal <= 1.5), "
+            f"runs/s / healthz req/s {runs_per_s / hz['per_s']:.3f} (goal >= 0.6)"
+        )
+        print(
+            f"baseline, provider-link websocket round trips ({args.providers} links, "
+            f"{max(1, args.threads // args.providers)} in flight each): {ws['per_s']:.1f} msg/s "
+            f"(p50 {ws['p50_ms']:.2f} ms, p99 {ws['p99_ms']:.2f} ms)"
+        )
+        print(
+            f"  events/s / websocket msg/s ratio: {events_per_s / ws['per_s']:.3f}; server CPU "
+            f"{ws['server_cpu_ms']:.3f} ms per round trip"
+        )
     if log_trouble:
         print(f"server log: {len(log_trouble)} lines of trouble, first: {log_trouble[:3]}")
     if args.profile:
         print(f"py-spy profile of the server during the load ({args.profile}):")
         print(h.summarize_profile(Path(args.profile)))
-        print("where the server's CPU went (bench/profile_shares.py), ms/run from the "
-              "server CPU per run above:")
+        print(
+            "where the server's CPU went (bench/profile_shares.py), ms/run from the "
+            "server CPU per run above:"
+        )
         print(profile_shares.format_shares(Path(args.profile), cpu_per_run))
     sys.stdout.flush()
     if not_completed:

@@ -136,17 +136,28 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 #: exec), then becomes the real command. A benchmark killed from outside
 #: leaves no server or provider behind. (Done in the child itself rather
 #: than with preexec_fn, which is unsafe once the parent has threads.)
-DIE_WITH_PARENT = [sys.executable, "-c", (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
-    "os.execv(sys.argv[1], sys.argv[1:])")]
+DIE_WITH_PARENT = [
+    sys.executable,
+    "-c",
+    (
+        "import ctypes, os, signal, sys; "
+        "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    ),
+]
 
 
 # -- the server --------------------------------------------------------------------
 
 
-def _wait_in_log(proc: subprocess.Popen[bytes], log_path: Path, pattern: str, what: str,
-                 give_up: Callable[[], Any] | None = None, timeout: float = 30.0) -> str:
+def _wait_in_log(
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    pattern: str,
+    what: str,
+    give_up: Callable[[], Any] | None = None,
+    timeout: float = 30.0,
+) -> str:
     """Wait until a child's log matches `pattern`; return its first group."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -165,9 +176,15 @@ def _wait_in_log(proc: subprocess.Popen[bytes], log_path: Path, pattern: str, wh
 class Server:
     """`funduq-trio serve` in a child process with its own data directory."""
 
-    def __init__(self, data_dir: Path, *, env: dict[str, str] | None = None,
-                 flags: list[str] | None = None, switch_interval: float | None = None,
-                 sched_stats: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        env: dict[str, str] | None = None,
+        flags: list[str] | None = None,
+        switch_interval: float | None = None,
+        sched_stats: bool = False,
+    ) -> None:
         self.data_dir = data_dir
         self.log_path = data_dir / "server.log"
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -178,18 +195,41 @@ class Server:
         else:
             # Diagnostics: the same CLI, run through harness.py's `serve` with
             # CPython's GIL switch interval changed and/or trio's scheduler counted.
-            launch = [sys.executable, str(Path(__file__).resolve()), "serve-instrumented",
-                      str(switch_interval or 0), str(self.sched_path or ""), "--"]
+            launch = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "serve-instrumented",
+                str(switch_interval or 0),
+                str(self.sched_path or ""),
+                "--",
+            ]
         self.proc = subprocess.Popen(
-            [*DIE_WITH_PARENT, *launch, "serve", "--host", HOST, "--port", "0",
-             "--data-dir", str(data_dir), *(flags or [])],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                *DIE_WITH_PARENT,
+                *launch,
+                "serve",
+                "--host",
+                HOST,
+                "--port",
+                "0",
+                "--data-dir",
+                str(data_dir),
+                *(flags or []),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             env=child_env(env),
             cwd=data_dir,  # not the caller's directory: `-m` would import a checkout there
         )
-        self.url = _wait_in_log(self.proc, self.log_path,
-                                r"funduq-trio serving on (http://\S+)", "server", self.stop)
-        self.ws_url = "ws" + self.url[len("http"):] + "/ws/provider"
+        self.url = _wait_in_log(
+            self.proc,
+            self.log_path,
+            r"funduq-trio \S* ?serving on (http://\S+)",
+            "server",
+            self.stop,
+        )
+        self.ws_url = "ws" + self.url[len("http") :] + "/ws/provider"
 
     @property
     def pid(self) -> int:
@@ -225,8 +265,11 @@ class Server:
     def errors_in_log(self) -> list[str]:
         """Log lines that look like trouble (tracebacks, errors, warnings)."""
         lines = self.log_path.read_text(errors="replace").splitlines()
-        return [line for line in lines
-                if re.search(r"Traceback|ERROR|Error|WARNING|refused|withdraw", line)]
+        return [
+            line
+            for line in lines
+            if re.search(r"Traceback|ERROR|Error|WARNING|refused|withdraw", line)
+        ]
 
 
 # -- the provider child --------------------------------------------------------------
@@ -235,9 +278,17 @@ class Server:
 class ProviderChild:
     """A stamping SDK provider in a child process (see `provider_main`)."""
 
-    def __init__(self, ws_url: str, workdir: Path, index: int, *, deltas: int,
-                 max_concurrent: int | None = None, use_cli: bool = False,
-                 unbatched: bool = False) -> None:
+    def __init__(
+        self,
+        ws_url: str,
+        workdir: Path,
+        index: int,
+        *,
+        deltas: int,
+        max_concurrent: int | None = None,
+        use_cli: bool = False,
+        unbatched: bool = False,
+    ) -> None:
         self.key_file = workdir / f"provider-{index}.key"
         self.stamps_path = workdir / f"provider-{index}.stamps.json"
         self.log_path = workdir / f"provider-{index}.log"
@@ -245,8 +296,13 @@ class ProviderChild:
         if use_cli:
             argv = [sys.executable, "-m", "funduq_trio", "provider"]
         else:
-            argv = [sys.executable, str(Path(__file__).resolve()), "provider",
-                    "--stamps", str(self.stamps_path)]
+            argv = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "provider",
+                "--stamps",
+                str(self.stamps_path),
+            ]
         argv += ["--url", ws_url, "--key-file", str(self.key_file), "--echo-deltas", str(deltas)]
         if max_concurrent is not None:
             argv += ["--max-concurrent", str(max_concurrent)]
@@ -255,11 +311,17 @@ class ProviderChild:
                 raise ValueError("the unbatched (raw) provider is the bench's own, not the CLI")
             argv += ["--unbatched"]
         self.use_cli = use_cli
-        self.proc = subprocess.Popen([*DIE_WITH_PARENT, *argv], stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
-                                     env=child_env())
-        self.fingerprint = _wait_in_log(self.proc, self.log_path,
-                                        r"\(fingerprint ([0-9a-f]{16})\)", "provider")
+        self.proc = subprocess.Popen(
+            [*DIE_WITH_PARENT, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=child_env(),
+        )
+        self.fingerprint = _wait_in_log(
+            self.proc, self.log_path, r"\(fingerprint ([0-9a-f]{16})\)", "provider"
+        )
 
     @property
     def pid(self) -> int:
@@ -377,16 +439,25 @@ def provider_main(argv: list[str]) -> int:
     parser.add_argument("--echo-deltas", type=int, default=8)
     parser.add_argument("--max-concurrent", type=int, default=None)
     parser.add_argument("--stamps", required=True)
-    parser.add_argument("--unbatched", action="store_true",
-                        help="one frame per websocket message, like a provider without batches")
+    parser.add_argument(
+        "--unbatched",
+        action="store_true",
+        help="one frame per websocket message, like a provider without batches",
+    )
     args = parser.parse_args(argv)
     identity = Identity.load_or_create(args.key_file)
     stamps: dict[str, dict[str, float]] = {}
-    provider = Provider(identity, args.url, max_concurrent_runs=args.max_concurrent,
-                        connector=stamping_connector(stamps, args.unbatched))
+    provider = Provider(
+        identity,
+        args.url,
+        max_concurrent_runs=args.max_concurrent,
+        connector=stamping_connector(stamps, args.unbatched),
+    )
     provider.add_agent(make_echo(args.echo_deltas), name="echo")
-    print(f"bench provider: key {identity.public_key_hex} (fingerprint {identity.fingerprint})",
-          flush=True)
+    print(
+        f"bench provider: key {identity.public_key_hex} (fingerprint {identity.fingerprint})",
+        flush=True,
+    )
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -421,15 +492,30 @@ async def wait_online(client: Any, url: str, fingerprints: list[str], timeout: f
 
 
 def agui_body(thread_id: str, text: str, message_id: str) -> dict[str, Any]:
-    return {"threadId": thread_id, "runId": "caller-run", "state": None,
-            "messages": [{"id": message_id, "role": "user", "content": text}],
-            "tools": [], "context": [], "forwardedProps": None}
+    return {
+        "threadId": thread_id,
+        "runId": "caller-run",
+        "state": None,
+        "messages": [{"id": message_id, "role": "user", "content": text}],
+        "tools": [],
+        "context": [],
+        "forwardedProps": None,
+    }
 
 
-def a2a_send_body(request_id: int, text: str, message_id: str, context_id: str | None,
-                  *, return_immediately: bool = False) -> dict[str, Any]:
-    message: dict[str, Any] = {"messageId": message_id, "role": "ROLE_USER",
-                               "parts": [{"text": text}]}
+def a2a_send_body(
+    request_id: int,
+    text: str,
+    message_id: str,
+    context_id: str | None,
+    *,
+    return_immediately: bool = False,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "messageId": message_id,
+        "role": "ROLE_USER",
+        "parts": [{"text": text}],
+    }
     if context_id:
         message["contextId"] = context_id
     params: dict[str, Any] = {"message": message}
@@ -447,8 +533,9 @@ def caller_client(timeout: float = 120) -> Any:
     CPU in its pool bookkeeping, which grows with the pool.)"""
     import httpx
 
-    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
-        max_connections=1, max_keepalive_connections=1))
+    return httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    )
 
 
 class Caller:
@@ -484,8 +571,9 @@ class Caller:
         response = await self.client.post(self.url + path, json=body, headers=headers)
         return response.status_code, response.json()
 
-    async def post_sse(self, path: str, body: Any, first: Callable[[], None]
-                       ) -> tuple[int, list[dict[str, Any]]]:
+    async def post_sse(
+        self, path: str, body: Any, first: Callable[[], None]
+    ) -> tuple[int, list[dict[str, Any]]]:
         """POST, then read the SSE stream to its end; `first()` when the first
         event is read."""
         events: list[dict[str, Any]] = []
@@ -505,9 +593,9 @@ class Caller:
             return r.status_code, events
 
 
-async def healthz_baseline(url: str, requests: int, concurrency: int,
-                           server_pid: int | None = None, *, lean: bool = False
-                           ) -> dict[str, Any]:
+async def healthz_baseline(
+    url: str, requests: int, concurrency: int, server_pid: int | None = None, *, lean: bool = False
+) -> dict[str, Any]:
     """`requests` GET /healthz round trips from `concurrency` loops, each on
     its own connection (as the callers of the load, with the same client)."""
     import trio
@@ -541,8 +629,14 @@ async def healthz_baseline(url: str, requests: int, concurrency: int,
         ready.set()
     elapsed = time.monotonic() - began
     cpu_ms = (proc_cpu(server_pid) - cpu_began) / requests * 1e3 if server_pid else float("nan")
-    return {"per_s": requests / elapsed, "seconds": elapsed, "p50_ms": ms(latencies, .5),
-            "p99_ms": ms(latencies, .99), "failures": failures, "server_cpu_ms": cpu_ms}
+    return {
+        "per_s": requests / elapsed,
+        "seconds": elapsed,
+        "p50_ms": ms(latencies, 0.5),
+        "p99_ms": ms(latencies, 0.99),
+        "failures": failures,
+        "server_cpu_ms": cpu_ms,
+    }
 
 
 class RawHTTP:
@@ -586,8 +680,9 @@ class RawHTTP:
                 continue
             return event
 
-    async def request(self, method: str, path: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None) -> Any:
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> Any:
         """Send a request; returns (status, an async iterator of body chunks).
         Read the body to its end before the next request on this connection."""
         import h11
@@ -620,8 +715,9 @@ class RawHTTP:
 
         return response.status_code, chunks()
 
-    async def json(self, method: str, path: str, payload: Any = None,
-                   headers: dict[str, str] | None = None) -> Any:
+    async def json(
+        self, method: str, path: str, payload: Any = None, headers: dict[str, str] | None = None
+    ) -> Any:
         body = b"" if payload is None else json.dumps(payload).encode()
         status, chunks = await self.request(method, path, body, headers)
         data = b"".join([c async for c in chunks])
@@ -653,16 +749,22 @@ async def open_link(nursery: Any, ws_url: str) -> Any:
     hello = json.loads(await ws.get_message())
     nonce = new_nonce()
     proof = identity.sign(provider_connect_payload(hello["funduqKey"], hello["nonce"], nonce))
-    await ws.send_message(f.encode_frame(f.Connect(
-        public_key=identity.public_key_hex, nonce=nonce, proof=proof, max_concurrent_runs=0)))
+    await ws.send_message(
+        f.encode_frame(
+            f.Connect(
+                public_key=identity.public_key_hex, nonce=nonce, proof=proof, max_concurrent_runs=0
+            )
+        )
+    )
     reply = json.loads(await ws.get_message())
     if reply["kind"] != "connect.ok":
         raise SystemExit(f"baseline link refused: {reply}")
     return ws
 
 
-async def websocket_baseline(ws_url: str, links: int, window: int, messages: int,
-                             server_pid: int | None = None) -> dict[str, Any]:
+async def websocket_baseline(
+    ws_url: str, links: int, window: int, messages: int, server_pid: int | None = None
+) -> dict[str, Any]:
     """Round trips over provider links: each `{"kind":"ping","id":...}` is a
     frame of a kind the link does not know but that carries an id, which the
     server's link machine answers `err {id}` and stays up (DESIGN §5). That is
@@ -710,8 +812,13 @@ async def websocket_baseline(ws_url: str, links: int, window: int, messages: int
             nursery.start_soon(one_link, i, counts[i])
     elapsed = time.monotonic() - began
     cpu_ms = (proc_cpu(server_pid) - cpu_began) / messages * 1e3 if server_pid else float("nan")
-    return {"per_s": messages / elapsed, "seconds": elapsed, "p50_ms": ms(latencies, .5),
-            "p99_ms": ms(latencies, .99), "server_cpu_ms": cpu_ms}
+    return {
+        "per_s": messages / elapsed,
+        "seconds": elapsed,
+        "p50_ms": ms(latencies, 0.5),
+        "p99_ms": ms(latencies, 0.99),
+        "server_cpu_ms": cpu_ms,
+    }
 
 
 # -- py-spy ---------------------------------------------------------------------------
@@ -723,9 +830,24 @@ class Profiler:
     def __init__(self, pid: int, out: Path, rate: int = 200) -> None:
         self.out = out
         self.proc = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), "--gil", "--format", "raw", "--rate",
-             str(rate), "--output", str(out), "--nonblocking"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                "py-spy",
+                "record",
+                "--pid",
+                str(pid),
+                "--gil",
+                "--format",
+                "raw",
+                "--rate",
+                str(rate),
+                "--output",
+                str(out),
+                "--nonblocking",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     def stop(self) -> str:
         if self.proc.poll() is None:
@@ -762,8 +884,9 @@ def summarize_profile(raw: Path, top: int = 20) -> str:
         count = int(count_text)
         total += count
         frames = [re.sub(r":\d+\)$", ")", _short(fr)) for fr in stack.split(";")]
-        frames = [fr for fr in frames if not fr.startswith("process ")
-                  and not fr.startswith("thread ")]
+        frames = [
+            fr for fr in frames if not fr.startswith("process ") and not fr.startswith("thread ")
+        ]
         if not frames:
             continue
         own[frames[-1]] = own.get(frames[-1], 0) + count
@@ -778,8 +901,11 @@ def summarize_profile(raw: Path, top: int = 20) -> str:
     lines.append("  inclusive time (funduq_trio and the libraries it calls):")
     shown = 0
     for fn, n in sorted(incl.items(), key=lambda kv: -kv[1]):
-        if re.match(r"(run|_bootstrap|_bootstrap_inner|<module>|main|run_server|unrolled_run|"
-                    r"run_sync_soon|Thread\.run|WorkerThread\._work|handle_io) ", fn):
+        if re.match(
+            r"(run|_bootstrap|_bootstrap_inner|<module>|main|run_server|unrolled_run|"
+            r"run_sync_soon|Thread\.run|WorkerThread\._work|handle_io) ",
+            fn,
+        ):
             continue
         lines.append(f"    {n / total * 100:5.1f}%  {fn}")
         shown += 1
@@ -801,11 +927,18 @@ def describe_build() -> str:
     try:
         head = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         ).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "funduq_trio"],
-                               capture_output=True, text=True, timeout=10,
-                               check=False).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "funduq_trio"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return str(root)
     if not head:
@@ -817,13 +950,15 @@ async def offer_round_trips(client: Any, url: str) -> list[tuple[float, int]]:
     """The server's offer round trip histogram from `GET /metrics`: cumulative
     (upper bound in seconds, count) pairs, +Inf last."""
     text = (await client.get(f"{url}/metrics")).text
-    found = re.findall(r'^funduq_offer_round_trip_seconds_bucket\{le="([^"]+)"\} (\d+)$',
-                       text, re.M)
+    found = re.findall(
+        r'^funduq_offer_round_trip_seconds_bucket\{le="([^"]+)"\} (\d+)$', text, re.M
+    )
     return [(float(le), int(n)) for le, n in found]
 
 
-def histogram_quantile(before: list[tuple[float, int]], after: list[tuple[float, int]],
-                       q: float) -> tuple[float, int]:
+def histogram_quantile(
+    before: list[tuple[float, int]], after: list[tuple[float, int]], q: float
+) -> tuple[float, int]:
     """(the bucket bound the q-quantile falls under, observations) between two
     readings of one cumulative histogram."""
     diff = [(le, n - m) for (le, n), (_, m) in zip(after, before, strict=True)]
@@ -881,8 +1016,13 @@ def trio_floor_main(argv: list[str]) -> int:
 
 def trio_floor(count: int) -> float:
     """KiB per waiting run of the bare trio skeleton (see trio_floor_main)."""
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "trio-floor", str(count)],
-                         capture_output=True, text=True, check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "trio-floor", str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     return float(out.stdout.strip())
 
 
@@ -938,11 +1078,18 @@ def serve_instrumented_main(argv: list[str]) -> int:
         def write(signum: int, frame: Any) -> None:
             tmp = sched_path + ".tmp"
             with open(tmp, "w") as fh:
-                json.dump({"rounds": rounds.rounds, "steps": rounds.steps, "busy": rounds.busy,
-                           "longest_round": rounds.longest_round,
-                           "rounds_over_20ms": rounds.rounds_over_20ms,
-                           "longest_step": list(rounds.longest_step),
-                           "at": time.monotonic()}, fh)
+                json.dump(
+                    {
+                        "rounds": rounds.rounds,
+                        "steps": rounds.steps,
+                        "busy": rounds.busy,
+                        "longest_round": rounds.longest_round,
+                        "rounds_over_20ms": rounds.rounds_over_20ms,
+                        "longest_step": list(rounds.longest_step),
+                        "at": time.monotonic(),
+                    },
+                    fh,
+                )
             os.replace(tmp, sched_path)
 
         signal.signal(signal.SIGUSR1, write)

@@ -54,11 +54,17 @@ class InstantProvider:
 
 def events_for(run_id: str, thread_id: str, deltas: int) -> list[dict[str, Any]]:
     mid = "m-" + run_id
-    return ([{"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
-             {"type": "TEXT_MESSAGE_START", "messageId": mid, "role": "assistant"}]
-            + [{"type": "TEXT_MESSAGE_CONTENT", "messageId": mid, "delta": "word "}] * deltas
-            + [{"type": "TEXT_MESSAGE_END", "messageId": mid},
-               {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id}])
+    return (
+        [
+            {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
+            {"type": "TEXT_MESSAGE_START", "messageId": mid, "role": "assistant"},
+        ]
+        + [{"type": "TEXT_MESSAGE_CONTENT", "messageId": mid, "delta": "word "}] * deltas
+        + [
+            {"type": "TEXT_MESSAGE_END", "messageId": mid},
+            {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
+        ]
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,10 +78,14 @@ async def broker_run(data_dir: Path, runs: int, threads: int, deltas: int) -> di
         provider = InstantProvider(deltas)
         key = Identity.generate().public_key_hex
         provider.session = funduq.attach_provider(key, None, provider)
-        await provider.session.register([{"name": "echo", "description": "", "card": {},
-                                          "metadata": {}}])
-        message = {"threadId": "t", "runId": "r",
-                   "messages": [{"id": "u", "role": "user", "content": "hello"}]}
+        await provider.session.register(
+            [{"name": "echo", "description": "", "card": {}, "metadata": {}}]
+        )
+        message = {
+            "threadId": "t",
+            "runId": "r",
+            "messages": [{"id": "u", "role": "user", "content": "hello"}],
+        }
 
         async def caller(count: int) -> None:
             thread_id = None
@@ -97,9 +107,15 @@ async def broker_run(data_dir: Path, runs: int, threads: int, deltas: int) -> di
         elapsed = time.perf_counter() - began
         commits = funduq.record.commits
     events = runs * (deltas + 4)
-    return {"runs": runs, "seconds": elapsed, "runs_per_s": runs / elapsed,
-            "events_per_s": events / elapsed, "p50_ms": percentile(latencies, .5) * 1e3,
-            "p99_ms": percentile(latencies, .99) * 1e3, "commits": commits}
+    return {
+        "runs": runs,
+        "seconds": elapsed,
+        "runs_per_s": runs / elapsed,
+        "events_per_s": events / elapsed,
+        "p50_ms": percentile(latencies, 0.5) * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
+        "commits": commits,
+    }
 
 
 async def record_run(data_dir: Path, runs: int, threads: int, deltas: int) -> dict[str, float]:
@@ -107,13 +123,17 @@ async def record_run(data_dir: Path, runs: int, threads: int, deltas: int) -> di
     change (plus the run's insert), from ``threads`` concurrent writers."""
     writes_per_run = deltas + 4 + 4
     async with open_record(data_dir / "baseline.sqlite3") as record:
+
         async def writer(index: int, count: int) -> None:
             for r in range(count):
                 rid = f"run_{index}_{r}"
                 for seq in range(writes_per_run):
                     row = (rid, seq, '{"type":"TEXT_MESSAGE_CONTENT","delta":"word "}')
-                    await record.write(lambda c, row=row: c.execute(
-                        "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", row))
+                    await record.write(
+                        lambda c, row=row: c.execute(
+                            "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", row
+                        )
+                    )
 
         began = time.perf_counter()
         async with trio.open_nursery() as nursery:
@@ -133,8 +153,10 @@ def main() -> None:
         base = trio.run(record_run, Path(tmp), args.runs, args.threads, args.deltas)
         result = trio.run(broker_run, Path(tmp), args.runs, args.threads, args.deltas)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"in-process broker: {args.runs} runs over {args.threads} threads, "
-          f"{args.deltas + 4} events each, SQLite on disk")
+    print(
+        f"in-process broker: {args.runs} runs over {args.threads} threads, "
+        f"{args.deltas + 4} events each, SQLite on disk"
+    )
     print(f"  runs/s        {result['runs_per_s']:10.1f}")
     print(f"  events/s      {result['events_per_s']:10.1f}")
     print(f"  latency p50   {result['p50_ms']:10.2f} ms")

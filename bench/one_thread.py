@@ -67,14 +67,16 @@ class Thread:
                 task = data["result"]["task"]
                 result["run_id"] = task["id"]
                 self.context = task["contextId"]
-                reply = "".join(p.get("text", "") for a in task.get("artifacts", [])
-                                for p in a["parts"])
+                reply = "".join(
+                    p.get("text", "") for a in task.get("artifacts", []) for p in a["parts"]
+                )
                 result["ok"] = task["status"]["state"] == "TASK_STATE_COMPLETED" and reply == text
             else:
                 assert self.context is not None
                 events = []
-                async with client.stream("POST", self.url, json=h.agui_body(
-                        self.context, text, f"{phase}-{i}")) as response:
+                async with client.stream(
+                    "POST", self.url, json=h.agui_body(self.context, text, f"{phase}-{i}")
+                ) as response:
                     if response.status_code != 200:
                         raise RuntimeError(f"AG-UI HTTP {response.status_code}")
                     async for line in response.aiter_lines():
@@ -82,8 +84,9 @@ class Thread:
                             events.append(json.loads(line[6:]))
                 result["run_id"] = events[0]["runId"]
                 self.context = events[0]["threadId"]
-                result["ok"] = (len(events) == self.events_per_run
-                                and events[-1]["type"] == "RUN_FINISHED")
+                result["ok"] = (
+                    len(events) == self.events_per_run and events[-1]["type"] == "RUN_FINISHED"
+                )
             if not result["ok"]:
                 raise RuntimeError(f"run {result['run_id']} did not complete as expected")
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError, IndexError) as exc:
@@ -129,8 +132,9 @@ async def windowed(url: str, fingerprint: str, args: argparse.Namespace) -> tupl
     return thread, time.monotonic() - began
 
 
-async def drive(args: argparse.Namespace, server: h.Server, provider: h.ProviderChild
-                ) -> dict[str, Any]:
+async def drive(
+    args: argparse.Namespace, server: h.Server, provider: h.ProviderChild
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(timeout=60) as client:
         await h.wait_online(client, server.url, [provider.fingerprint])
@@ -158,8 +162,11 @@ async def drive(args: argparse.Namespace, server: h.Server, provider: h.Provider
 def offer_cadence(thread: Thread, stamps: dict[str, dict[str, float]]) -> dict[str, list[float]]:
     """From the provider's stamps: offer->answer, and answer -> the next run's
     offer where the next run's caller had sent it before that answer."""
-    runs = sorted((stamps[r["run_id"]]["offer"], r) for r in thread.results
-                  if r["run_id"] in stamps and "offer" in stamps[r["run_id"]])
+    runs = sorted(
+        (stamps[r["run_id"]]["offer"], r)
+        for r in thread.results
+        if r["run_id"] in stamps and "offer" in stamps[r["run_id"]]
+    )
     answer, handoff, to_offer = [], [], []
     for index, (offered, result) in enumerate(runs):
         s = stamps[result["run_id"]]
@@ -173,27 +180,41 @@ def offer_cadence(thread: Thread, stamps: dict[str, dict[str, float]]) -> dict[s
     return {"answer": answer, "handoff": handoff, "to_offer": to_offer}
 
 
-def report(name: str, thread: Thread, seconds: float, base: dict[str, Any], cpu: dict[str, float],
-           stamps: dict[str, dict[str, float]]) -> None:
+def report(
+    name: str,
+    thread: Thread,
+    seconds: float,
+    base: dict[str, Any],
+    cpu: dict[str, float],
+    stamps: dict[str, dict[str, float]],
+) -> None:
     ok = [r for r in thread.results if r["ok"]]
     lat = [r["done"] - r["began"] for r in ok]
     rate = len(ok) / seconds
     c = offer_cadence(thread, stamps)
     print(f"  {name}: {len(ok)}/{len(thread.results)} runs completed in {seconds:.2f} s")
     print(f"    runs/s              {rate:10.1f}")
-    print(f"    latency p50         {h.ms(lat, .5):10.2f} ms   p99 {h.ms(lat, .99):8.2f} ms")
+    print(f"    latency p50         {h.ms(lat, 0.5):10.2f} ms   p99 {h.ms(lat, 0.99):8.2f} ms")
     if c["to_offer"]:
-        print(f"    caller -> offer     {h.ms(c['to_offer'], .5):10.2f} ms   "
-              f"p99 {h.ms(c['to_offer'], .99):8.2f} ms")
-        print(f"    provider answer     {h.ms(c['answer'], .5):10.3f} ms   "
-              f"p99 {h.ms(c['answer'], .99):8.3f} ms   (offer read -> ok written)")
+        print(
+            f"    caller -> offer     {h.ms(c['to_offer'], 0.5):10.2f} ms   "
+            f"p99 {h.ms(c['to_offer'], 0.99):8.2f} ms"
+        )
+        print(
+            f"    provider answer     {h.ms(c['answer'], 0.5):10.3f} ms   "
+            f"p99 {h.ms(c['answer'], 0.99):8.3f} ms   (offer read -> ok written)"
+        )
     if c["handoff"]:
-        print(f"    answer -> next offer{h.ms(c['handoff'], .5):10.2f} ms   "
-              f"p99 {h.ms(c['handoff'], .99):8.2f} ms   ({len(c['handoff'])} hand-offs "
-              "to a run already waiting)")
+        print(
+            f"    answer -> next offer{h.ms(c['handoff'], 0.5):10.2f} ms   "
+            f"p99 {h.ms(c['handoff'], 0.99):8.2f} ms   ({len(c['handoff'])} hand-offs "
+            "to a run already waiting)"
+        )
     print(f"    CPU                 {h.format_shares(cpu)}")
-    print(f"    baseline GET /healthz, same connections: {base['per_s']:.1f} req/s "
-          f"(p50 {base['p50_ms']:.2f} ms); runs/s / healthz req/s = {rate / base['per_s']:.3f}")
+    print(
+        f"    baseline GET /healthz, same connections: {base['per_s']:.1f} req/s "
+        f"(p50 {base['p50_ms']:.2f} ms); runs/s / healthz req/s = {rate / base['per_s']:.3f}"
+    )
     for line in thread.errors[:5]:
         print(f"    error: {line}")
 
@@ -224,13 +245,21 @@ def main() -> None:
         log_trouble = server.errors_in_log()
 
     print(f"  measuring {build}")
-    print(f"one thread: {args.runs} utterances per phase on one conversation ({args.door} door), "
-          f"{args.deltas + 4} events each, server and SDK provider in their own processes")
+    print(
+        f"one thread: {args.runs} utterances per phase on one conversation ({args.door} door), "
+        f"{args.deltas + 4} events each, server and SDK provider in their own processes"
+    )
     seq, seq_s = out["sequential"]
     win, win_s = out["windowed"]
     report("sequential (one caller)", seq, seq_s, out["healthz_1"], out["cpu_sequential"], stamps)
-    report(f"windowed ({args.window} callers on the thread)", win, win_s, out["healthz_w"],
-           out["cpu_windowed"], stamps)
+    report(
+        f"windowed ({args.window} callers on the thread)",
+        win,
+        win_s,
+        out["healthz_w"],
+        out["cpu_windowed"],
+        stamps,
+    )
     print(f"  server peak RSS (VmHWM) {out['rss']['VmHWM'] / 1024:.1f} MiB")
     failed = len(seq.errors) + len(win.errors)
     print(f"  runs not completed  {failed:10d}")

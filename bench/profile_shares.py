@@ -31,12 +31,16 @@ LAYERS: list[tuple[str, str]] = [
     ("pydantic", r"/pydantic(_core)?/"),
     ("json", r"/json/|/orjson"),
     ("record (SQLite)", r"funduq_trio/broker/record\.py|sqlite3"),
-    ("link (frames, link machine, socket shell)",
-     r"funduq_trio/(protocol/(link|frames)\.py|web/provider_socket\.py)"),
+    (
+        "link (frames, link machine, socket shell)",
+        r"funduq_trio/(protocol/(link|frames)\.py|web/provider_socket\.py)",
+    ),
     ("wsproto", r"/wsproto/"),
     ("SSE stream", r"funduq_trio/web/sse\.py"),
-    ("doors (A2A, AG-UI, reads)",
-     r"funduq_trio/(web/(a2a_door|agui_door|reads|door_errors|access)\.py|protocol/(a2a|agui)\.py)"),
+    (
+        "doors (A2A, AG-UI, reads)",
+        r"funduq_trio/(web/(a2a_door|agui_door|reads|door_errors|access)\.py|protocol/(a2a|agui)\.py)",
+    ),
     ("broker (lanes, run machine, facade, providers)", r"funduq_trio/broker/"),
     ("funduq other", r"funduq_trio/"),
     ("hypercorn + h11", r"/hypercorn/|/h11/"),
@@ -72,8 +76,11 @@ def read_samples(raw: Path) -> list[tuple[list[str], int]]:
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count_text = line.rpartition(" ")
         if stack and count_text.isdigit():
-            frames = [fr for fr in stack.split(";")
-                      if not fr.startswith("process ") and not fr.startswith("thread ")]
+            frames = [
+                fr
+                for fr in stack.split(";")
+                if not fr.startswith("process ") and not fr.startswith("thread ")
+            ]
             samples.append((frames, int(count_text)))
     return samples
 

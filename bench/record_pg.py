@@ -113,8 +113,13 @@ def events_rows(op: tuple[Any, ...]) -> list[tuple[str, int, str]]:
 # -- the load ----------------------------------------------------------------------
 
 
-async def load(write: Callable[[Any], Awaitable[Any]], read: Callable[[str], Awaitable[Any]],
-               figures: Figures, lanes: int, seconds: float) -> float:
+async def load(
+    write: Callable[[Any], Awaitable[Any]],
+    read: Callable[[str], Awaitable[Any]],
+    figures: Figures,
+    lanes: int,
+    seconds: float,
+) -> float:
     stop_at = time.perf_counter() + seconds
 
     async def timed_write(op: Any) -> Any:
@@ -152,24 +157,36 @@ async def load(write: Callable[[Any], Awaitable[Any]], read: Callable[[str], Awa
 def sqlite_fn(op: tuple[Any, ...]) -> Callable[[sqlite3.Connection], Any]:
     kind = op[0]
     if kind == "run":
+
         def fn(c: sqlite3.Connection) -> Any:
-            c.execute("INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
-                      " input, created_at) VALUES (0, ?, 't', 'k', 'echo', 'queued', '{}', ?)",
-                      (op[1], time.time()))
+            c.execute(
+                "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
+                " input, created_at) VALUES (0, ?, 't', 'k', 'echo', 'queued', '{}', ?)",
+                (op[1], time.time()),
+            )
+
         return fn
     if kind == "events":
         rows = events_rows(op)
         return lambda c: c.executemany(
-            "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", rows)
+            "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", rows
+        )
     _, run_id, src, to, seq = op
 
     def move(c: sqlite3.Connection) -> bool:
-        moved = c.execute("UPDATE runs SET status=? WHERE id=? AND status IN (?)",
-                          (to, run_id, src)).rowcount == 1
+        moved = (
+            c.execute(
+                "UPDATE runs SET status=? WHERE id=? AND status IN (?)", (to, run_id, src)
+            ).rowcount
+            == 1
+        )
         if moved:
-            c.execute("INSERT INTO events (run_id, seq, event) VALUES (?,?,?)",
-                      (run_id, seq, dumps(EVENT)))
+            c.execute(
+                "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)",
+                (run_id, seq, dumps(EVENT)),
+            )
         return moved
+
     return move
 
 
@@ -177,12 +194,16 @@ async def bench_sqlite(lanes: int, seconds: float) -> tuple[Figures, float, dict
     figures = Figures()
     with tempfile.TemporaryDirectory(prefix="bench-record-") as scratch:
         async with open_record(Path(scratch) / "record.sqlite3") as record:
+
             async def write(op: Any) -> Any:
                 return await record.write(sqlite_fn(op))
 
             async def read(run_id: str) -> Any:
-                return await record.read(lambda c: c.execute(
-                    "SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()[0])
+                return await record.read(
+                    lambda c: c.execute("SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()[
+                        0
+                    ]
+                )
 
             flush = record._flush
 
@@ -191,6 +212,7 @@ async def bench_sqlite(lanes: int, seconds: float) -> tuple[Figures, float, dict
                 await flush()
                 if record.commits != before:
                     figures.commit_seconds.append(time.perf_counter() - began)
+
             record._flush = timed_flush  # type: ignore[method-assign]
 
             commits = record.commits
@@ -215,13 +237,17 @@ CREATE INDEX runs_status ON runs (status, arrival);
 CREATE TABLE events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, event TEXT NOT NULL,
                      PRIMARY KEY (run_id, seq));
 """
-INSERT_RUN = ("INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input,"
-              " created_at) VALUES (0, $1, 't', 'k', 'echo', 'queued', '{}', $2)")
+INSERT_RUN = (
+    "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input,"
+    " created_at) VALUES (0, $1, 't', 'k', 'echo', 'queued', '{}', $2)"
+)
 INSERT_EVENT = "INSERT INTO events (run_id, seq, event) VALUES ($1, $2, $3)"
 # The guarded move and its event in one statement: the event is written only
 # when the status moved, and the count of rows says whether it did.
-MOVE = ("WITH moved AS (UPDATE runs SET status=$1 WHERE id=$2 AND status = ANY($3::text[])"
-        " RETURNING id) INSERT INTO events (run_id, seq, event) SELECT id, $4, $5 FROM moved")
+MOVE = (
+    "WITH moved AS (UPDATE runs SET status=$1 WHERE id=$2 AND status = ANY($3::text[])"
+    " RETURNING id) INSERT INTO events (run_id, seq, event) SELECT id, $4, $5 FROM moved"
+)
 READ = "SELECT status FROM runs WHERE id=$1"
 
 
@@ -235,8 +261,9 @@ def backend_cpu(pids: list[int]) -> float:
     return sum(h.proc_cpu(pid) for pid in pids)
 
 
-async def bench_asyncpg(schema: str, sync: str, lanes: int,
-                        seconds: float) -> tuple[Figures, float, dict[str, float]]:
+async def bench_asyncpg(
+    schema: str, sync: str, lanes: int, seconds: float
+) -> tuple[Figures, float, dict[str, float]]:
     import asyncpg
     import trio_asyncio
     from trio_asyncio import aio_as_trio
@@ -246,7 +273,8 @@ async def bench_asyncpg(schema: str, sync: str, lanes: int,
     async with trio_asyncio.open_loop():
         writer = await aio_as_trio(asyncpg.connect)(URL, server_settings=settings)
         pool = await aio_as_trio(asyncpg.create_pool)(
-            URL, min_size=READERS, max_size=READERS, server_settings=settings)
+            URL, min_size=READERS, max_size=READERS, server_settings=settings
+        )
         try:
             pids = [writer.get_server_pid()]
             for _ in range(READERS):
@@ -264,8 +292,9 @@ async def bench_asyncpg(schema: str, sync: str, lanes: int,
                             results.append(None)
                         else:
                             _, run_id, src, to, seq = op
-                            status = await writer.execute(MOVE, to, run_id, [src], seq,
-                                                          dumps(EVENT))
+                            status = await writer.execute(
+                                MOVE, to, run_id, [src], seq, dumps(EVENT)
+                            )
                             results.append(status == "INSERT 0 1")
                 return results
 
@@ -286,17 +315,24 @@ async def bench_asyncpg(schema: str, sync: str, lanes: int,
     return figures, elapsed, {"bench process": cpu, "postgres backends": server}
 
 
-async def bench_psycopg(schema: str, sync: str, lanes: int, seconds: float,
-                        pipeline: bool = False) -> tuple[Figures, float, dict[str, float]]:
+async def bench_psycopg(
+    schema: str, sync: str, lanes: int, seconds: float, pipeline: bool = False
+) -> tuple[Figures, float, dict[str, float]]:
     import psycopg
     from psycopg_pool import ConnectionPool
 
     figures = Figures()
     options = f"-c search_path={schema} -c synchronous_commit={sync}"
     writer = await trio.to_thread.run_sync(
-        lambda: psycopg.connect(URL, options=options, autocommit=True))
-    pool = ConnectionPool(URL, min_size=READERS, max_size=READERS, open=False,
-                          kwargs={"options": options, "autocommit": True})
+        lambda: psycopg.connect(URL, options=options, autocommit=True)
+    )
+    pool = ConnectionPool(
+        URL,
+        min_size=READERS,
+        max_size=READERS,
+        open=False,
+        kwargs={"options": options, "autocommit": True},
+    )
     await trio.to_thread.run_sync(lambda: pool.open(wait=True))
     limiter = trio.CapacityLimiter(READERS)
     insert_run, insert_event = psycopg_sql(INSERT_RUN), psycopg_sql(INSERT_EVENT)
@@ -305,9 +341,14 @@ async def bench_psycopg(schema: str, sync: str, lanes: int, seconds: float,
         pids = [writer.info.backend_pid]
 
         def pool_pids() -> list[int]:
-            with pool.connection() as c1, pool.connection() as c2, \
-                    pool.connection() as c3, pool.connection() as c4:
+            with (
+                pool.connection() as c1,
+                pool.connection() as c2,
+                pool.connection() as c3,
+                pool.connection() as c4,
+            ):
                 return [c.info.backend_pid for c in (c1, c2, c3, c4)]
+
         pids += await trio.to_thread.run_sync(pool_pids)
 
         def apply_sync(ops: list[Any]) -> list[Any]:  # in a worker thread
@@ -321,8 +362,10 @@ async def bench_psycopg(schema: str, sync: str, lanes: int, seconds: float,
             with writer.pipeline(), writer.transaction():
                 for cur, op in zip(cursors, ops, strict=True):
                     execute(cur, op)
-            return [cur.rowcount == 1 if op[0] == "move" else None
-                    for cur, op in zip(cursors, ops, strict=True)]
+            return [
+                cur.rowcount == 1 if op[0] == "move" else None
+                for cur, op in zip(cursors, ops, strict=True)
+            ]
 
         def execute(cur: Any, op: Any) -> Any:
             if op[0] == "run":
@@ -336,8 +379,7 @@ async def bench_psycopg(schema: str, sync: str, lanes: int, seconds: float,
             return cur.rowcount == 1
 
         async def apply(ops: list[Any]) -> list[Any]:
-            return await trio.to_thread.run_sync(
-                apply_pipelined if pipeline else apply_sync, ops)
+            return await trio.to_thread.run_sync(apply_pipelined if pipeline else apply_sync, ops)
 
         def read_sync(run_id: str) -> Any:
             with pool.connection() as conn:
@@ -396,12 +438,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="per store (default 3)")
     parser.add_argument("--lanes", type=int, default=64, help="concurrent writers (default 64)")
-    parser.add_argument("--synchronous-commit", choices=("on", "off"), action="append",
-                        help="PostgreSQL's synchronous_commit for the bench's sessions "
-                             "(repeatable; default both: on is what a commit costs with its "
-                             "fsync, off is the driver's own cost)")
-    parser.add_argument("--only", choices=("sqlite", "asyncpg", "psycopg"), action="append",
-                        help="measure only these (repeatable)")
+    parser.add_argument(
+        "--synchronous-commit",
+        choices=("on", "off"),
+        action="append",
+        help="PostgreSQL's synchronous_commit for the bench's sessions "
+        "(repeatable; default both: on is what a commit costs with its "
+        "fsync, off is the driver's own cost)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=("sqlite", "asyncpg", "psycopg"),
+        action="append",
+        help="measure only these (repeatable)",
+    )
     args = parser.parse_args()
     only = set(args.only or ("sqlite", "asyncpg", "psycopg"))
     print(f"measuring {h.describe_build()}", file=sys.stderr)
@@ -415,29 +465,39 @@ def main() -> int:
         version = pg_admin("SHOW server_version")[0]
         print(f"PostgreSQL {version} at {URL}", file=sys.stderr)
         pipelined = functools.partial(bench_psycopg, pipeline=True)
-        roads = [(name, bench, sync) for sync in (args.synchronous_commit or ("on", "off"))
-                 for name, bench in (("asyncpg", bench_asyncpg), ("psycopg", bench_psycopg),
-                                     ("psycopg-pipeline", pipelined))
-                 if name.split("-")[0] in only]
+        roads = [
+            (name, bench, sync)
+            for sync in (args.synchronous_commit or ("on", "off"))
+            for name, bench in (
+                ("asyncpg", bench_asyncpg),
+                ("psycopg", bench_psycopg),
+                ("psycopg-pipeline", pipelined),
+            )
+            if name.split("-")[0] in only
+        ]
         for name, bench, sync in roads:
             pg_admin(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
             pg_admin(f"CREATE SCHEMA {schema}")
             try:
                 import psycopg
-                with psycopg.connect(URL, autocommit=True,
-                                     options=f"-c search_path={schema}") as conn:
+
+                with psycopg.connect(
+                    URL, autocommit=True, options=f"-c search_path={schema}"
+                ) as conn:
                     for statement in DDL.split(";"):
                         if statement.strip():
                             conn.execute(statement)
-                label = {"asyncpg": "asyncpg+trio-asyncio",
-                         "psycopg": "psycopg-threads",
-                         "psycopg-pipeline": "psycopg-thr-pipeline"}[name] + f" sc={sync}"
-                rows.append(report(label, *trio.run(bench, schema, sync, args.lanes,
-                                                    args.seconds)))
+                label = {
+                    "asyncpg": "asyncpg+trio-asyncio",
+                    "psycopg": "psycopg-threads",
+                    "psycopg-pipeline": "psycopg-thr-pipeline",
+                }[name] + f" sc={sync}"
+                rows.append(report(label, *trio.run(bench, schema, sync, args.lanes, args.seconds)))
             finally:
                 pg_admin(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-    print(f"{args.lanes} lanes, {args.seconds:g} s per store; "
-          f"host: {h.format_shares(watch.shares())}")
+    print(
+        f"{args.lanes} lanes, {args.seconds:g} s per store; host: {h.format_shares(watch.shares())}"
+    )
     keys = list(dict.fromkeys(k for r in rows for k in r))
     width = max(len(k) for k in keys)
     print(f"{'':{width}}  " + "  ".join(f"{r['store'][:24]:>24}" for r in rows))

@@ -65,10 +65,17 @@ def iso_epoch(stamp: str) -> float:
 class ProviderRun:
     """One connection episode of the in-process SDK provider."""
 
-    def __init__(self, identity: Identity, url: str, room: int | None, deltas: int,
-                 stamps: dict[str, dict[str, float]]) -> None:
-        self.provider = Provider(identity, url, max_concurrent_runs=room,
-                                 connector=h.stamping_connector(stamps))
+    def __init__(
+        self,
+        identity: Identity,
+        url: str,
+        room: int | None,
+        deltas: int,
+        stamps: dict[str, dict[str, float]],
+    ) -> None:
+        self.provider = Provider(
+            identity, url, max_concurrent_runs=room, connector=h.stamping_connector(stamps)
+        )
         self.provider.add_agent(make_echo(deltas), name="echo")
         self.scope = trio.CancelScope()
         self.ended = trio.Event()
@@ -85,8 +92,14 @@ class ProviderRun:
         await self.ended.wait()
 
 
-async def start_provider(nursery: trio.Nursery, identity: Identity, url: str, room: int | None,
-                         deltas: int, stamps: dict[str, dict[str, float]]) -> ProviderRun:
+async def start_provider(
+    nursery: trio.Nursery,
+    identity: Identity,
+    url: str,
+    room: int | None,
+    deltas: int,
+    stamps: dict[str, dict[str, float]],
+) -> ProviderRun:
     run = ProviderRun(identity, url, room, deltas, stamps)
     await nursery.start(run.run)  # returns once the link has published the agent
     return run
@@ -167,7 +180,8 @@ class Callers:
                 body["method"] = "SendStreamingMessage"
                 async with opening:
                     status, chunks = await client.request(
-                        "POST", self.path, json.dumps(body).encode(), h.A2A_HEADERS)
+                        "POST", self.path, json.dumps(body).encode(), h.A2A_HEADERS
+                    )
                     if status != 200:
                         raise RuntimeError(f"HTTP {status}")
                     events = h.sse_events(chunks)
@@ -224,8 +238,12 @@ async def verify(url: str, run_ids: list[str], events_per_run: int) -> dict[str,
     await pool(len(run_ids), 16, one)
     for client in clients:
         await client.aclose()
-    return {"statuses": statuses, "reasons": reasons, "short": short,
-            "last_completed": last_completed}
+    return {
+        "statuses": statuses,
+        "reasons": reasons,
+        "short": short,
+        "last_completed": last_completed,
+    }
 
 
 async def settle_rss(pid: int, seconds: float = 1.0) -> int:
@@ -240,12 +258,12 @@ async def drive(args: argparse.Namespace, server: h.Server) -> list[dict[str, An
     rounds = []
     async with trio.open_nursery() as nursery:
         # Warm-up with room, so the code paths of a whole run are loaded.
-        provider = await start_provider(nursery, identity, server.ws_url, None, args.deltas,
-                                        stamps)
+        provider = await start_provider(nursery, identity, server.ws_url, None, args.deltas, stamps)
         warm = h.RawHTTP(server.url)
         for i in range(args.warmup):
-            _, data = await warm.json("POST", path, h.a2a_send_body(
-                i, text_of(i), f"warm-{i}", None), h.A2A_HEADERS)
+            _, data = await warm.json(
+                "POST", path, h.a2a_send_body(i, text_of(i), f"warm-{i}", None), h.A2A_HEADERS
+            )
             if data["result"]["task"]["status"]["state"] != "TASK_STATE_COMPLETED":
                 raise SystemExit(f"warm-up run did not complete: {data}")
         await warm.aclose()
@@ -256,13 +274,19 @@ async def drive(args: argparse.Namespace, server: h.Server) -> list[dict[str, An
     return rounds
 
 
-async def one_round(args: argparse.Namespace, server: h.Server, nursery: trio.Nursery,
-                    identity: Identity, path: str, stamps: dict[str, dict[str, float]]
-                    ) -> dict[str, Any]:
+async def one_round(
+    args: argparse.Namespace,
+    server: h.Server,
+    nursery: trio.Nursery,
+    identity: Identity,
+    path: str,
+    stamps: dict[str, dict[str, float]],
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # Full: the provider is attached but has no room.
-    provider = await start_provider(nursery, identity, server.ws_url, args.room_before,
-                                    args.deltas, stamps)
+    provider = await start_provider(
+        nursery, identity, server.ws_url, args.room_before, args.deltas, stamps
+    )
     out["rss_before"] = await settle_rss(server.pid)
 
     callers = Callers(args, server.url, path)
@@ -284,13 +308,16 @@ async def one_round(args: argparse.Namespace, server: h.Server, nursery: trio.Nu
     out["offered_while_full"] = sum(1 for r in held if r in stamps)
 
     # Room appears: the provider comes back with room.
-    note("all queued; the provider comes back with room "
-         f"{'unlimited' if args.room_after is None else args.room_after}")
+    note(
+        "all queued; the provider comes back with room "
+        f"{'unlimited' if args.room_after is None else args.room_after}"
+    )
     await provider.stop()
     cpu.start()
     reconnect_began = time.monotonic()
-    provider = await start_provider(nursery, identity, server.ws_url, args.room_after,
-                                    args.deltas, stamps)
+    provider = await start_provider(
+        nursery, identity, server.ws_url, args.room_after, args.deltas, stamps
+    )
     room_at, room_wall = time.monotonic(), time.time()
     out["reconnect_seconds"] = room_at - reconnect_began
     held_set = set(held)
@@ -311,16 +338,26 @@ async def one_round(args: argparse.Namespace, server: h.Server, nursery: trio.Nu
                     break
                 if time.monotonic() - last_note > 5:
                     last_note = time.monotonic()
-                    note(f"draining: {sum(1 for s in seen if 'offer' in s)} offered, "
-                         f"{sum(1 for s in seen if 'answer' in s)} answered, {finished} "
-                         f"finished of {len(held_set)}; provider link: "
-                         f"{provider.provider.last_end_reason or 'up'}")
+                    note(
+                        f"draining: {sum(1 for s in seen if 'offer' in s)} offered, "
+                        f"{sum(1 for s in seen if 'answer' in s)} answered, {finished} "
+                        f"finished of {len(held_set)}; provider link: "
+                        f"{provider.provider.last_end_reason or 'up'}"
+                    )
                 await trio.sleep(0.05)
-    out["provider_done"] = max((stamps[r]["finish"] for r in held_set if "finish" in
-                                stamps.get(r, {})), default=room_at) - room_at
+    out["provider_done"] = (
+        max(
+            (stamps[r]["finish"] for r in held_set if "finish" in stamps.get(r, {})),
+            default=room_at,
+        )
+        - room_at
+    )
     out["drain_cpu"] = cpu.shares()
-    out["answer"] = [stamps[r]["answer"] - stamps[r]["offer"] for r in held_set
-                     if "answer" in stamps.get(r, {}) and "offer" in stamps[r]]
+    out["answer"] = [
+        stamps[r]["answer"] - stamps[r]["offer"]
+        for r in held_set
+        if "answer" in stamps.get(r, {}) and "offer" in stamps[r]
+    ]
     out["errors"] = list(callers.errors)
     if args.callers == "detached":
         # A finish is committed a moment after the provider sends it: wait
@@ -328,7 +365,8 @@ async def one_round(args: argparse.Namespace, server: h.Server, nursery: trio.Nu
         last = sorted(held, key=lambda r: stamps[r]["finish"])[-20:]
         with trio.fail_after(120):
             while (await verify(server.url, last, args.deltas + 4))["statuses"].get(
-                    "completed", 0) < len(last):
+                "completed", 0
+            ) < len(last):
                 await trio.sleep(0.2)
     note("drained; checking every run in the record")
     out["verify"] = v = await verify(server.url, held, args.deltas + 4)
@@ -347,20 +385,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiting", type=int, default=10_000, help="threads, one queued run each")
     parser.add_argument("--callers", choices=["detached", "streaming"], default="detached")
-    parser.add_argument("--concurrency", type=int, default=100,
-                        help="requests being made at once while queueing")
+    parser.add_argument(
+        "--concurrency", type=int, default=100, help="requests being made at once while queueing"
+    )
     parser.add_argument("--deltas", type=int, default=8, help="text deltas per run (events = +4)")
-    parser.add_argument("--room-before", type=int, default=0,
-                        help="the provider's maxConcurrentRuns while the runs queue")
-    parser.add_argument("--room-after", type=room, default=100,
-                        help="its maxConcurrentRuns once room appears, or 'unlimited' "
-                        "(default %(default)s; see bench/README.md on unlimited)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="queue-and-drain rounds on the same server (RSS reuse)")
+    parser.add_argument(
+        "--room-before",
+        type=int,
+        default=0,
+        help="the provider's maxConcurrentRuns while the runs queue",
+    )
+    parser.add_argument(
+        "--room-after",
+        type=room,
+        default=100,
+        help="its maxConcurrentRuns once room appears, or 'unlimited' "
+        "(default %(default)s; see bench/README.md on unlimited)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="queue-and-drain rounds on the same server (RSS reuse)",
+    )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--time-limit", type=float, default=600,
-                        help="seconds allowed for queueing, and again for draining")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=600,
+        help="seconds allowed for queueing, and again for draining",
+    )
     args = parser.parse_args()
 
     build = h.describe_build()
@@ -373,8 +428,10 @@ def main() -> None:
         except* trio.TooSlowError:
             server.stop()
             trouble = server.errors_in_log()
-            print(f"scale: gave up after --time-limit {args.time_limit:.0f} s (see the [scale] "
-                  f"progress lines above); server log: {len(trouble)} lines of trouble")
+            print(
+                f"scale: gave up after --time-limit {args.time_limit:.0f} s (see the [scale] "
+                f"progress lines above); server log: {len(trouble)} lines of trouble"
+            )
             for line in trouble[:10]:
                 print(f"  {line}")
             sys.exit(1)
@@ -383,10 +440,12 @@ def main() -> None:
         log_trouble = server.errors_in_log()
 
     after = "unlimited" if args.room_after is None else args.room_after
-    print(f"scale: {args.waiting} threads each holding one queued run ({args.callers} A2A "
-          f"callers), provider room {args.room_before} -> {after}, "
-          f"{args.deltas + 4} events a run, {args.rounds} round(s); server and SQLite file in "
-          "a child process, SDK provider in this one")
+    print(
+        f"scale: {args.waiting} threads each holding one queued run ({args.callers} A2A "
+        f"callers), provider room {args.room_before} -> {after}, "
+        f"{args.deltas + 4} events a run, {args.rounds} round(s); server and SQLite file in "
+        "a child process, SDK provider in this one"
+    )
     print(f"  measuring {build}")
     not_completed = 0
     for number, out in enumerate(rounds, 1):
@@ -398,8 +457,7 @@ def main() -> None:
         sys.exit(1)
 
 
-def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: float | None
-           ) -> int:
+def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: float | None) -> int:
     n = args.waiting
     v = out["verify"]
     completed = v["statuses"].get("completed", 0) - v["short"]
@@ -409,27 +467,41 @@ def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: fl
     drain = out["last_end"] if args.callers == "streaming" else out["drain_seconds"]
     drain_rate = completed / drain if drain > 0 else float("nan")
     print(f" round {number}")
-    print(f"  queued              {out['held']:10d} runs in {out['intake_seconds']:.2f} s "
-          f"= {intake_rate:.1f} runs/s   (CPU {h.format_shares(out['intake_cpu'])})")
+    print(
+        f"  queued              {out['held']:10d} runs in {out['intake_seconds']:.2f} s "
+        f"= {intake_rate:.1f} runs/s   (CPU {h.format_shares(out['intake_cpu'])})"
+    )
     print(f"  offered while full  {out['offered_while_full']:10d}   (must be 0)")
-    print(f"  server RSS          {out['rss_before'] / 1024:10.1f} MiB before, "
-          f"{out['rss_waiting'] / 1024:.1f} MiB with the runs waiting, "
-          f"{out['rss_drained'] / 1024:.1f} MiB after the drain, peak {out['hwm'] / 1024:.1f} MiB")
+    print(
+        f"  server RSS          {out['rss_before'] / 1024:10.1f} MiB before, "
+        f"{out['rss_waiting'] / 1024:.1f} MiB with the runs waiting, "
+        f"{out['rss_drained'] / 1024:.1f} MiB after the drain, peak {out['hwm'] / 1024:.1f} MiB"
+    )
     print(f"  RSS per waiting run {per_run:10.2f} KiB")
     print(f"  RSS kept per run    {residual:10.2f} KiB   (after the drain, over before)")
-    print(f"  reconnect           {out['reconnect_seconds'] * 1e3:10.1f} ms   (provider dial to "
-          "its agents published, with the runs waiting)")
+    print(
+        f"  reconnect           {out['reconnect_seconds'] * 1e3:10.1f} ms   (provider dial to "
+        "its agents published, with the runs waiting)"
+    )
     what = "last stream ended" if args.callers == "streaming" else "last completedAt in the record"
-    print(f"  drain time          {drain:10.2f} s    (room appeared -> {what})"
-          f" = {drain_rate:.1f} runs/s")
-    print(f"  provider finished   {out['provider_done']:10.2f} s    (room appeared -> last "
-          "finish frame sent)")
+    print(
+        f"  drain time          {drain:10.2f} s    (room appeared -> {what})"
+        f" = {drain_rate:.1f} runs/s"
+    )
+    print(
+        f"  provider finished   {out['provider_done']:10.2f} s    (room appeared -> last "
+        "finish frame sent)"
+    )
     if out["answer"]:
-        print(f"  provider answer     {h.ms(out['answer'], .5):10.3f} ms   p99 "
-              f"{h.ms(out['answer'], .99):.3f} ms   (offer read -> its ok written, as the "
-              "provider saw it)")
-    print(f"  CPU while draining  {h.format_shares(out['drain_cpu'])} (100% = one core; "
-          f"{os.cpu_count()} cores)")
+        print(
+            f"  provider answer     {h.ms(out['answer'], 0.5):10.3f} ms   p99 "
+            f"{h.ms(out['answer'], 0.99):.3f} ms   (offer read -> its ok written, as the "
+            "provider saw it)"
+        )
+    print(
+        f"  CPU while draining  {h.format_shares(out['drain_cpu'])} (100% = one core; "
+        f"{os.cpu_count()} cores)"
+    )
     if args.callers == "streaming":
         print(f"  streams ended       {out['stream_finals']}")
     print(f"  record              {v['statuses']}, {v['short']} completed with events missing")
@@ -440,9 +512,11 @@ def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: fl
         print(f"    {line}")
     print(f"  baseline, intake: drain rate / intake rate = {drain_rate / intake_rate:.3f}")
     if floor is not None:
-        print(f"  baseline, the bare task-per-run skeleton in a fresh trio process (per run: a "
-              f"thread task with its nursery, a lane task waiting on its channel): "
-              f"{floor:.2f} KiB; RSS per waiting run / skeleton = {per_run / floor:.2f}")
+        print(
+            f"  baseline, the bare task-per-run skeleton in a fresh trio process (per run: a "
+            f"thread task with its nursery, a lane task waiting on its channel): "
+            f"{floor:.2f} KiB; RSS per waiting run / skeleton = {per_run / floor:.2f}"
+        )
     return n - completed
 
 

@@ -34,7 +34,7 @@ FLAG_HELP = {
     "port": "port to listen on (0 = any free port)",
     "data_dir": "directory for the SQLite file and funduq's identity key",
     "database_url": "sqlite:///path or postgresql://user@host:port/db "
-                    "(default: the SQLite file in the data directory)",
+    "(default: the SQLite file in the data directory)",
     "identity_key": "funduq's Ed25519 private key, hex (default: generated, kept in the data dir)",
     "unserved_grace_seconds": "how long queued runs of an agent that lost its provider wait",
     "deliver_timeout_seconds": "how long an offer waits for the provider's answer",
@@ -125,13 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", required=True, help="the agent's A2A URL, or the server's with --agent"
     )
     call.add_argument("--agent", default=None, help="look the agent up by name in GET /agents")
-    call.add_argument("--thread", "--context-id", dest="context_id", default=None,
-                      help="continue this thread (its id, the A2A contextId; see -v)")
+    call.add_argument(
+        "--thread",
+        "--context-id",
+        dest="context_id",
+        default=None,
+        help="continue this thread (its id, the A2A contextId; see -v)",
+    )
     call.add_argument("--no-stream", action="store_true", help="use SendMessage, not streaming")
-    call.add_argument("-v", "--verbose", action="store_true",
-                      help="print the run's and thread's ids (on stderr)")
-    call.add_argument("--json", action="store_true",
-                      help="print one JSON object: ids, state, reply and every response")
+    call.add_argument(
+        "-v", "--verbose", action="store_true", help="print the run's and thread's ids (on stderr)"
+    )
+    call.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: ids, state, reply and every response",
+    )
     call.add_argument("text", help="the message text")
     _quality_parser(sub)
     add_run_parsers(sub)
@@ -149,12 +158,20 @@ def _quality_parser(sub: Any) -> None:
     listing = actions.add_parser("list", help="every provider and its counters")
     listing.add_argument("--json", action="store_true", help="print JSON")
     reset = actions.add_parser("reset", help="zero one provider's counters")
-    reset.add_argument("provider", metavar="PROVIDER_KEY",
-                       help="the provider's 64-hex public key or 16-hex fingerprint")
+    reset.add_argument(
+        "provider",
+        metavar="PROVIDER_KEY",
+        help="the provider's 64-hex public key or 16-hex fingerprint",
+    )
     for action in (listing, reset):
         for name in ("data_dir", "database_url"):
-            action.add_argument(flag_name(name), dest=name, default=None, metavar=env_name(name),
-                                help=f"as for serve [env {env_name(name)}]")
+            action.add_argument(
+                flag_name(name),
+                dest=name,
+                default=None,
+                metavar=env_name(name),
+                help=f"as for serve [env {env_name(name)}]",
+            )
 
 
 def as_given(message: str, flagged: set[str]) -> str:
@@ -163,8 +180,7 @@ def as_given(message: str, flagged: set[str]) -> str:
     the variable's name); and keep it to one line."""
     for name in flagged:
         pattern = re.escape(env_name(name)) + r"(?![A-Z0-9_])(=?)"
-        message = re.sub(pattern, lambda m, n=name: flag_name(n) + (" " if m[1] else ""),
-                         message)
+        message = re.sub(pattern, lambda m, n=name: flag_name(n) + (" " if m[1] else ""), message)
     return " ".join(message.splitlines())
 
 
@@ -209,8 +225,10 @@ def agent_url(server: str, name: str) -> str:
         raise ValueError(f"no online agent named {name!r} at {server} (see {server}/agents)")
     if len(online) > 1:
         providers = ", ".join(a["fingerprint"] for a in online)
-        raise ValueError(f"{len(online)} providers serve {name!r} ({providers}); pass the full "
-                         f"--url {server}/a2a/PROVIDER/{name}")
+        raise ValueError(
+            f"{len(online)} providers serve {name!r} ({providers}); pass the full "
+            f"--url {server}/a2a/PROVIDER/{name}"
+        )
     return f"{server}/a2a/{online[0]['fingerprint']}/{name}"
 
 
@@ -245,8 +263,15 @@ class CallResult:
     responses: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
-def call(url: str, text: str, *, context_id: str | None = None, stream: bool = True,
-         verbose: bool = False, as_json: bool = False) -> int:
+def call(
+    url: str,
+    text: str,
+    *,
+    context_id: str | None = None,
+    stream: bool = True,
+    verbose: bool = False,
+    as_json: bool = False,
+) -> int:
     """Send `text` to the A2A agent at `url`; print the reply's text as it
     arrives (with `verbose`, the run's and thread's ids on stderr; with
     `as_json`, one JSON object with everything at the end). 0 when the task
@@ -265,7 +290,7 @@ def call(url: str, text: str, *, context_id: str | None = None, stream: bool = T
         nonlocal shown
         if as_json or not reply.startswith(shown):
             return
-        sys.stdout.write(reply[len(shown):])
+        sys.stdout.write(reply[len(shown) :])
         sys.stdout.flush()
         shown = reply
 
@@ -281,9 +306,19 @@ def call(url: str, text: str, *, context_id: str | None = None, stream: bool = T
         print(f"{PROG} call: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if as_json:
-        print(json.dumps({"runId": result.run_id, "threadId": result.thread_id,
-                          "state": result.state, "reply": result.reply, "error": result.error,
-                          "responses": result.responses}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "runId": result.run_id,
+                    "threadId": result.thread_id,
+                    "state": result.state,
+                    "reply": result.reply,
+                    "error": result.error,
+                    "responses": result.responses,
+                },
+                indent=2,
+            )
+        )
     else:
         if result.reply != shown:  # a reply that did not extend what was shown
             sys.stdout.write(("\n" if shown else "") + result.reply)
@@ -294,8 +329,9 @@ def call(url: str, text: str, *, context_id: str | None = None, stream: bool = T
     return 0 if result.state in ("TASK_STATE_COMPLETED", "message") else 1
 
 
-async def _call(url: str, text: str, context_id: str | None, stream: bool,
-                on_reply: Any, on_ids: Any) -> CallResult:
+async def _call(
+    url: str, text: str, context_id: str | None, stream: bool, on_reply: Any, on_ids: Any
+) -> CallResult:
     import uuid
 
     from a2a.client import ClientConfig, create_client
@@ -401,8 +437,11 @@ def quality_command(args: argparse.Namespace) -> int:
 
     print("fingerprint       " + " ".join(f"{c:>11}" for c in COUNTERS) + "  key")
     for p in providers:
-        print(f"{p['fingerprint']:<17} " + " ".join(f"{p[c]:>11}" for c in COUNTERS)
-              + f"  {p['provider']}")
+        print(
+            f"{p['fingerprint']:<17} "
+            + " ".join(f"{p[c]:>11}" for c in COUNTERS)
+            + f"  {p['provider']}"
+        )
     return 0
 
 
@@ -429,8 +468,14 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, OSError) as exc:
                 print(f"{PROG} call: error: {exc}", file=sys.stderr)
                 return 1
-        return call(url, args.text, context_id=args.context_id, stream=not args.no_stream,
-                    verbose=args.verbose, as_json=args.json)
+        return call(
+            url,
+            args.text,
+            context_id=args.context_id,
+            stream=not args.no_stream,
+            verbose=args.verbose,
+            as_json=args.json,
+        )
     if args.command == "quality":
         return quality_command(args)
     if args.command == "runs":

@@ -18,8 +18,14 @@ MiB = 1024 * 1024
 #: What an operator token may look like: it rides a header, a query and a cookie.
 OPERATOR_TOKEN = re.compile(r"[A-Za-z0-9._-]{16,256}")
 #: The bounds of docs/limits.md that count something: each at least 1.
-LIMITS_AT_LEAST_ONE = ("max_queued_input_bytes", "max_queued_runs", "max_queued_runs_per_agent",
-                       "max_feed_events", "max_agents_per_provider", "max_unauthenticated_links")
+LIMITS_AT_LEAST_ONE = (
+    "max_queued_input_bytes",
+    "max_queued_runs",
+    "max_queued_runs_per_agent",
+    "max_feed_events",
+    "max_agents_per_provider",
+    "max_unauthenticated_links",
+)
 
 
 @dataclass(frozen=True)
@@ -94,9 +100,7 @@ class Settings:
                     "the process (sqlite:///relative/path or sqlite:////absolute/path)"
                 )
             return Path(path)
-        raise ValueError(
-            f"FUNDUQ_DATABASE_URL={shown_url(url)}: not a SQLite URL (sqlite:///path)"
-        )
+        raise ValueError(f"FUNDUQ_DATABASE_URL={shown_url(url)}: not a SQLite URL (sqlite:///path)")
 
     def problems(self) -> list[str]:
         """What is wrong with these values, each naming its variable (empty: fine)."""
@@ -112,13 +116,24 @@ class Settings:
                 found.append(f"{env_name(f.name)}={value}: must be a finite number")
             elif f.type == "float" and value < 0:
                 found.append(f"{env_name(f.name)}={value}: must not be negative")
-        at_least_one = ("quality_allowance", "thread_queue_limit", "max_frame_bytes",
-                        "max_body_bytes", "lane_inbox_reports", "max_chain_hops",
-                        "max_spent_proofs", "push_max_attempts", "push_configs_per_task",
-                        "push_max_active")
+        at_least_one = (
+            "quality_allowance",
+            "thread_queue_limit",
+            "max_frame_bytes",
+            "max_body_bytes",
+            "lane_inbox_reports",
+            "max_chain_hops",
+            "max_spent_proofs",
+            "push_max_attempts",
+            "push_configs_per_task",
+            "push_max_active",
+        )
         at_least_one += LIMITS_AT_LEAST_ONE
-        at_least_one += ("max_thread_queries_per_link", "max_thread_messages_per_query",
-                         "kyok_completions_per_run")
+        at_least_one += (
+            "max_thread_queries_per_link",
+            "max_thread_messages_per_query",
+            "kyok_completions_per_run",
+        )
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")
@@ -131,38 +146,50 @@ class Settings:
                     f"{env_name('provider_keys')}: {key!r} is not a 64-hex Ed25519 public key"
                 )
         if self.operator_token is not None and not OPERATOR_TOKEN.fullmatch(self.operator_token):
-            found.append(f"{env_name('operator_token')}: must be 16 to 256 characters of "
-                         "letters, digits, '-', '_' or '.'")
+            found.append(
+                f"{env_name('operator_token')}: must be 16 to 256 characters of "
+                "letters, digits, '-', '_' or '.'"
+            )
         if self.kyok_secret is not None and len(self.kyok_secret) < 32:
             found.append(f"{env_name('kyok_secret')}: at least 32 characters, please")
         if self.public_url is not None:
             url = urlsplit(self.public_url)
-            if url.scheme not in ("http", "https") or not url.netloc or url.query \
-                    or url.fragment:
-                found.append(f"{env_name('public_url')}={self.public_url!r}: an absolute "
-                             "http(s) URL without query or fragment")
+            if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
+                found.append(
+                    f"{env_name('public_url')}={self.public_url!r}: an absolute "
+                    "http(s) URL without query or fragment"
+                )
         if not self.push_timeout_seconds > 0:
-            found.append(f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "
-                         "must be more than 0")
+            found.append(
+                f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "
+                "must be more than 0"
+            )
         if self.identity_key is not None and not re.fullmatch(
-                r"[0-9a-fA-F]{64}", self.identity_key.strip()):
+            r"[0-9a-fA-F]{64}", self.identity_key.strip()
+        ):
             # The key itself is never echoed: only its length.
-            found.append(f"{env_name('identity_key')}=<{len(self.identity_key)} characters>: "
-                         "must be 64 hex characters (an Ed25519 private key)")
+            found.append(
+                f"{env_name('identity_key')}=<{len(self.identity_key)} characters>: "
+                "must be 64 hex characters (an Ed25519 private key)"
+            )
         for origin in self.cors_origins or ():
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
-                found.append(f"{env_name('cors_origins')}={origin}: an origin is "
-                             "scheme://host[:port] (or *)")
+                found.append(
+                    f"{env_name('cors_origins')}={origin}: an origin is scheme://host[:port] (or *)"
+                )
         if self.log_level not in LOG_LEVELS:
-            found.append(f"{env_name('log_level')}={self.log_level}: one of "
-                         + ", ".join(LOG_LEVELS))
+            found.append(
+                f"{env_name('log_level')}={self.log_level}: one of " + ", ".join(LOG_LEVELS)
+            )
         if self.log_format not in ("text", "json"):
             found.append(f"{env_name('log_format')}={self.log_format}: text or json")
         if self.database_is_postgres:
             found += _postgres_problems(self.database_url or "")
         elif self.database_url is not None and not self.database_url.startswith("sqlite:///"):
-            found.append(f"{env_name('database_url')}={shown_url(self.database_url)}: give "
-                         "sqlite:///path or postgresql://user@host:port/database")
+            found.append(
+                f"{env_name('database_url')}={shown_url(self.database_url)}: give "
+                "sqlite:///path or postgresql://user@host:port/database"
+            )
         elif self.database_url is not None:
             try:
                 _ = self.database_path
@@ -205,14 +232,17 @@ def _postgres_problems(url: str) -> list[str]:
     try:
         from psycopg import conninfo
     except ImportError:
-        return [f"{env_name('database_url')}={shown}: the PostgreSQL store needs psycopg; "
-                "install funduq-trio[postgres]"]
+        return [
+            f"{env_name('database_url')}={shown}: the PostgreSQL store needs psycopg; "
+            "install funduq-trio[postgres]"
+        ]
     try:
         conninfo.conninfo_to_dict(url)
     except Exception as exc:  # noqa: BLE001 -- whatever libpq objects to
         reason = " ".join(str(exc).split()).replace(url, shown)
-        return [f"{env_name('database_url')}={shown}: not a PostgreSQL URL libpq accepts "
-                f"({reason})"]
+        return [
+            f"{env_name('database_url')}={shown}: not a PostgreSQL URL libpq accepts ({reason})"
+        ]
     return []
 
 
@@ -244,10 +274,19 @@ def parse_value(name: str, raw: str) -> Any:
         if kind in ("float",):
             return float(raw)
         if kind in ("bool",):
-            return {"1": True, "true": True, "yes": True, "on": True,
-                    "0": False, "false": False, "no": False, "off": False}[raw.strip().lower()]
+            return {
+                "1": True,
+                "true": True,
+                "yes": True,
+                "on": True,
+                "0": False,
+                "false": False,
+                "no": False,
+                "off": False,
+            }[raw.strip().lower()]
         return raw
     except (ValueError, KeyError):
-        what = {"int": "a whole number", "float": "a number",
-                "bool": "true or false"}.get(str(kind), "a valid value")
+        what = {"int": "a whole number", "float": "a number", "bool": "true or false"}.get(
+            str(kind), "a valid value"
+        )
         raise ValueError(f"{env_name(name)}={raw}: must be {what}") from None

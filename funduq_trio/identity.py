@@ -124,13 +124,13 @@ class Identity:
         holds no key raises IdentityFileError rather than being replaced:
         losing a key changes who this is."""
         try:
-            return load_or_create(path, lambda: cls.generate()._private_hex(),
-                                  cls.from_private_hex)
+            return load_or_create(path, lambda: cls.generate()._private_hex(), cls.from_private_hex)
         except SecretFileError as exc:
             raise IdentityFileError(
                 f"identity key file {exc}: it must hold a 64-hex-character Ed25519 private "
                 "key; move it aside to generate a new identity (which changes this party's "
-                "public key)") from None
+                "public key)"
+            ) from None
 
     def _private_hex(self) -> str:
         return self._private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()).hex()
@@ -244,8 +244,7 @@ def read_payload(thread_id: str, timestamp: object) -> str:
 def present_payload(provider_key: str, agent_name: str, message_id: str, timestamp: object) -> str:
     """What a chain's last hop signs to present the chain to one agent with one
     message (`presenter.signature`, DESIGN §8): a chain handed on cannot be reused."""
-    return (f"funduq-present:{provider_key}:{agent_name}:{message_id}:"
-            f"{timestamp_digits(timestamp)}")
+    return f"funduq-present:{provider_key}:{agent_name}:{message_id}:{timestamp_digits(timestamp)}"
 
 
 def delegation_payload(delegate_public_key: str, expires_at: object) -> str:

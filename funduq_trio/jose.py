@@ -140,10 +140,14 @@ def _canonical(value: Any, depth: int) -> str:
     if isinstance(value, Mapping):
         # Keys sorted by their UTF-16 code units (RFC 8785 §3.2.3).
         keys = sorted(value, key=lambda k: str(k).encode("utf-16-be"))
-        return "{" + ",".join(
-            json.dumps(str(k), ensure_ascii=False) + ":" + _canonical(value[k], depth + 1)
-            for k in keys
-        ) + "}"
+        return (
+            "{"
+            + ",".join(
+                json.dumps(str(k), ensure_ascii=False) + ":" + _canonical(value[k], depth + 1)
+                for k in keys
+            )
+            + "}"
+        )
     if isinstance(value, list | tuple):
         return "[" + ",".join(_canonical(v, depth + 1) for v in value) + "]"
     raise ValueError(f"{type(value).__name__} is not JSON")

@@ -27,8 +27,9 @@ class SecretFileError(ValueError):
     """A secret file exists but cannot be read or does not hold a usable secret."""
 
 
-def load_or_create(path: str | os.PathLike[str], make: Callable[[], str],
-                   read: Callable[[str], T]) -> T:
+def load_or_create(
+    path: str | os.PathLike[str], make: Callable[[], str], read: Callable[[str], T]
+) -> T:
     """`read(text)` of the file at `path`, first creating it with `make()` when
     absent. `read` raises ValueError for text that is no usable secret."""
     path = Path(path)

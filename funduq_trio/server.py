@@ -97,8 +97,7 @@ def listen_socket(settings: Settings) -> socket.socket:
     host, port = settings.host, settings.port
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                             socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     except OSError as exc:
         raise StartupError(f"{env_name('host')}={host}: cannot listen: {exc.strerror}") from None
     try:
@@ -109,10 +108,12 @@ def listen_socket(settings: Settings) -> socket.socket:
         sock.close()
         strerror = getattr(exc, "strerror", None) or str(exc)
         if getattr(exc, "errno", None) in (errno.EADDRINUSE, errno.EACCES):
-            raise StartupError(f"{env_name('port')}={port}: cannot listen on {where}: "
-                               f"{strerror}") from None
-        raise StartupError(f"{env_name('host')}={host}: cannot listen on {where}: "
-                           f"{strerror}") from None
+            raise StartupError(
+                f"{env_name('port')}={port}: cannot listen on {where}: {strerror}"
+            ) from None
+        raise StartupError(
+            f"{env_name('host')}={host}: cannot listen on {where}: {strerror}"
+        ) from None
     return sock
 
 
@@ -126,8 +127,9 @@ def _usable_dir(path: Path, setting: str, shown: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        raise StartupError(f"{setting}={shown}: cannot create or write in {path}: "
-                           f"{exc.strerror or exc}") from None
+        raise StartupError(
+            f"{setting}={shown}: cannot create or write in {path}: {exc.strerror or exc}"
+        ) from None
 
 
 def prepare_storage(settings: Settings) -> None:
@@ -137,8 +139,9 @@ def prepare_storage(settings: Settings) -> None:
     if settings.database_url and not settings.database_is_postgres:
         path = settings.database_path
         if path.is_dir():
-            raise StartupError(f"{env_name('database_url')}={settings.database_url}: "
-                               f"{path} is a directory")
+            raise StartupError(
+                f"{env_name('database_url')}={settings.database_url}: {path} is a directory"
+            )
         _usable_dir(path.parent, env_name("database_url"), settings.database_url)
 
 
@@ -211,8 +214,7 @@ def banner(info: ServerInfo, version: str) -> list[str]:
         f"funduq-trio {version} serving on {info.url}",
         f"providers attach at {info.provider_url}",
         f"record: {record_name(settings)}",
-        f"funduq key: {funduq.identity.public_key_hex} "
-        "(providers pin it with --funduq-key)",
+        f"funduq key: {funduq.identity.public_key_hex} (providers pin it with --funduq-key)",
         "settings: " + (", ".join(changed_settings(settings)) or "all defaults"),
         f"operator page: {info.url}/?token={funduq.operator_token}",
     ]
@@ -225,8 +227,7 @@ def _first_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def run_server(settings: Settings, listener: socket.socket | None = None,
-               version: str = "") -> int:
+def run_server(settings: Settings, listener: socket.socket | None = None, version: str = "") -> int:
     """Serve until SIGINT or SIGTERM, then shut down (the CLI's entry).
     Returns the exit status: 0, or 2 when it could not start (said in one line)."""
     started = False
@@ -235,8 +236,7 @@ def run_server(settings: Settings, listener: socket.socket | None = None,
         nonlocal started
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                info: ServerInfo = await nursery.start(
-                    partial(serve, settings, listener=listener))
+                info: ServerInfo = await nursery.start(partial(serve, settings, listener=listener))
                 started = True
                 freeze_startup_objects()
                 for line in banner(info, version):

@@ -55,8 +55,9 @@ class FakeLink:
 class Provider:
     """A provider attached through the broker's port, with a fake link."""
 
-    def __init__(self, funduq: Funduq, identity: Identity | None = None,
-                 max_concurrent: int | None = None) -> None:
+    def __init__(
+        self, funduq: Funduq, identity: Identity | None = None, max_concurrent: int | None = None
+    ) -> None:
         self.funduq = funduq
         self.identity = identity or Identity.generate()
         self.max_concurrent = max_concurrent
@@ -71,8 +72,11 @@ class Provider:
         self.link = FakeLink()
         self.session = self.funduq.attach_provider(self.key, self.max_concurrent, self.link)
         await self.session.register(
-            [{"name": a, "description": f"{a} agent", "card": {}, "metadata": {}}
-             for a in (agents or (AGENT,))])
+            [
+                {"name": a, "description": f"{a} agent", "card": {}, "metadata": {}}
+                for a in (agents or (AGENT,))
+            ]
+        )
         return self
 
     async def offer(self, n: int) -> tuple[str, dict[str, Any]]:
@@ -86,17 +90,26 @@ class Provider:
 
 
 def user_input(text: str = "hello", message_id: str = "m1") -> dict[str, Any]:
-    return {"threadId": "caller-thread", "runId": "caller-run",
-            "messages": [{"id": message_id, "role": "user", "content": text}]}
+    return {
+        "threadId": "caller-thread",
+        "runId": "caller-run",
+        "messages": [{"id": message_id, "role": "user", "content": text}],
+    }
 
 
 def reply(run_id: str, thread_id: str, text: str = "hi", deltas: int = 1) -> list[dict[str, Any]]:
-    events = [{"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
-              {"type": "TEXT_MESSAGE_START", "messageId": "r-" + run_id, "role": "assistant"}]
-    events += [{"type": "TEXT_MESSAGE_CONTENT", "messageId": "r-" + run_id, "delta": text}
-               for _ in range(deltas)]
-    events += [{"type": "TEXT_MESSAGE_END", "messageId": "r-" + run_id},
-               {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id}]
+    events = [
+        {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
+        {"type": "TEXT_MESSAGE_START", "messageId": "r-" + run_id, "role": "assistant"},
+    ]
+    events += [
+        {"type": "TEXT_MESSAGE_CONTENT", "messageId": "r-" + run_id, "delta": text}
+        for _ in range(deltas)
+    ]
+    events += [
+        {"type": "TEXT_MESSAGE_END", "messageId": "r-" + run_id},
+        {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
+    ]
     return events
 
 
@@ -156,8 +169,9 @@ async def quiet(budget: int = 50_000) -> None:
         finally:
             trio.lowlevel.remove_instrument(steps)
     if scope.cancelled_caught:
-        raise BusyLoop(f"the broker never went quiet: {steps.count} task steps "
-                       "without time passing")
+        raise BusyLoop(
+            f"the broker never went quiet: {steps.count} task steps without time passing"
+        )
 
 
 async def advance(clock: Any, seconds: float) -> None:
@@ -204,17 +218,27 @@ async def online(funduq: Funduq, agent: str = AGENT) -> bool:
     return next(a["online"] for a in await funduq.roster() if a["name"] == agent)
 
 
-def interrupt_finish(run_id: str, thread_id: str,
-                     interrupts: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id,
-            "outcome": {"type": "interrupt", "interrupts": interrupts}}
+def interrupt_finish(
+    run_id: str, thread_id: str, interrupts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "type": "RUN_FINISHED",
+        "threadId": thread_id,
+        "runId": run_id,
+        "outcome": {"type": "interrupt", "interrupts": interrupts},
+    }
 
 
-def resume_input(interrupt_id: str, payload: Any = True, text: str | None = None,
-                 message_id: str = "answer-1") -> dict[str, Any]:
+def resume_input(
+    interrupt_id: str, payload: Any = True, text: str | None = None, message_id: str = "answer-1"
+) -> dict[str, Any]:
     messages = [] if text is None else [{"id": message_id, "role": "user", "content": text}]
-    return {"threadId": "caller-thread", "runId": "caller-run", "messages": messages,
-            "resume": [{"interruptId": interrupt_id, "status": "resolved", "payload": payload}]}
+    return {
+        "threadId": "caller-thread",
+        "runId": "caller-run",
+        "messages": messages,
+        "resume": [{"interruptId": interrupt_id, "status": "resolved", "payload": payload}],
+    }
 
 
 class Follower:
@@ -241,16 +265,23 @@ class Follower:
         self.ended.set()
 
 
-async def start(funduq: Funduq, p: Provider, *, thread_id: str | None = None,
-                text: str = "hello", agent: str = AGENT) -> Any:
+async def start(
+    funduq: Funduq,
+    p: Provider,
+    *,
+    thread_id: str | None = None,
+    text: str = "hello",
+    agent: str = AGENT,
+) -> Any:
     """Start a run and let the broker do what it does with it (offer or not)."""
     ticket = await funduq.start_run(p.key, agent, user_input(text), thread_id=thread_id)
     await quiet()
     return ticket
 
 
-async def accepted(funduq: Funduq, p: Provider, *, thread_id: str | None = None,
-                   text: str = "hello") -> Any:
+async def accepted(
+    funduq: Funduq, p: Provider, *, thread_id: str | None = None, text: str = "hello"
+) -> Any:
     """Start a run, accept its offer, and let the broker claim it."""
     ticket = await start(funduq, p, thread_id=thread_id, text=text)
     p.session.answer(last_offer_for(p.link, ticket.run_id), "accepted")

@@ -101,12 +101,15 @@ def chain(*signers: Identity) -> list[str]:
     return hops
 
 
-def presenter(signer: Identity, provider_key: str, agent: str, message_id: str,
-              timestamp: Any = None) -> dict[str, Any]:
+def presenter(
+    signer: Identity, provider_key: str, agent: str, message_id: str, timestamp: Any = None
+) -> dict[str, Any]:
     """`{timestamp, signature}`: `signer` presents its chain to one agent with one message."""
     ts = int(time.time()) if timestamp is None else timestamp
-    return {"timestamp": ts,
-            "signature": signer.sign(present_payload(provider_key, agent, message_id, ts))}
+    return {
+        "timestamp": ts,
+        "signature": signer.sign(present_payload(provider_key, agent, message_id, ts)),
+    }
 
 
 def operator_headers(info: ServerInfo) -> dict[str, str]:
@@ -124,7 +127,8 @@ def last_hop_key(hops: list[str]) -> str | None:
     try:
         claims = hops[-1].split(".")[1]
         return json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))[
-            "actorPublicKey"]
+            "actorPublicKey"
+        ]
     except (AttributeError, IndexError, KeyError, TypeError, ValueError, RecursionError):
         return None
 
@@ -154,7 +158,8 @@ class PresentingTransport(httpx.AsyncBaseTransport):
             return provider
         if provider not in self._keys:
             roster = await self._inner.handle_async_request(
-                httpx.Request("GET", request.url.copy_with(path="/agents", query=None)))
+                httpx.Request("GET", request.url.copy_with(path="/agents", query=None))
+            )
             await roster.aread()
             for agent in json.loads(roster.content)["agents"]:
                 self._keys[agent["fingerprint"]] = agent["provider"]
@@ -182,9 +187,11 @@ class PresentingTransport(httpx.AsyncBaseTransport):
         else:
             metadata = body.get("forwardedProps")
             messages = body.get("messages")
-            message_id = (messages[-1].get("id", "")
-                          if isinstance(messages, list) and messages
-                          and isinstance(messages[-1], dict) else "")
+            message_id = (
+                messages[-1].get("id", "")
+                if isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+                else ""
+            )
         if not isinstance(metadata, dict) or "presenter" in metadata:
             return request
         hops = metadata.get("actorChain")
@@ -194,8 +201,13 @@ class PresentingTransport(httpx.AsyncBaseTransport):
             return request
         metadata["presenter"] = presenter(signer, key, parts[2], message_id)
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"content-length"]
-        return httpx.Request(request.method, request.url, headers=headers,
-                             content=json.dumps(body).encode(), extensions=request.extensions)
+        return httpx.Request(
+            request.method,
+            request.url,
+            headers=headers,
+            content=json.dumps(body).encode(),
+            extensions=request.extensions,
+        )
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
@@ -299,8 +311,13 @@ class RawProvider:
 
     async def answer(self, run: dict[str, Any], verdict: str, reason: str | None = None) -> None:
         await self.send(
-            {"kind": "ok", "id": run["offerId"], "verdict": verdict, "reason": reason,
-             "payload": None}
+            {
+                "kind": "ok",
+                "id": run["offerId"],
+                "verdict": verdict,
+                "reason": reason,
+                "payload": None,
+            }
         )
 
     async def report(self, run_id: str, event: dict[str, Any]) -> None:

@@ -41,27 +41,43 @@ async def test_deleting_a_push_config_twice_is_not_an_error(tmp_path) -> None:
     ):
         fp = agents.provider.fingerprint
         tid = await _task_id(info, fp)
-        made = await call(info, fp, "echo", rpc("CreateTaskPushNotificationConfig", {
-            "taskId": tid, "id": "p1", "url": receiver.url}))
+        made = await call(
+            info,
+            fp,
+            "echo",
+            rpc(
+                "CreateTaskPushNotificationConfig", {"taskId": tid, "id": "p1", "url": receiver.url}
+            ),
+        )
         assert made["result"]["id"] == "p1"
         delete = rpc("DeleteTaskPushNotificationConfig", {"taskId": tid, "id": "p1"})
         assert (await call(info, fp, "echo", delete))["result"] is None
         again = await call(info, fp, "echo", delete)
         assert "error" not in again and again["result"] is None
-        never = await call(info, fp, "echo", rpc("DeleteTaskPushNotificationConfig",
-                                                 {"taskId": tid, "id": "never-made"}))
+        never = await call(
+            info,
+            fp,
+            "echo",
+            rpc("DeleteTaskPushNotificationConfig", {"taskId": tid, "id": "never-made"}),
+        )
         assert never["result"] is None
         # The HTTP+JSON binding answers the same.
         async with http_client(info) as http:
             rest = await http.delete(
-                f"/a2a/{fp}/echo/tasks/{tid}/pushNotificationConfigs/p1", headers=V1)
+                f"/a2a/{fp}/echo/tasks/{tid}/pushNotificationConfigs/p1", headers=V1
+            )
             assert rest.status_code == 200, rest.text
             # An unknown task is still not found: only the config may be absent.
             unknown = await http.delete(
-                f"/a2a/{fp}/echo/tasks/run_nope/pushNotificationConfigs/p1", headers=V1)
+                f"/a2a/{fp}/echo/tasks/run_nope/pushNotificationConfigs/p1", headers=V1
+            )
             assert unknown.status_code == 404
-        gone = await call(info, fp, "echo", rpc("DeleteTaskPushNotificationConfig",
-                                                {"taskId": "run_nope", "id": "p1"}))
+        gone = await call(
+            info,
+            fp,
+            "echo",
+            rpc("DeleteTaskPushNotificationConfig", {"taskId": "run_nope", "id": "p1"}),
+        )
         assert gone["error"]["code"] == -32001
 
 
@@ -91,8 +107,9 @@ async def test_a_json_rpc_call_declaring_another_media_type_is_refused(tmp_path)
         body = json.dumps(rpc("SendMessage", {"message": message("typed")})).encode()
         async with http_client(info) as http:
             for declared in ("text/plain", "application/x-www-form-urlencoded"):
-                answer = await http.post(f"/a2a/{fp}/echo", content=body,
-                                         headers={**V1, "Content-Type": declared})
+                answer = await http.post(
+                    f"/a2a/{fp}/echo", content=body, headers={**V1, "Content-Type": declared}
+                )
                 assert answer.status_code == 200
                 error = answer.json()["error"]
                 assert error["code"] == CONTENT_TYPE_NOT_SUPPORTED, error
@@ -120,8 +137,9 @@ async def test_http_json_answers_are_application_json_unless_a2a_json_is_asked_f
             missing = await http.get(f"/a2a/{fp}/echo/tasks/run_nope", headers=V1)
             assert missing.status_code == 404
             assert missing.headers["content-type"].split(";")[0] == "application/json"
-            asked = await http.get(f"/a2a/{fp}/echo/tasks/{tid}",
-                                   headers={**V1, "Accept": "application/a2a+json"})
+            asked = await http.get(
+                f"/a2a/{fp}/echo/tasks/{tid}", headers={**V1, "Accept": "application/a2a+json"}
+            )
             assert asked.headers["content-type"].split(";")[0] == "application/a2a+json"
             assert asked.json() == plain.json()
 
@@ -133,10 +151,24 @@ async def test_a_push_config_s_credentials_are_its_receiver_s_authorization(tmp_
     ):
         fp = agents.provider.fingerprint
         auth = {"scheme": "Bearer", "credentials": "receiver-secret-1"}
-        answer = await call(info, fp, "echo", rpc("SendMessage", {
-            "message": message("pushed"),
-            "configuration": {"taskPushNotificationConfig": {
-                "url": receiver.url, "token": "tok-1", "authentication": auth}}}))
+        answer = await call(
+            info,
+            fp,
+            "echo",
+            rpc(
+                "SendMessage",
+                {
+                    "message": message("pushed"),
+                    "configuration": {
+                        "taskPushNotificationConfig": {
+                            "url": receiver.url,
+                            "token": "tok-1",
+                            "authentication": auth,
+                        }
+                    },
+                },
+            ),
+        )
         task = answer["result"]["task"]
         await delivered_all(info)
         assert receiver.received
@@ -151,8 +183,17 @@ async def test_a_push_config_s_credentials_are_its_receiver_s_authorization(tmp_
             assert claims["taskId"] == task["id"]
             assert claims["bodySha256"] == hashlib.sha256(body).hexdigest()
         # Credentials that would split the request are refused up front.
-        for bad in ({"scheme": "Bearer", "credentials": "x\r\nX-Evil: 1"},
-                    {"scheme": "Bad Scheme", "credentials": "x"}):
-            refused = await call(info, fp, "echo", rpc("CreateTaskPushNotificationConfig", {
-                "taskId": task["id"], "url": receiver.url, "authentication": bad}))
+        for bad in (
+            {"scheme": "Bearer", "credentials": "x\r\nX-Evil: 1"},
+            {"scheme": "Bad Scheme", "credentials": "x"},
+        ):
+            refused = await call(
+                info,
+                fp,
+                "echo",
+                rpc(
+                    "CreateTaskPushNotificationConfig",
+                    {"taskId": task["id"], "url": receiver.url, "authentication": bad},
+                ),
+            )
             assert refused["error"]["code"] == -32602, refused

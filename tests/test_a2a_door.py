@@ -132,26 +132,49 @@ class Agents:
         await p.answer(run, "accepted")
         name, run_id = run["agentName"], run["runId"]
         if name == "echo":
-            await p.play(run, [started(run), *says(f"reply-{run_id}", f"echo: {user_text(run)}"),
-                               {"type": "CUSTOM", "name": "a2a.artifact",
-                                "value": {"artifactId": "stats",
-                                          "parts": [{"data": {"chars": len(user_text(run))}}]}},
-                               finished(run)])
+            await p.play(
+                run,
+                [
+                    started(run),
+                    *says(f"reply-{run_id}", f"echo: {user_text(run)}"),
+                    {
+                        "type": "CUSTOM",
+                        "name": "a2a.artifact",
+                        "value": {
+                            "artifactId": "stats",
+                            "parts": [{"data": {"chars": len(user_text(run))}}],
+                        },
+                    },
+                    finished(run),
+                ],
+            )
         elif name == "asker":
             resume = run["runInput"].get("resume")
             again = bool(resume) and resume[0].get("payload") == "again"  # pauses once more
             if not resume or again:
-                interrupt = {"id": f"{'again' if again else 'approve'}-{run_id}",
-                             "reason": "approval",
-                             "message": "Ship it?", "expiresAt": "2099-01-01T00:00:00Z"}
-                await p.play(run, [started(run),
-                                   finished(run, outcome={"type": "interrupt",
-                                                          "interrupts": [interrupt]})])
+                interrupt = {
+                    "id": f"{'again' if again else 'approve'}-{run_id}",
+                    "reason": "approval",
+                    "message": "Ship it?",
+                    "expiresAt": "2099-01-01T00:00:00Z",
+                }
+                await p.play(
+                    run,
+                    [
+                        started(run),
+                        finished(run, outcome={"type": "interrupt", "interrupts": [interrupt]}),
+                    ],
+                )
             else:
                 payload = resume[0].get("payload")
-                await p.play(run, [started(run), *says(f"answer-{run_id}",
-                                                       f"resumed with {json.dumps(payload)}"),
-                                   finished(run)])
+                await p.play(
+                    run,
+                    [
+                        started(run),
+                        *says(f"answer-{run_id}", f"resumed with {json.dumps(payload)}"),
+                        finished(run),
+                    ],
+                )
         elif name == "slow":
             await p.report(run_id, started(run))
             self.slow_started.setdefault(run_id, trio.Event()).set()
@@ -183,7 +206,12 @@ async def broker_with_agents(tmp_path: Any, **overrides: Any) -> AsyncIterator[t
 
 @contextlib.asynccontextmanager
 async def a2a_client(
-    info: Any, provider: str, agent: str, *, streaming: bool = True, legacy: bool = False,
+    info: Any,
+    provider: str,
+    agent: str,
+    *,
+    streaming: bool = True,
+    legacy: bool = False,
     headers: dict[str, str] | None = None,
 ) -> AsyncIterator[Client]:
     """a2a-sdk's client for one agent, made from the card the door serves.
@@ -263,14 +291,15 @@ async def test_agent_card_through_the_sdk_resolver(tmp_path) -> None:
             assert card.name == "echo"
             assert card.description == "echo (test)"
             assert card.capabilities.streaming is True
-            assert {(i.url, i.protocol_binding, i.protocol_version)
-                    for i in card.supported_interfaces} == {
-                (url, "JSONRPC", "1.0"), (url, "JSONRPC", "0.3"), (url, "HTTP+JSON", "1.0")}
+            assert {
+                (i.url, i.protocol_binding, i.protocol_version) for i in card.supported_interfaces
+            } == {(url, "JSONRPC", "1.0"), (url, "JSONRPC", "0.3"), (url, "HTTP+JSON", "1.0")}
             assert [s.id for s in card.skills] == ["echo"]
 
             # The full 64-hex key names the same agent.
-            by_key = await A2ACardResolver(http, info.a2a_url(agents.provider.key, "echo")
-                                           ).get_agent_card()
+            by_key = await A2ACardResolver(
+                http, info.a2a_url(agents.provider.key, "echo")
+            ).get_agent_card()
             assert by_key.name == "echo"
 
             with pytest.raises(AgentCardResolutionError) as err:
@@ -303,9 +332,7 @@ async def test_send_message_waits_and_returns_the_completed_task(tmp_path) -> No
             assert (await run_record(info, task.id))["status"] == "completed"
 
             # The same contextId continues the thread; GetTask reads the record.
-            again = await send_blocking(
-                client, send_request("second", context_id=task.context_id)
-            )
+            again = await send_blocking(client, send_request("second", context_id=task.context_id))
             assert again.context_id == task.context_id and again.id != task.id
             got = await client.get_task(pb.GetTaskRequest(id=task.id))
             assert got.status.state == S.TASK_STATE_COMPLETED
@@ -332,12 +359,17 @@ async def test_streaming_opens_with_the_task_then_updates_then_the_final_status(
             chunks = [e.artifact_update for e in events if e.HasField("artifact_update")]
             text = [c for c in chunks if c.artifact.artifact_id == f"reply-{task.id}"]
             assert [(c.append, c.artifact.parts[0].text) for c in text] == [
-                (False, "ech"), (True, "o: stream me")]
+                (False, "ech"),
+                (True, "o: stream me"),
+            ]
             (stats,) = [c for c in chunks if c.artifact.artifact_id == "stats"]
             assert MessageToDict(stats.artifact.parts[0].data) == {"chars": 9}
 
-            relayed = [metadata_of(e.status_update)["funduq/aguiEvent"]["type"]
-                       for e in events[1:-1] if e.HasField("status_update")]
+            relayed = [
+                metadata_of(e.status_update)["funduq/aguiEvent"]["type"]
+                for e in events[1:-1]
+                if e.HasField("status_update")
+            ]
             assert relayed == ["RUN_STARTED", "TEXT_MESSAGE_START", "TEXT_MESSAGE_END"]
 
 
@@ -487,8 +519,12 @@ async def test_pause_is_answered_by_a_message_naming_the_task_and_cannot_be_canc
             resumed = agents.offers[-1]
             assert resumed["runId"] == paused.id
             assert resumed["runInput"]["resume"] == [
-                {"interruptId": interrupt["id"], "status": "resolved",
-                 "payload": {"approved": True}}]
+                {
+                    "interruptId": interrupt["id"],
+                    "status": "resolved",
+                    "payload": {"approved": True},
+                }
+            ]
             assert resumed["runInput"]["messages"][-1]["id"] == "caller-answer-1"
 
 
@@ -499,9 +535,10 @@ async def test_a_bound_threads_cancel_needs_authority_and_says_nothing_of_state(
     chain_metadata = {"actorChain": chain(caller)}
     async with broker_with_agents(tmp_path) as (info, agents):
         fp = agents.provider.fingerprint
-        async with a2a_client(info, fp, "echo", streaming=False) as echo, a2a_client(
-            info, fp, "asker", streaming=False
-        ) as asker:
+        async with (
+            a2a_client(info, fp, "echo", streaming=False) as echo,
+            a2a_client(info, fp, "asker", streaming=False) as asker,
+        ):
             ended = await send_blocking(echo, send_request("x", metadata=chain_metadata))
             paused = await send_blocking(asker, send_request("y", metadata=chain_metadata))
             assert ended.status.state == S.TASK_STATE_COMPLETED
@@ -517,8 +554,11 @@ async def test_a_bound_threads_cancel_needs_authority_and_says_nothing_of_state(
             # Signed by the segment head, the state may be told.
             for client, task in ((echo, ended), (asker, paused)):
                 ts = int(time.time())
-                proof = {"publicKey": caller.public_key_hex, "timestamp": ts,
-                         "signature": caller.sign(cancel_payload(task.id, ts))}
+                proof = {
+                    "publicKey": caller.public_key_hex,
+                    "timestamp": ts,
+                    "signature": caller.sign(cancel_payload(task.id, ts)),
+                }
                 request = pb.CancelTaskRequest(id=task.id)
                 ParseDict({"cancel": proof}, request.metadata)
                 with pytest.raises(TaskNotCancelableError):
@@ -534,9 +574,7 @@ async def test_subscribe_reattaches_to_a_live_task(tmp_path) -> None:
         async with a2a_client(info, fp, "slow") as client:
             # Non-blocking send: the task comes back at once.
             async with a2a_client(info, fp, "slow", streaming=False) as plain:
-                submitted = await send_blocking(
-                    plain, send_request("background", immediately=True)
-                )
+                submitted = await send_blocking(plain, send_request("background", immediately=True))
             assert submitted.status.state in (S.TASK_STATE_SUBMITTED, S.TASK_STATE_WORKING)
             await agents.slow_started_any.wait()
             agents.may_stop.set()
@@ -569,9 +607,7 @@ async def test_list_tasks_of_a_context(tmp_path) -> None:
         fp = agents.provider.fingerprint
         async with a2a_client(info, fp, "echo", streaming=False) as client:
             first = await send_blocking(client, send_request("one"))
-            second = await send_blocking(
-                client, send_request("two", context_id=first.context_id)
-            )
+            second = await send_blocking(client, send_request("two", context_id=first.context_id))
             await send_blocking(client, send_request("elsewhere"))
             listed = await client.list_tasks(
                 pb.ListTasksRequest(context_id=first.context_id, include_artifacts=True)
@@ -586,8 +622,9 @@ async def test_list_tasks_of_a_context(tmp_path) -> None:
             assert nothing.total_size == 0 and not nothing.tasks
             assert not nothing.next_page_token
         # ... but the operator's lists everything.
-        async with a2a_client(info, fp, "echo", streaming=False,
-                              headers=operator_headers(info)) as operator:
+        async with a2a_client(
+            info, fp, "echo", streaming=False, headers=operator_headers(info)
+        ) as operator:
             everything = await operator.list_tasks(pb.ListTasksRequest(page_size=1))
             assert everything.total_size == 3 and len(everything.tasks) == 1
             assert everything.next_page_token
@@ -602,8 +639,9 @@ async def test_a_full_thread_refuses_loudly(tmp_path) -> None:
         async with a2a_client(info, fp, "mute", streaming=False) as client:
             first = await send_blocking(client, send_request("one", immediately=True))
             with pytest.raises(UnsupportedOperationError) as err:
-                await send(client, send_request("two", context_id=first.context_id,
-                                                immediately=True))
+                await send(
+                    client, send_request("two", context_id=first.context_id, immediately=True)
+                )
             assert "pending" in err.value.message
             assert err.value.data == {"reason": "thread_queue_full"}
 
@@ -653,15 +691,20 @@ def rpc(method: str, params: Any, id: Any = "r-1") -> dict[str, Any]:
 
 
 def v03_message(text: str, **extra: Any) -> dict[str, Any]:
-    return {"kind": "message", "messageId": f"raw-{next(_ids)}", "role": "user",
-            "parts": [{"kind": "text", "text": text}], **extra}
+    return {
+        "kind": "message",
+        "messageId": f"raw-{next(_ids)}",
+        "role": "user",
+        "parts": [{"kind": "text", "text": text}],
+        **extra,
+    }
 
 
 async def sse_json(response: httpx.Response) -> list[dict[str, Any]]:
     frames = []
     async for line in response.aiter_lines():
         if line.startswith("data:"):
-            frames.append(json.loads(line[len("data:"):]))
+            frames.append(json.loads(line[len("data:") :]))
     return frames
 
 
@@ -669,8 +712,9 @@ async def test_v0_3_method_names_over_raw_http(tmp_path) -> None:
     async with broker_with_agents(tmp_path) as (info, agents):
         url = info.a2a_url(agents.provider.fingerprint, "echo")
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as http:
-            sent = (await http.post(url, json=rpc("message/send",
-                                                  {"message": v03_message("raw")}))).json()
+            sent = (
+                await http.post(url, json=rpc("message/send", {"message": v03_message("raw")}))
+            ).json()
             assert sent["id"] == "r-1"
             task = sent["result"]
             assert task["kind"] == "task"
@@ -680,9 +724,15 @@ async def test_v0_3_method_names_over_raw_http(tmp_path) -> None:
             got = (await http.post(url, json=rpc("tasks/get", {"id": task["id"]}))).json()
             assert got["result"]["status"]["state"] == "completed"
 
-            async with http.stream("POST", url + "/", json=rpc(
-                    "message/stream", {"message": v03_message("s", contextId=task["contextId"])},
-                    id=7)) as response:
+            async with http.stream(
+                "POST",
+                url + "/",
+                json=rpc(
+                    "message/stream",
+                    {"message": v03_message("s", contextId=task["contextId"])},
+                    id=7,
+                ),
+            ) as response:
                 assert response.headers["content-type"].startswith("text/event-stream")
                 frames = await sse_json(response)
             assert all(f["jsonrpc"] == "2.0" and f["id"] == 7 for f in frames)
@@ -709,11 +759,15 @@ async def test_version_header_and_malformed_requests(tmp_path) -> None:
         message = {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]}
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as http:
 
-            async def call(body: Any, headers: dict[str, str] | None = None, *,
-                           to: str = url) -> dict[str, Any]:
+            async def call(
+                body: Any, headers: dict[str, str] | None = None, *, to: str = url
+            ) -> dict[str, Any]:
                 content = body if isinstance(body, bytes) else json.dumps(body).encode()
-                response = await http.post(to, content=content, headers={
-                    "content-type": "application/json", **(headers or {})})
+                response = await http.post(
+                    to,
+                    content=content,
+                    headers={"content-type": "application/json", **(headers or {})},
+                )
                 assert response.status_code == 200
                 return response.json()
 
@@ -721,8 +775,9 @@ async def test_version_header_and_malformed_requests(tmp_path) -> None:
             error = (await call(rpc("SendMessage", {"message": message})))["error"]
             assert error["code"] == -32009
             assert error["data"][0]["reason"] == "VERSION_NOT_SUPPORTED"
-            assert (await call(rpc("GetTask", {"id": "x"}), {"A2A-Version": "3.0"}))[
-                "error"]["code"] == -32009
+            assert (await call(rpc("GetTask", {"id": "x"}), {"A2A-Version": "3.0"}))["error"][
+                "code"
+            ] == -32009
             # A 0.3 method with a 1.0 header, answered as the SDK's 0.3 adapter does.
             assert (await call(rpc("tasks/get", {"id": "x"}), v1))["error"]["code"] == -32603
             assert agents.offers == []
@@ -737,29 +792,42 @@ async def test_version_header_and_malformed_requests(tmp_path) -> None:
             assert invalid["id"] == "r-1"
             assert (await call(rpc("GetTask", {"id": 12}), v1))["error"]["code"] == -32602
             assert (await call(rpc("tasks/get", {}), None))["error"]["code"] == -32600
-            unknown_ctx = await call(rpc("SendMessage", {"message": dict(
-                message, contextId="thread_nope")}), v1)
+            unknown_ctx = await call(
+                rpc("SendMessage", {"message": dict(message, contextId="thread_nope")}), v1
+            )
             assert unknown_ctx["error"]["code"] == -32602
 
-            bad_chain = await call(rpc("SendMessage", {"message": message,
-                                                       "metadata": {"actorChain": ["nope"]}}), v1)
+            bad_chain = await call(
+                rpc("SendMessage", {"message": message, "metadata": {"actorChain": ["nope"]}}), v1
+            )
             assert bad_chain["error"]["code"] == -32602
             assert "actorChain" in bad_chain["error"]["message"]
 
-            nobody = await call(rpc("GetTask", {"id": "x"}), v1,
-                                to=info.a2a_url(fp, "nobody"))
+            nobody = await call(rpc("GetTask", {"id": "x"}), v1, to=info.a2a_url(fp, "nobody"))
             assert nobody["error"]["code"] == -32600
             assert "nobody" in nobody["error"]["message"]
 
-            too_big = await call(rpc("SendMessage", {"message": dict(
-                message, parts=[{"text": "x" * 5000}])}), v1)
+            too_big = await call(
+                rpc("SendMessage", {"message": dict(message, parts=[{"text": "x" * 5000}])}), v1
+            )
             assert too_big["error"]["code"] == -32600
             assert agents.offers == []
 
             # snake_case params are read as well as camelCase.
-            ok = await call(rpc("SendMessage", {"message": {
-                "message_id": "snake", "role": "ROLE_USER", "parts": [{"text": "sss"}]},
-                "configuration": {"return_immediately": False}}), v1)
+            ok = await call(
+                rpc(
+                    "SendMessage",
+                    {
+                        "message": {
+                            "message_id": "snake",
+                            "role": "ROLE_USER",
+                            "parts": [{"text": "sss"}],
+                        },
+                        "configuration": {"return_immediately": False},
+                    },
+                ),
+                v1,
+            )
             assert ok["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
             assert agents.offers[-1]["runInput"]["messages"][-1]["id"] == "snake"
 
@@ -773,8 +841,11 @@ async def sdk_asker(run_input: RunAgentInput) -> AsyncIterator[dict[str, Any]]:
     yield {"type": "RUN_STARTED", **ids}
     if not run_input.resume:
         interrupt = {"id": "ok-to-go", "reason": "approval", "message": "Go ahead?"}
-        yield {"type": "RUN_FINISHED", **ids,
-               "outcome": {"type": "interrupt", "interrupts": [interrupt]}}
+        yield {
+            "type": "RUN_FINISHED",
+            **ids,
+            "outcome": {"type": "interrupt", "interrupts": [interrupt]},
+        }
         return
     for event in says("verdict", f"told {json.dumps(run_input.resume[0].payload)}"):
         yield event
@@ -791,8 +862,12 @@ async def test_agents_of_the_provider_sdk_through_the_sdk_client(tmp_path) -> No
     skills = [{"id": "repeat", "name": "Repeat", "description": "says it back", "tags": ["demo"]}]
     async with running_server(tmp_path) as info:
         provider = Provider(Identity.generate(), info.provider_url)
-        provider.add_agent(echo, name="echo", description="says it back",
-                           card={"version": "1.2.3", "skills": skills})
+        provider.add_agent(
+            echo,
+            name="echo",
+            description="says it back",
+            card={"version": "1.2.3", "skills": skills},
+        )
         provider.add_agent(sdk_asker, name="asker")
         provider.add_agent(sdk_waiter, name="waiter")
         async with trio.open_nursery() as nursery:
@@ -804,12 +879,16 @@ async def test_agents_of_the_provider_sdk_through_the_sdk_client(tmp_path) -> No
                     card = await A2ACardResolver(http, info.a2a_url(fp, "echo")).get_agent_card()
                 assert card.version == "1.2.3"
                 assert [(s.id, s.name, list(s.tags)) for s in card.skills] == [
-                    ("repeat", "Repeat", ["demo"])]
+                    ("repeat", "Repeat", ["demo"])
+                ]
                 events = await send(client, send_request("through the SDK"))
                 task_id = events[0].task.id
                 assert events[-1].status_update.status.state == S.TASK_STATE_COMPLETED
-                said = "".join(e.artifact_update.artifact.parts[0].text
-                               for e in events if e.HasField("artifact_update"))
+                said = "".join(
+                    e.artifact_update.artifact.parts[0].text
+                    for e in events
+                    if e.HasField("artifact_update")
+                )
                 assert said == "through the SDK"
                 got = await client.get_task(pb.GetTaskRequest(id=task_id))
                 assert artifact_text(got, f"{task_id}-echo") == "through the SDK"
@@ -820,9 +899,7 @@ async def test_agents_of_the_provider_sdk_through_the_sdk_client(tmp_path) -> No
                 assert metadata_of(paused)["interrupts"][0]["id"] == "ok-to-go"
                 with pytest.raises(TaskNotCancelableError):
                     await client.cancel_task(pb.CancelTaskRequest(id=paused.id))
-                done = await send_blocking(
-                    client, send_request("yes, go", task_id=paused.id)
-                )
+                done = await send_blocking(client, send_request("yes, go", task_id=paused.id))
                 assert (done.id, done.status.state) == (paused.id, S.TASK_STATE_COMPLETED)
                 assert artifact_text(done, "verdict") == 'told "yes, go"'
 
@@ -839,12 +916,12 @@ async def test_agents_of_the_provider_sdk_through_the_sdk_client(tmp_path) -> No
                 async with trio.open_nursery() as callers:
                     callers.start_soon(stream)
                     await working.wait()
-                    answer = await client.cancel_task(
-                        pb.CancelTaskRequest(id=streamed[0].task.id)
-                    )
+                    answer = await client.cancel_task(pb.CancelTaskRequest(id=streamed[0].task.id))
                     # The agent stops at once, so the answer is either the
                     # accepted request (working + marker) or already the outcome.
-                    assert (metadata_of(answer).get(CANCEL_REQUESTED) is True
-                            or answer.status.state == S.TASK_STATE_CANCELED)
+                    assert (
+                        metadata_of(answer).get(CANCEL_REQUESTED) is True
+                        or answer.status.state == S.TASK_STATE_CANCELED
+                    )
                 assert streamed[-1].status_update.status.state == S.TASK_STATE_CANCELED
             nursery.cancel_scope.cancel()

@@ -119,9 +119,7 @@ def test_a_settled_task_carries_its_completion_time() -> None:
 
 def test_failed_task_says_the_run_error_message() -> None:
     events = [STARTED, {"type": "RUN_ERROR", "message": "the model fell over", "code": "x"}]
-    task = as_client_sees(
-        a2a.task_from_record(record("failed", events, failureReason="whatever"))
-    )
+    task = as_client_sees(a2a.task_from_record(record("failed", events, failureReason="whatever")))
     assert task.status.state == S.TASK_STATE_FAILED
     assert task.status.message.role == pb.Role.ROLE_AGENT
     assert [p.text for p in task.status.message.parts] == ["the model fell over"]
@@ -218,7 +216,9 @@ def test_a_long_text_message_folds_in_linear_time() -> None:
             cost[seq - 1] = time.thread_time()
     first = cost[window] - started
     last = cost[deltas] - cost[deltas - window]
-    assert last < 4 * first + 0.05, f"the last {window} deltas cost {last:.3f}s, the first {first:.3f}s"
+    assert last < 4 * first + 0.05, (
+        f"the last {window} deltas cost {last:.3f}s, the first {first:.3f}s"
+    )
     (artifact,) = projection.task().artifacts
     assert [len(p.text) for p in artifact.parts] == [deltas * len(chunk)]
 
@@ -229,11 +229,17 @@ def test_text_deltas_after_an_artifact_of_the_same_id_extend_it() -> None:
         STARTED,
         {"type": "CUSTOM", "name": "a2a.artifact", "value": artifact},
         *text("m", "and", " tail"),
-        {"type": "CUSTOM", "name": "a2a.artifact", "value": {"artifactId": "n", "parts": [{"data": {"k": 1}}]}},
+        {
+            "type": "CUSTOM",
+            "name": "a2a.artifact",
+            "value": {"artifactId": "n", "parts": [{"data": {"k": 1}}]},
+        },
         *text("n", "x", "y"),
     ]
     task = a2a.task_from_record(record("running", events))
-    assert [(a.artifact_id, [p.WhichOneof("content") for p in a.parts]) for a in task.artifacts] == [
+    assert [
+        (a.artifact_id, [p.WhichOneof("content") for p in a.parts]) for a in task.artifacts
+    ] == [
         ("m", ["text"]),
         ("n", ["data", "text", "text"]),
     ]
@@ -300,11 +306,17 @@ def test_events_become_stream_updates_in_order() -> None:
 
 def test_a_stream_continuing_a_snapshot_appends_to_its_artifacts() -> None:
     projection = a2a.TaskProjection.from_record(
-        record("running", [STARTED, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "a"}])
+        record(
+            "running", [STARTED, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "a"}]
+        )
     )
     assert projection.last_seq == 2
-    assert projection.apply(2, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "a"}) == []
-    (update,) = projection.apply(3, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "b"})
+    assert (
+        projection.apply(2, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "a"}) == []
+    )
+    (update,) = projection.apply(
+        3, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "b"}
+    )
     assert update.artifact_update.append is True
 
 
@@ -345,7 +357,11 @@ def test_data_and_file_parts_are_carried() -> None:
             parts=[
                 {"text": "look"},
                 {"data": {"k": [1, 2]}},
-                {"raw": base64.b64encode(png).decode(), "mediaType": "image/png", "filename": "a.png"},
+                {
+                    "raw": base64.b64encode(png).decode(),
+                    "mediaType": "image/png",
+                    "filename": "a.png",
+                },
                 {"url": "https://example.com/doc.pdf", "mediaType": "application/pdf"},
             ]
         )
@@ -435,7 +451,13 @@ def test_v0_3_send_parses_to_the_same_request() -> None:
         ("ListTasks", {"contextId": "thread_1"}, a2a.LIST, "1.0", "1.0"),
         (
             "message/stream",
-            {"message": {"messageId": "m", "role": "user", "parts": [{"kind": "text", "text": "x"}]}},
+            {
+                "message": {
+                    "messageId": "m",
+                    "role": "user",
+                    "parts": [{"kind": "text", "text": "x"}],
+                }
+            },
             a2a.STREAM,
             "0.3",
             None,
@@ -498,9 +520,10 @@ def test_missing_required_params_are_invalid_params_with_the_sdk_details() -> No
 
 def test_params_that_do_not_parse_are_invalid_params() -> None:
     assert rejected(rpc("GetTask", {"id": 5}), "1.0")["error"]["code"] == -32602
-    assert rejected(rpc("SendMessage", {"message": message(parts=[])}), "1.0")["error"][
-        "code"
-    ] == -32602
+    assert (
+        rejected(rpc("SendMessage", {"message": message(parts=[])}), "1.0")["error"]["code"]
+        == -32602
+    )
 
 
 @pytest.mark.parametrize(("method", "version"), [("SendMessage", "1.0"), ("message/send", None)])
@@ -510,10 +533,16 @@ def test_metadata_nested_past_protobufs_limit_is_invalid_params(
     deep: Any = 1
     for _ in range(150):
         deep = {"a": deep}
-    msg = message() if version else {
-        "kind": "message", "messageId": "m", "role": "user",
-        "parts": [{"kind": "text", "text": "x"}],
-    }
+    msg = (
+        message()
+        if version
+        else {
+            "kind": "message",
+            "messageId": "m",
+            "role": "user",
+            "parts": [{"kind": "text", "text": "x"}],
+        }
+    )
     response = rejected(rpc(method, {"message": msg, "metadata": deep}), version)
     assert response["error"]["code"] == -32602
 
@@ -557,7 +586,9 @@ def test_push_config_methods_parse_in_both_dialects() -> None:
 
 def test_results_render_in_each_dialect() -> None:
     task = a2a.task_from_record(record("completed", [STARTED, *text("m", "hey"), FINISHED]))
-    v1 = a2a.result_response(a2a.parse_call(rpc("SendMessage", {"message": message()}), "1.0"), task)
+    v1 = a2a.result_response(
+        a2a.parse_call(rpc("SendMessage", {"message": message()}), "1.0"), task
+    )
     assert v1["jsonrpc"] == "2.0" and v1["id"] == 1
     assert ParseDict(v1["result"], pb.SendMessageResponse()).task.status.state == (
         S.TASK_STATE_COMPLETED
@@ -576,7 +607,9 @@ def test_stream_frames_render_in_each_dialect() -> None:
         1, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "x"}
     )[0]
     v1 = a2a.stream_frame(a2a.parse_call(rpc("SubscribeToTask", {"id": "r"}), "1.0"), update)
-    assert ParseDict(v1["result"], pb.StreamResponse()).artifact_update.artifact.parts[0].text == "x"
+    assert (
+        ParseDict(v1["result"], pb.StreamResponse()).artifact_update.artifact.parts[0].text == "x"
+    )
     v03 = a2a.stream_frame(a2a.parse_call(rpc("tasks/resubscribe", {"id": "r"}), None), update)
     assert v03["result"]["kind"] == "artifact-update"
 
@@ -596,9 +629,7 @@ def test_errors_render_as_each_dialect_builds_them() -> None:
 
 def test_broker_errors_map_to_sdk_errors() -> None:
     assert isinstance(a2a_error(broker_errors.RunNotFound("x")), TaskNotFoundError)
-    assert isinstance(
-        a2a_error(broker_errors.RunNotCancellable("x")), TaskNotCancelableError
-    )
+    assert isinstance(a2a_error(broker_errors.RunNotCancellable("x")), TaskNotCancelableError)
     unknown = a2a_error(broker_errors.UnknownThread("no such thread"))
     assert isinstance(unknown, InvalidParamsError)
     full = a2a_error(broker_errors.ThreadQueueFull("thread t holds 8 pending runs"))
@@ -624,9 +655,7 @@ def test_agent_card_reads_back_through_the_sdk_client() -> None:
         ],
     }
     url = "http://127.0.0.1:9/a2a/0123456789abcdef/echo"
-    card_json = a2a.agent_card(
-        name="echo", description="An echo", rpc_url=url, published=published
-    )
+    card_json = a2a.agent_card(name="echo", description="An echo", rpc_url=url, published=published)
     # Older clients read the 0.3 fields of the same document.
     assert card_json["url"] == url
     assert card_json["protocolVersion"] == "0.3"

@@ -43,14 +43,21 @@ async def call(info: Any, fp: str, agent: str, body: dict[str, Any], headers=V1)
 
 
 async def send_with_push(
-    info: Any, fp: str, url: str, *, agent: str = "echo", text: str = "hello",
-    blocking: bool = True, token: str = "tok-1",
+    info: Any,
+    fp: str,
+    url: str,
+    *,
+    agent: str = "echo",
+    text: str = "hello",
+    blocking: bool = True,
+    token: str = "tok-1",
 ) -> dict[str, Any]:
     config = {"taskPushNotificationConfig": {"url": url, "token": token}}
     if not blocking:
         config["returnImmediately"] = True
-    answer = await call(info, fp, agent, rpc("SendMessage", {
-        "message": message(text), "configuration": config}))
+    answer = await call(
+        info, fp, agent, rpc("SendMessage", {"message": message(text), "configuration": config})
+    )
     assert "result" in answer, answer
     return answer["result"]["task"]
 
@@ -111,7 +118,9 @@ async def test_a_receiver_outage_and_a_restart_lose_and_repeat_nothing(tmp_path)
     async with push_receiver() as receiver:
         receiver.down_after = 2  # two updates land, then the port refuses
         async with broker_with_agents(
-            tmp_path, push_allow_private=True, push_backoff_seconds=0.001,
+            tmp_path,
+            push_allow_private=True,
+            push_backoff_seconds=0.001,
             push_max_attempts=1000,
         ) as (info, agents):
             fp = agents.provider.fingerprint
@@ -134,7 +143,10 @@ async def test_a_failing_receiver_is_given_up_after_the_last_attempt(tmp_path) -
     async with push_receiver() as receiver:
         receiver.answers = [503, 500, 502, 200]
         async with broker_with_agents(
-            tmp_path, push_allow_private=True, push_backoff_seconds=0.001, push_max_attempts=3,
+            tmp_path,
+            push_allow_private=True,
+            push_backoff_seconds=0.001,
+            push_max_attempts=3,
         ) as (info, agents):
             fp = agents.provider.fingerprint
             await send_with_push(info, fp, receiver.url)
@@ -156,18 +168,29 @@ async def test_a_paused_task_pushes_through_the_answer(tmp_path) -> None:
         task = await send_with_push(info, fp, receiver.url, agent="asker")
         assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
         await receiver.wait_for(2)  # RUN_STARTED's update, then the pause
-        answer = await call(info, fp, "asker", rpc("SendMessage", {
-            "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+        answer = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "SendMessage",
+                {"message": message("yes", taskId=task["id"], contextId=task["contextId"])},
+            ),
+        )
         assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
         await delivered_all(info)
-        states = [b["statusUpdate"]["status"]["state"] for b in receiver.bodies()
-                  if "statusUpdate" in b]
+        states = [
+            b["statusUpdate"]["status"]["state"] for b in receiver.bodies() if "statusUpdate" in b
+        ]
         assert states[0] == "TASK_STATE_WORKING"
         assert "TASK_STATE_INPUT_REQUIRED" in states
         assert states[-1] == "TASK_STATE_COMPLETED"
         assert states.index("TASK_STATE_INPUT_REQUIRED") < len(states) - 1
-        texts = [b["artifactUpdate"]["artifact"]["parts"][0]["text"] for b in receiver.bodies()
-                 if "artifactUpdate" in b and "text" in b["artifactUpdate"]["artifact"]["parts"][0]]
+        texts = [
+            b["artifactUpdate"]["artifact"]["parts"][0]["text"]
+            for b in receiver.bodies()
+            if "artifactUpdate" in b and "text" in b["artifactUpdate"]["artifact"]["parts"][0]
+        ]
         assert "".join(texts) == 'resumed with "yes"'
 
 
@@ -177,22 +200,32 @@ async def test_a_deliverer_that_lags_past_a_pause_still_pushes_the_pause(tmp_pat
     async with push_receiver() as receiver:
         receiver.down()
         async with broker_with_agents(
-            tmp_path, push_allow_private=True, push_backoff_seconds=0.001,
+            tmp_path,
+            push_allow_private=True,
+            push_backoff_seconds=0.001,
             push_max_attempts=10_000,
         ) as (info, agents):
             fp = agents.provider.fingerprint
             task = await send_with_push(info, fp, receiver.url, agent="asker")
             assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
-            answer = await call(info, fp, "asker", rpc("SendMessage", {
-                "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+            answer = await call(
+                info,
+                fp,
+                "asker",
+                rpc(
+                    "SendMessage",
+                    {"message": message("yes", taskId=task["id"], contextId=task["contextId"])},
+                ),
+            )
             assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
             pushes = info.funduq.pushes
             await pushes.wait_until(lambda: pushes.failed_attempts >= 1)
             assert receiver.received == []
             await receiver.up()
             await delivered_all(info)
-        states = [b["statusUpdate"]["status"]["state"] for b in receiver.bodies()
-                  if "statusUpdate" in b]
+        states = [
+            b["statusUpdate"]["status"]["state"] for b in receiver.bodies() if "statusUpdate" in b
+        ]
         assert states.count("TASK_STATE_INPUT_REQUIRED") == 1
         paused_at = states.index("TASK_STATE_INPUT_REQUIRED")
         assert 0 < paused_at < len(states) - 1
@@ -201,8 +234,7 @@ async def test_a_deliverer_that_lags_past_a_pause_still_pushes_the_pause(tmp_pat
 
 
 def _states(receiver: Receiver) -> list[str]:
-    return [b["statusUpdate"]["status"]["state"] for b in receiver.bodies()
-            if "statusUpdate" in b]
+    return [b["statusUpdate"]["status"]["state"] for b in receiver.bodies() if "statusUpdate" in b]
 
 
 async def test_a_turn_that_pauses_again_before_its_deliverer_wakes_is_pushed(tmp_path) -> None:
@@ -213,7 +245,9 @@ async def test_a_turn_that_pauses_again_before_its_deliverer_wakes_is_pushed(tmp
     async with push_receiver() as receiver:
         receiver.down_after = 1  # the first pause's status update fails until `up`
         async with broker_with_agents(
-            tmp_path, push_allow_private=True, push_backoff_seconds=0.001,
+            tmp_path,
+            push_allow_private=True,
+            push_backoff_seconds=0.001,
             push_max_attempts=10_000,
         ) as (info, agents):
             fp = agents.provider.fingerprint
@@ -221,15 +255,29 @@ async def test_a_turn_that_pauses_again_before_its_deliverer_wakes_is_pushed(tmp
             task = await send_with_push(info, fp, receiver.url, agent="asker")
             assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
             await pushes.wait_until(lambda: pushes.failed_attempts >= 1)
-            again = await call(info, fp, "asker", rpc("SendMessage", {
-                "message": message("again", taskId=task["id"], contextId=task["contextId"])}))
+            again = await call(
+                info,
+                fp,
+                "asker",
+                rpc(
+                    "SendMessage",
+                    {"message": message("again", taskId=task["id"], contextId=task["contextId"])},
+                ),
+            )
             assert again["result"]["task"]["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
             await receiver.up()
             with trio.fail_after(10):  # a guard: on the base it waits for good
                 while _states(receiver).count("TASK_STATE_INPUT_REQUIRED") < 2:
                     await receiver.wait_for(len(receiver.received) + 1)
-            answer = await call(info, fp, "asker", rpc("SendMessage", {
-                "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+            answer = await call(
+                info,
+                fp,
+                "asker",
+                rpc(
+                    "SendMessage",
+                    {"message": message("yes", taskId=task["id"], contextId=task["contextId"])},
+                ),
+            )
             assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
             await delivered_all(info)
             assert pushes._resumed == {} and pushes._following == {}
@@ -245,30 +293,51 @@ async def test_an_inline_config_is_refused_before_its_answer_resumes_the_task(tm
     is refused first and the task still waits for its answer."""
     async with (
         push_receiver() as receiver,
-        broker_with_agents(tmp_path, push_allow_private=True, push_configs_per_task=1)
-        as (info, agents),
+        broker_with_agents(tmp_path, push_allow_private=True, push_configs_per_task=1) as (
+            info,
+            agents,
+        ),
     ):
         fp = agents.provider.fingerprint
         task = await send_with_push(info, fp, receiver.url, agent="asker")
         assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
-        answer = await call(info, fp, "asker", rpc("SendMessage", {
-            "message": message("yes", taskId=task["id"], contextId=task["contextId"]),
-            "configuration": {"taskPushNotificationConfig": {"url": receiver.url, "id": "two"}}}))
+        answer = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "SendMessage",
+                {
+                    "message": message("yes", taskId=task["id"], contextId=task["contextId"]),
+                    "configuration": {
+                        "taskPushNotificationConfig": {"url": receiver.url, "id": "two"}
+                    },
+                },
+            ),
+        )
         assert answer["error"]["code"] == -32602, answer
         assert "FUNDUQ_PUSH_CONFIGS_PER_TASK" in answer["error"]["message"]
         async with http_client(info) as http:
             record = (await http.get(f"/runs/{task['id']}")).json()
         assert record["status"] == "input-required"
         assert info.funduq.pushes._reserved == 0
-        answer = await call(info, fp, "asker", rpc("SendMessage", {
-            "message": message("yes", taskId=task["id"], contextId=task["contextId"])}))
+        answer = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "SendMessage",
+                {"message": message("yes", taskId=task["id"], contextId=task["contextId"])},
+            ),
+        )
         assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
 
 
 async def test_a_held_slot_counts_against_active_configs(tmp_path) -> None:
-    async with broker_with_agents(
-        tmp_path, push_allow_private=True, push_max_active=1
-    ) as (info, _agents):
+    async with broker_with_agents(tmp_path, push_allow_private=True, push_max_active=1) as (
+        info,
+        _agents,
+    ):
         pushes = info.funduq.pushes
         config = pb.TaskPushNotificationConfig(url="http://127.0.0.1:9/hook")
         slot = await pushes.reserve(config)
@@ -283,39 +352,70 @@ async def test_a_held_slot_counts_against_active_configs(tmp_path) -> None:
 async def test_push_configs_are_created_read_listed_and_deleted(tmp_path) -> None:
     async with (
         push_receiver() as receiver,
-        broker_with_agents(tmp_path, push_allow_private=True, push_configs_per_task=2)
-        as (info, agents),
+        broker_with_agents(tmp_path, push_allow_private=True, push_configs_per_task=2) as (
+            info,
+            agents,
+        ),
     ):
         fp = agents.provider.fingerprint
         task = await send_with_push(info, fp, receiver.url, agent="asker", token="")
         tid = task["id"]
-        made = await call(info, fp, "asker", rpc("CreateTaskPushNotificationConfig", {
-            "taskId": tid, "id": "second", "url": receiver.url, "token": "t2"}))
-        assert made["result"] == {"id": "second", "taskId": tid, "url": receiver.url,
-                                  "token": "t2"}
-        got = await call(info, fp, "asker", rpc("GetTaskPushNotificationConfig",
-                                                {"taskId": tid, "id": "second"}))
+        made = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "CreateTaskPushNotificationConfig",
+                {"taskId": tid, "id": "second", "url": receiver.url, "token": "t2"},
+            ),
+        )
+        assert made["result"] == {"id": "second", "taskId": tid, "url": receiver.url, "token": "t2"}
+        got = await call(
+            info, fp, "asker", rpc("GetTaskPushNotificationConfig", {"taskId": tid, "id": "second"})
+        )
         assert got["result"] == made["result"]
-        listed = await call(info, fp, "asker", rpc("ListTaskPushNotificationConfigs",
-                                                   {"taskId": tid}))
+        listed = await call(
+            info, fp, "asker", rpc("ListTaskPushNotificationConfigs", {"taskId": tid})
+        )
         assert [c["url"] for c in listed["result"]["configs"]] == [receiver.url] * 2
-        full = await call(info, fp, "asker", rpc("CreateTaskPushNotificationConfig", {
-            "taskId": tid, "id": "third", "url": receiver.url}))
+        full = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "CreateTaskPushNotificationConfig",
+                {"taskId": tid, "id": "third", "url": receiver.url},
+            ),
+        )
         assert full["error"]["code"] == -32602
         assert "FUNDUQ_PUSH_CONFIGS_PER_TASK" in full["error"]["message"]
         # The 0.3 names reach the same configs.
-        old = await call(info, fp, "asker", rpc("tasks/pushNotificationConfig/get", {
-            "id": tid, "pushNotificationConfigId": "second"}), headers={})
+        old = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "tasks/pushNotificationConfig/get",
+                {"id": tid, "pushNotificationConfigId": "second"},
+            ),
+            headers={},
+        )
         assert old["result"]["pushNotificationConfig"]["url"] == receiver.url
-        deleted = await call(info, fp, "asker", rpc("DeleteTaskPushNotificationConfig",
-                                                    {"taskId": tid, "id": "second"}))
+        deleted = await call(
+            info,
+            fp,
+            "asker",
+            rpc("DeleteTaskPushNotificationConfig", {"taskId": tid, "id": "second"}),
+        )
         assert deleted["result"] is None
-        gone = await call(info, fp, "asker", rpc("GetTaskPushNotificationConfig",
-                                                 {"taskId": tid, "id": "second"}))
+        gone = await call(
+            info, fp, "asker", rpc("GetTaskPushNotificationConfig", {"taskId": tid, "id": "second"})
+        )
         assert gone["error"]["code"] == -32001
         # Another agent's endpoint does not see the task.
-        other = await call(info, fp, "echo", rpc("ListTaskPushNotificationConfigs",
-                                                 {"taskId": tid}))
+        other = await call(
+            info, fp, "echo", rpc("ListTaskPushNotificationConfigs", {"taskId": tid})
+        )
         assert other["error"]["code"] == -32001
 
 
@@ -336,8 +436,18 @@ async def test_push_configs_are_created_read_listed_and_deleted(tmp_path) -> Non
 async def test_private_and_malformed_targets_are_refused(tmp_path, url: str) -> None:
     async with broker_with_agents(tmp_path) as (info, agents):
         fp = agents.provider.fingerprint
-        answer = await call(info, fp, "echo", rpc("SendMessage", {
-            "message": message("x"), "configuration": {"taskPushNotificationConfig": {"url": url}}}))
+        answer = await call(
+            info,
+            fp,
+            "echo",
+            rpc(
+                "SendMessage",
+                {
+                    "message": message("x"),
+                    "configuration": {"taskPushNotificationConfig": {"url": url}},
+                },
+            ),
+        )
         assert answer["error"]["code"] == -32602, answer
         assert await info.funduq.list_runs() == []  # nothing started
         assert agents.offers == []
@@ -355,8 +465,11 @@ async def test_backoff_waits_between_attempts_in_virtual_time(tmp_path, autojump
     from funduq_trio.broker.pushes import PushConfig, Pushes, _GiveUp
 
     class Facade:
-        settings = type("S", (), {"push_max_attempts": 4, "push_backoff_seconds": 2.0,
-                                  "push_allow_private": True})()
+        settings = type(
+            "S",
+            (),
+            {"push_max_attempts": 4, "push_backoff_seconds": 2.0, "push_allow_private": True},
+        )()
         record = None
 
     pushes = Pushes(Facade())
@@ -387,8 +500,9 @@ def test_push_settings_are_read_and_checked() -> None:
     assert Settings.from_env({"FUNDUQ_PUSH_ALLOW_PRIVATE": "off"}).push_allow_private is False
     with pytest.raises(ValueError, match="FUNDUQ_PUSH_ALLOW_PRIVATE"):
         Settings.from_env({"FUNDUQ_PUSH_ALLOW_PRIVATE": "maybe"})
-    problems = Settings(push_max_attempts=0, push_timeout_seconds=0,
-                        push_backoff_seconds=-1).problems()
+    problems = Settings(
+        push_max_attempts=0, push_timeout_seconds=0, push_backoff_seconds=-1
+    ).problems()
     assert any("FUNDUQ_PUSH_MAX_ATTEMPTS" in p for p in problems)
     assert any("FUNDUQ_PUSH_TIMEOUT_SECONDS" in p for p in problems)
     assert any("FUNDUQ_PUSH_BACKOFF_SECONDS" in p for p in problems)
@@ -397,28 +511,53 @@ def test_push_settings_are_read_and_checked() -> None:
 async def test_a_deleted_config_gets_nothing_more_and_active_configs_are_bounded(tmp_path) -> None:
     async with (
         push_receiver() as receiver,
-        broker_with_agents(tmp_path, push_allow_private=True, push_max_active=2)
-        as (info, agents),
+        broker_with_agents(tmp_path, push_allow_private=True, push_max_active=2) as (info, agents),
     ):
         fp = agents.provider.fingerprint
         task = await send_with_push(info, fp, receiver.url, agent="asker", token="kept")
         tid = task["id"]
-        made = await call(info, fp, "asker", rpc("CreateTaskPushNotificationConfig", {
-            "taskId": tid, "id": "dropped", "url": receiver.url, "token": "dropped"}))
+        made = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "CreateTaskPushNotificationConfig",
+                {"taskId": tid, "id": "dropped", "url": receiver.url, "token": "dropped"},
+            ),
+        )
         assert "result" in made, made
         await receiver.wait_for(3)  # "kept": started + paused; "dropped": paused (as it stands)
         tokens = [h["x-a2a-notification-token"] for h, _ in receiver.received]
         assert sorted(tokens) == ["dropped", "kept", "kept"]
         # Two configs deliver: a third, on any task, is refused (and starts nothing).
-        refused = await call(info, fp, "asker", rpc("SendMessage", {
-            "message": message("third"),
-            "configuration": {"taskPushNotificationConfig": {"url": receiver.url}}}))
+        refused = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "SendMessage",
+                {
+                    "message": message("third"),
+                    "configuration": {"taskPushNotificationConfig": {"url": receiver.url}},
+                },
+            ),
+        )
         assert "FUNDUQ_PUSH_MAX_ACTIVE" in refused["error"]["message"]
-        deleted = await call(info, fp, "asker", rpc("DeleteTaskPushNotificationConfig",
-                                                    {"taskId": tid, "id": "dropped"}))
+        deleted = await call(
+            info,
+            fp,
+            "asker",
+            rpc("DeleteTaskPushNotificationConfig", {"taskId": tid, "id": "dropped"}),
+        )
         assert deleted["result"] is None
-        answer = await call(info, fp, "asker", rpc("SendMessage", {
-            "message": message("yes", taskId=tid, contextId=task["contextId"])}))
+        answer = await call(
+            info,
+            fp,
+            "asker",
+            rpc(
+                "SendMessage", {"message": message("yes", taskId=tid, contextId=task["contextId"])}
+            ),
+        )
         assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
         await delivered_all(info)
         tokens = [h["x-a2a-notification-token"] for h, _ in receiver.received]
@@ -439,7 +578,8 @@ class _Rebinding(trio.abc.HostnameResolver):
         name = host.decode() if isinstance(host, bytes) else host
         if name != "rebind.example":
             return await trio.to_thread.run_sync(
-                __import__("socket").getaddrinfo, host, port, family, type, proto, flags)
+                __import__("socket").getaddrinfo, host, port, family, type, proto, flags
+            )
         self.calls += 1
         address = "127.0.0.2" if self.calls <= 2 or self.calls % 2 else "127.0.0.1"
         return [(trio.socket.AF_INET, trio.socket.SOCK_STREAM, 6, "", (address, int(port)))]
@@ -456,7 +596,9 @@ async def test_a_push_connects_to_the_address_that_was_checked(tmp_path, monkeyp
     trio.socket.set_custom_hostname_resolver(resolver)
     async with push_receiver() as inside, push_receiver("127.0.0.2", inside.port) as vetted:
         async with broker_with_agents(
-            tmp_path, push_backoff_seconds=0.001, push_max_attempts=50,
+            tmp_path,
+            push_backoff_seconds=0.001,
+            push_max_attempts=50,
         ) as (info, agents):
             fp = agents.provider.fingerprint
             task = await send_with_push(info, fp, f"http://rebind.example:{inside.port}/hook")

@@ -30,8 +30,9 @@ BINDINGS = ["HTTP+JSON", "JSONRPC"]
 
 
 @contextlib.asynccontextmanager
-async def client_over(info: Any, fp: str, agent: str, binding: str, *, streaming: bool = True
-                      ) -> AsyncIterator[tuple[Client, list[str]]]:
+async def client_over(
+    info: Any, fp: str, agent: str, binding: str, *, streaming: bool = True
+) -> AsyncIterator[tuple[Client, list[str]]]:
     """The SDK's client for `binding` only; yields it and the URLs it called."""
     called: list[str] = []
 
@@ -40,8 +41,9 @@ async def client_over(info: Any, fp: str, agent: str, binding: str, *, streaming
 
     async with httpx.AsyncClient(timeout=HTTP_TIMEOUT, event_hooks={"request": [note]}) as http:
         card = await A2ACardResolver(http, info.a2a_url(fp, agent)).get_agent_card()
-        config = ClientConfig(httpx_client=http, streaming=streaming,
-                              supported_protocol_bindings=[binding])
+        config = ClientConfig(
+            httpx_client=http, streaming=streaming, supported_protocol_bindings=[binding]
+        )
         yield ClientFactory(config).create(card), called
 
 
@@ -64,16 +66,20 @@ async def test_the_sdk_client_works_over_each_binding(tmp_path, binding: str) ->
                 await client.get_task(pb.GetTaskRequest(id="run_nope"))
             async with push_receiver() as receiver:
                 made = await client.create_task_push_notification_config(
-                    pb.TaskPushNotificationConfig(task_id=task.id, id="p1", url=receiver.url))
+                    pb.TaskPushNotificationConfig(task_id=task.id, id="p1", url=receiver.url)
+                )
                 assert made.id == "p1" and made.url == receiver.url
                 again = await client.get_task_push_notification_config(
-                    pb.GetTaskPushNotificationConfigRequest(task_id=task.id, id="p1"))
+                    pb.GetTaskPushNotificationConfigRequest(task_id=task.id, id="p1")
+                )
                 assert again == made
                 configs = await client.list_task_push_notification_configs(
-                    pb.ListTaskPushNotificationConfigsRequest(task_id=task.id))
+                    pb.ListTaskPushNotificationConfigsRequest(task_id=task.id)
+                )
                 assert [c.id for c in configs.configs] == ["p1"]
                 await client.delete_task_push_notification_config(
-                    pb.DeleteTaskPushNotificationConfigRequest(task_id=task.id, id="p1"))
+                    pb.DeleteTaskPushNotificationConfigRequest(task_id=task.id, id="p1")
+                )
         if binding == "HTTP+JSON":
             assert f"POST {base}/message:send" in called
             assert f"GET {base}/tasks/{task.id}" in called
@@ -86,9 +92,12 @@ async def test_the_sdk_client_works_over_each_binding(tmp_path, binding: str) ->
             events = await send(client, send_request("streamed"))
             assert events[0].task.status.state in (S.TASK_STATE_SUBMITTED, S.TASK_STATE_WORKING)
             assert events[-1].status_update.status.state == S.TASK_STATE_COMPLETED
-            deltas = "".join(e.artifact_update.artifact.parts[0].text for e in events
-                             if e.HasField("artifact_update")
-                             and e.artifact_update.artifact.parts[0].HasField("text"))
+            deltas = "".join(
+                e.artifact_update.artifact.parts[0].text
+                for e in events
+                if e.HasField("artifact_update")
+                and e.artifact_update.artifact.parts[0].HasField("text")
+            )
             assert deltas == "echo: streamed"
         if binding == "HTTP+JSON":
             assert f"POST {base}/message:stream" in called
@@ -110,18 +119,25 @@ async def test_rest_errors_have_the_bindings_shape(tmp_path) -> None:
             assert old.json()["error"]["details"][0]["reason"] == "VERSION_NOT_SUPPORTED"
             bad = await http.post(f"{base}/message:send", content=b"{nope", headers=v1)
             assert bad.status_code == 400 and bad.json()["error"]["status"] == "INVALID_ARGUMENT"
-            wrong_shape = await http.post(f"{base}/message:send", json={"message": 5},
-                                          headers=v1)
+            wrong_shape = await http.post(f"{base}/message:send", json={"message": 5}, headers=v1)
             assert wrong_shape.status_code == 400
-            no_agent = await http.post(f"/a2a/{fp}/ghost/message:send", headers=v1,
-                                       json={"message": {"messageId": "m", "role": "ROLE_USER",
-                                                         "parts": [{"text": "x"}]}})
+            no_agent = await http.post(
+                f"/a2a/{fp}/ghost/message:send",
+                headers=v1,
+                json={"message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]}},
+            )
             assert no_agent.status_code == 400
             assert no_agent.json()["error"]["details"][0]["metadata"] == {
-                "reason": "agent_not_found"}
-            private = await http.post(f"{base}/message:send", headers=v1, json={
-                "message": {"messageId": "m2", "role": "ROLE_USER", "parts": [{"text": "x"}]},
-                "configuration": {"taskPushNotificationConfig": {"url": "http://127.0.0.1/"}}})
+                "reason": "agent_not_found"
+            }
+            private = await http.post(
+                f"{base}/message:send",
+                headers=v1,
+                json={
+                    "message": {"messageId": "m2", "role": "ROLE_USER", "parts": [{"text": "x"}]},
+                    "configuration": {"taskPushNotificationConfig": {"url": "http://127.0.0.1/"}},
+                },
+            )
             assert private.status_code == 400
             assert "FUNDUQ_PUSH_ALLOW_PRIVATE" in private.json()["error"]["message"]
 
@@ -133,8 +149,11 @@ async def test_subscribe_and_cancel_over_rest(tmp_path) -> None:
         v1 = {"A2A-Version": "1.0"}
         message = {"messageId": "s1", "role": "ROLE_USER", "parts": [{"text": "wait"}]}
         async with http_client(info) as http:
-            sent = await http.post(f"{base}/message:send", headers=v1, json={
-                "message": message, "configuration": {"returnImmediately": True}})
+            sent = await http.post(
+                f"{base}/message:send",
+                headers=v1,
+                json={"message": message, "configuration": {"returnImmediately": True}},
+            )
             assert sent.status_code == 200, sent.text
             task_id = sent.json()["task"]["id"]
             await agents.slow_started_any.wait()
@@ -143,8 +162,9 @@ async def test_subscribe_and_cancel_over_rest(tmp_path) -> None:
             # report (a store that writes through a worker thread takes longer).
             async with contextlib.aclosing(info.funduq.follow(task_id)) as bursts:
                 await anext(bursts)
-            async with http.stream("GET", f"{base}/tasks/{task_id}:subscribe",
-                                   headers=v1) as stream:
+            async with http.stream(
+                "GET", f"{base}/tasks/{task_id}:subscribe", headers=v1
+            ) as stream:
                 assert stream.headers["content-type"].startswith("text/event-stream")
                 events = sse_events(stream)
                 first = await anext(events)

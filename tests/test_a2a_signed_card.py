@@ -24,7 +24,10 @@ from funduq_trio.identity import Identity
 from funduq_trio.protocol import a2a
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | st.text()
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53) + 1, 2**53 - 1)
+    | st.text()
     | st.floats(allow_nan=False, allow_infinity=False),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=12,
@@ -37,9 +40,12 @@ def test_jcs_agrees_with_the_sdks_canonicalizer(value: Any) -> None:
 
 
 def test_jcs_numbers_and_key_order() -> None:
-    assert jose.canonical_json(
-        {"b": [1e21, 1.5e-6, 100.0, -0.0, 1e-7], "\u20ac": 1, "\U0001f600": 2, "a": "\n"}
-    ) == b'{"a":"\\n","b":[1e+21,0.0000015,100,0,1e-7],"\xe2\x82\xac":1,"\xf0\x9f\x98\x80":2}'
+    assert (
+        jose.canonical_json(
+            {"b": [1e21, 1.5e-6, 100.0, -0.0, 1e-7], "\u20ac": 1, "\U0001f600": 2, "a": "\n"}
+        )
+        == b'{"a":"\\n","b":[1e+21,0.0000015,100,0,1e-7],"\xe2\x82\xac":1,"\xf0\x9f\x98\x80":2}'
+    )
     with pytest.raises(ValueError):
         jose.canonical_json(float("nan"))
     with pytest.raises(ValueError):
@@ -140,7 +146,8 @@ async def test_a2a_sdks_own_verifier_accepts_the_served_card(tmp_path) -> None:
 
 
 def test_the_card_declares_both_bindings() -> None:
-    card = a2a.agent_card(name="echo", description="d", rpc_url="http://x/a2a/p/echo",
-                          rest_url="http://x/a2a/p/echo")
+    card = a2a.agent_card(
+        name="echo", description="d", rpc_url="http://x/a2a/p/echo", rest_url="http://x/a2a/p/echo"
+    )
     bindings = {(i["protocolBinding"], i["protocolVersion"]) for i in card["supportedInterfaces"]}
     assert bindings == {("JSONRPC", "1.0"), ("JSONRPC", "0.3"), ("HTTP+JSON", "1.0")}

@@ -36,8 +36,9 @@ def _build(kind: str, inputs: dict, *, as_float: bool = False) -> str:
     if kind == "read":
         return read_payload(inputs["thread_id"], ts)
     if kind == "present":
-        return present_payload(inputs["provider_key"], inputs["agent_name"],
-                               inputs["message_id"], ts)
+        return present_payload(
+            inputs["provider_key"], inputs["agent_name"], inputs["message_id"], ts
+        )
     raise AssertionError(f"no payload builder for vector kind {kind!r}: add one")
 
 
@@ -105,10 +106,16 @@ def test_every_kind_of_proof_works_once_and_its_reuse_reads_as_a_bad_proof() -> 
     keys = (head.public_key_hex,)
     spent = authority.SpentProofs(100)
     ts = int(NOW)
-    cancel = {"publicKey": head.public_key_hex, "timestamp": ts,
-              "signature": head.sign(f"funduq-cancel:r1:{ts}")}
-    resolution = {"publicKey": head.public_key_hex, "timestamp": ts,
-                  "signature": head.sign(f"funduq-resolve:r1:{ts}")}
+    cancel = {
+        "publicKey": head.public_key_hex,
+        "timestamp": ts,
+        "signature": head.sign(f"funduq-cancel:r1:{ts}"),
+    }
+    resolution = {
+        "publicKey": head.public_key_hex,
+        "timestamp": ts,
+        "signature": head.sign(f"funduq-resolve:r1:{ts}"),
+    }
     checks = [
         lambda: authority.check_cancel(cancel, "r1", keys, NOW, spent=spent),
         lambda: authority.check_resolution(resolution, "r1", keys, NOW, spent=spent),
@@ -170,12 +177,16 @@ def test_a_chain_is_presented_by_its_last_hop_for_one_agent_and_message() -> Non
     ts = int(NOW)
 
     def by(signer: Identity, agent: str = "echo", message: str = "m1") -> dict:
-        return {"timestamp": ts,
-                "signature": signer.sign(present_payload(provider, agent, message, ts))}
+        return {
+            "timestamp": ts,
+            "signature": signer.sign(present_payload(provider, agent, message, ts)),
+        }
 
     spent = authority.SpentProofs(10)
-    assert authority.check_presented(hops, by(bob), provider, "echo", "m1", NOW,
-                                     spent=spent) == alice.public_key_hex
+    assert (
+        authority.check_presented(hops, by(bob), provider, "echo", "m1", NOW, spent=spent)
+        == alice.public_key_hex
+    )
     for what, presenter in {
         "missing": None,
         "by the head, not the last hop": by(alice),

@@ -81,8 +81,12 @@ async def test_stream_relays_the_run_end_to_end(tmp_path):
             )
             run = await serve_one(
                 provider,
-                lambda run: [started(run), *text_events("m-1", "hello back"), unknown,
-                             finished(run)],
+                lambda run: [
+                    started(run),
+                    *text_events("m-1", "hello back"),
+                    unknown,
+                    finished(run),
+                ],
             )
 
     assert caller.response.status_code == 200
@@ -196,16 +200,20 @@ async def test_invalid_json_and_invalid_input_are_400_and_record_nothing(tmp_pat
 
         # A lone surrogate is valid JSON text but nothing the link can carry:
         # refused as such (before validation), the error still answers in JSON.
-        response = await http.post(url, content=b'{"threadId": "t", "\\ud800": 1}',
-                                   headers={"content-type": "application/json"})
+        response = await http.post(
+            url,
+            content=b'{"threadId": "t", "\\ud800": 1}',
+            headers={"content-type": "application/json"},
+        )
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_json"
 
         # Absurd nesting is refused before anything walks it.
         for depth in (150, 5000):
             deep = b"[" * depth + b"]" * depth
-            response = await http.post(url, content=deep,
-                                       headers={"content-type": "application/json"})
+            response = await http.post(
+                url, content=deep, headers={"content-type": "application/json"}
+            )
             assert response.status_code == 400
             assert response.json()["error"]["code"] == "invalid_json"
 
@@ -230,8 +238,12 @@ async def pause_then_resume(http, provider: RawProvider, interrupt: dict[str, An
 
 
 async def test_resume_answers_the_paused_run(tmp_path):
-    interrupt = {"id": "int-1", "reason": "approval", "message": "ship it?",
-                 "expiresAt": "2030-01-01T00:00:00Z"}
+    interrupt = {
+        "id": "int-1",
+        "reason": "approval",
+        "message": "ship it?",
+        "expiresAt": "2030-01-01T00:00:00Z",
+    }
     async with (
         running_server(tmp_path) as info,
         http_client(info) as http,
@@ -257,13 +269,17 @@ async def test_resume_answers_the_paused_run(tmp_path):
             assert again["runId"] == run["runId"]
             assert again["runInput"]["resume"][0]["interruptId"] == "int-1"
             await provider.answer(again, "accepted")
-            await provider.play(again, [started(again), *text_events("m-2", "shipped"),
-                                        finished(again)])
+            await provider.play(
+                again, [started(again), *text_events("m-2", "shipped"), finished(again)]
+            )
 
         assert caller.response.status_code == 200
         # Only what followed the answer: the first segment is not replayed.
         assert [e["type"] for e in caller.events] == [
-            RUN_STARTED, "TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_END",
+            RUN_STARTED,
+            "TEXT_MESSAGE_START",
+            "TEXT_MESSAGE_CONTENT",
+            "TEXT_MESSAGE_END",
             RUN_FINISHED,
         ]
         assert all(e.get("runId", run["runId"]) == run["runId"] for e in caller.events)
@@ -282,12 +298,14 @@ async def test_resume_without_a_paused_run_answers_the_thread_snapshot(tmp_path)
     ):
         caller = Caller()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(caller.post, http, f"/agui/{provider.fingerprint}/echo",
-                               user_input())
+            nursery.start_soon(
+                caller.post, http, f"/agui/{provider.fingerprint}/echo", user_input()
+            )
             run = await serve_one(provider, lambda run: [started(run), finished(run)])
 
         answer = user_input(
-            "late", thread_id=run["threadId"],
+            "late",
+            thread_id=run["threadId"],
             resume=[{"interruptId": "int-1", "status": "resolved"}],
         )
         response = await http.post(f"/agui/{provider.fingerprint}/echo", json=answer)
@@ -338,7 +356,10 @@ async def test_caller_disconnect_ends_only_its_stream(tmp_path):
         record = await info.funduq.wait_run(run["runId"])
         assert record["status"] == "completed"
         assert [e["event"]["type"] for e in record["events"]] == [
-            RUN_STARTED, "TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_END",
+            RUN_STARTED,
+            "TEXT_MESSAGE_START",
+            "TEXT_MESSAGE_CONTENT",
+            "TEXT_MESSAGE_END",
             RUN_FINISHED,
         ]
         assert (await http.get(f"/runs/{run['runId']}")).json()["status"] == "completed"
@@ -369,10 +390,10 @@ async def test_full_thread_is_429(tmp_path):
         assert thread["runs"] == [{"runId": run["runId"], "status": "completed"}]
 
 
-
 async def test_shutdown_ends_open_streams_and_restart_settles_the_run(tmp_path):
-    settings = Settings(host="127.0.0.1", port=0, data_dir=tmp_path,
-                        database_url=stores.database_url)
+    settings = Settings(
+        host="127.0.0.1", port=0, data_dir=tmp_path, database_url=stores.database_url
+    )
     seen: list[dict[str, Any]] = []
     first_seen, stream_ended = trio.Event(), trio.Event()
     server_scope = trio.CancelScope()
@@ -436,9 +457,13 @@ async def test_authority_rides_in_forwarded_props(tmp_path):
         bound = user_input(forwardedProps={"actorChain": chain(alice), "app": 1})
         async with trio.open_nursery() as nursery:
             nursery.start_soon(caller.post, http, url, bound)
-            run = await serve_one(provider, lambda run: [
-                started(run), finished(run, outcome={"type": "interrupt",
-                                                     "interrupts": [interrupt]})])
+            run = await serve_one(
+                provider,
+                lambda run: [
+                    started(run),
+                    finished(run, outcome={"type": "interrupt", "interrupts": [interrupt]}),
+                ],
+            )
         # forwardedProps reach the agent (with funduq's dispatch hop appended).
         assert run["runInput"]["forwardedProps"]["app"] == 1
         assert len(run["runInput"]["forwardedProps"]["actorChain"]) == 2
@@ -449,28 +474,45 @@ async def test_authority_rides_in_forwarded_props(tmp_path):
         # Writing to the bound thread takes its head's chain.
         for props in ({}, {"actorChain": chain(mallory)}):
             response = await http.post(
-                url, json=user_input("me too", thread_id=run["threadId"], forwardedProps=props))
+                url, json=user_input("me too", thread_id=run["threadId"], forwardedProps=props)
+            )
             assert response.status_code == 403
             assert response.json()["error"]["code"] == "not_authorized"
 
         # Answering the pause takes a resolution signed by the head.
         resume = [{"interruptId": "int-1", "status": "resolved", "payload": "yes"}]
         now = int(time.time())
-        forged = {"publicKey": mallory.public_key_hex, "timestamp": now,
-                  "signature": mallory.sign(resolve_payload(run["runId"], now))}
-        response = await http.post(url, json=user_input(
-            thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": forged}))
+        forged = {
+            "publicKey": mallory.public_key_hex,
+            "timestamp": now,
+            "signature": mallory.sign(resolve_payload(run["runId"], now)),
+        }
+        response = await http.post(
+            url,
+            json=user_input(
+                thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": forged}
+            ),
+        )
         assert response.status_code == 404  # refused as an unknown thread: says nothing
         assert response.json()["error"]["code"] == "thread_not_found"
         record = (await http.get(f"/runs/{run['runId']}", headers=operator)).json()
         assert record["status"] == "input-required"
 
-        signed = {"publicKey": alice.public_key_hex, "timestamp": now,
-                  "signature": alice.sign(resolve_payload(run["runId"], now))}
+        signed = {
+            "publicKey": alice.public_key_hex,
+            "timestamp": now,
+            "signature": alice.sign(resolve_payload(run["runId"], now)),
+        }
         caller = Caller()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(caller.post, http, url, user_input(
-                thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": signed}))
+            nursery.start_soon(
+                caller.post,
+                http,
+                url,
+                user_input(
+                    thread_id=run["threadId"], resume=resume, forwardedProps={"resolution": signed}
+                ),
+            )
             again = await serve_one(provider, lambda run: [started(run), finished(run)])
         assert again["runId"] == run["runId"]
         assert [e["type"] for e in caller.events] == [RUN_STARTED, RUN_FINISHED]

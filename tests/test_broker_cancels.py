@@ -30,7 +30,8 @@ from funduq_trio.broker.errors import RunNotCancellable, RunNotFound
 
 
 async def test_cancel_of_a_queued_run_behind_the_head_is_at_once_and_never_offered(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await start(funduq, p)
@@ -114,7 +115,8 @@ async def test_repeated_cancels_during_offering_are_one_request(tmp_path, mock_c
 
 
 async def test_cancel_during_offering_then_declined_ends_cancelled_never_handed_over(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await start(funduq, p)
@@ -201,7 +203,8 @@ async def test_a_cancel_arriving_as_the_stream_ends_gets_an_answer(tmp_path, moc
 
 
 async def test_an_accepted_cancel_is_answered_as_applied_though_the_run_ends_at_once(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     """The provider ignores the cancel and finishes before the caller is
     answered: the answer is the run as the cancel left it (cancelling: A2A's
     working plus the pending-cancel marker), not the completed run a read
@@ -242,7 +245,8 @@ async def test_an_accepted_cancel_is_answered_as_applied_though_the_run_ends_at_
 
 
 async def test_cancel_of_a_running_run_tells_the_provider_and_relays_until_it_stops(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)
@@ -275,13 +279,13 @@ async def test_provider_that_ignores_the_cancel_and_finishes_is_completed(tmp_pa
 # -- refused cancels ------------------------------------------------------------------------
 
 
-async def test_cancel_of_a_paused_run_is_refused_and_the_run_stays_answerable(
-        tmp_path, mock_clock):
+async def test_cancel_of_a_paused_run_is_refused_and_the_run_stays_answerable(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)
-        p.stream(a.run_id, interrupt_finish(a.run_id, a.thread_id,
-                                            [{"id": "i1", "reason": "approval"}]))
+        p.stream(
+            a.run_id, interrupt_finish(a.run_id, a.thread_id, [{"id": "i1", "reason": "approval"}])
+        )
         before = await record_of(funduq, a.run_id)
         assert before["status"] == "input-required"
         with pytest.raises(RunNotCancellable):

@@ -69,7 +69,8 @@ async def test_a_lane_that_raises_fails_its_run_alone_and_frees_everything(tmp_p
 
 
 async def test_an_offer_is_unanswered_after_a_bounded_time_however_busy_the_link(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     """The timeout runs on the link's silence, but at most 5 timeouts in all
     (deliver_timeout_seconds = 5 by default: 25 s)."""
     async with broker(tmp_path) as funduq:
@@ -92,7 +93,8 @@ async def test_an_offer_is_unanswered_after_a_bounded_time_however_busy_the_link
 
 
 async def test_a_cancel_during_the_offering_write_cancels_before_anything_leaves(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         move = funduq.record.move
@@ -104,6 +106,7 @@ async def test_a_cancel_during_the_offering_write_cancels_before_anything_leaves
             cancelled.set()
 
         async with trio.open_nursery() as nursery:
+
             async def move_with_a_cancel_arriving(run_id, to, **kw):
                 if to == "offering" and not answers and not cancelled.is_set():
                     lane = funduq.lanes[run_id]
@@ -139,8 +142,11 @@ def disk_full(request, monkeypatch, store):
         import psycopg
 
         from funduq_trio.broker.postgres import PostgresStore as Store
-        full, broken = (psycopg.OperationalError("could not extend file: No space left on device"),
-                        psycopg.OperationalError("server closed the connection unexpectedly"))
+
+        full, broken = (
+            psycopg.OperationalError("could not extend file: No space left on device"),
+            psycopg.OperationalError("server closed the connection unexpectedly"),
+        )
         begin_name, begin = "_commit", Store._commit
 
         async def failing_begin(self, ops):
@@ -175,7 +181,8 @@ def disk_full(request, monkeypatch, store):
 
 
 async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed(
-        tmp_path, mock_clock, disk_full):
+    tmp_path, mock_clock, disk_full
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)
@@ -208,7 +215,8 @@ async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed
 
 
 async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(
-        tmp_path, mock_clock, disk_full):
+    tmp_path, mock_clock, disk_full
+):
     """A write that fails must not leave the thread's cache believing it holds
     the message: the caller's retry keeps its message id, in the next place."""
     async with broker(tmp_path) as funduq:
@@ -219,26 +227,30 @@ async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(
         assert await status_of(funduq, first.run_id) == "completed"
         disk_full["full"] = True
         with pytest.raises(RecordUnavailable):
-            await funduq.start_run(p.key, AGENT, user_input("again", "m2"),
-                                   thread_id=first.thread_id)
+            await funduq.start_run(
+                p.key, AGENT, user_input("again", "m2"), thread_id=first.thread_id
+            )
         disk_full["full"] = False
-        await funduq.start_run(p.key, AGENT, user_input("again", "m2"),
-                               thread_id=first.thread_id)
+        await funduq.start_run(p.key, AGENT, user_input("again", "m2"), thread_id=first.thread_id)
         messages = await funduq._messages(first.thread_id)
         assert [(m["id"], m.get("content")) for m in messages][-1] == ("m2", "again")
         assert [m["role"] for m in messages] == ["user", "assistant", "user"]
 
 
 async def test_an_answer_the_record_could_not_take_leaves_its_thread_as_it_was(
-        tmp_path, mock_clock, disk_full):
+    tmp_path, mock_clock, disk_full
+):
     """The same for an answer to a pause: its message id is the caller's again
     when the answer is retried."""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         t = await accepted(funduq, p)
         ask = [{"id": "ask-1", "reason": "approval", "message": "Proceed?"}]
-        p.stream(t.run_id, *reply(t.run_id, t.thread_id)[:-1],
-                 interrupt_finish(t.run_id, t.thread_id, ask))
+        p.stream(
+            t.run_id,
+            *reply(t.run_id, t.thread_id)[:-1],
+            interrupt_finish(t.run_id, t.thread_id, ask),
+        )
         assert await status_of(funduq, t.run_id) == "input-required"
         answer = resume_input("ask-1", text="yes", message_id="r1")
         disk_full["full"] = True
@@ -258,8 +270,9 @@ async def test_a_running_move_the_record_refused_is_not_believed(tmp_path, mock_
         t = await start(funduq, p)
         p.session.answer(last_offer_for(p.link, t.run_id), "accepted")
         # Someone moves the run behind the lane's back before its write lands.
-        funduq.record.write_soon(lambda c: c.execute(
-            "UPDATE runs SET status='cancelled' WHERE id=?", (t.run_id,)))
+        funduq.record.write_soon(
+            lambda c: c.execute("UPDATE runs SET status='cancelled' WHERE id=?", (t.run_id,))
+        )
         await quiet()
         p.stream(t.run_id, *reply(t.run_id, t.thread_id), finish=False)
         run = await record_of(funduq, t.run_id)
@@ -274,14 +287,16 @@ async def test_a_running_move_the_record_refused_is_not_believed(tmp_path, mock_
 
 
 async def test_a_run_for_an_agent_nobody_serves_has_failed_when_start_run_returns(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         p.session.detach()
         t = await funduq.start_run(p.key, AGENT, user_input())
         # No checkpoint since start_run returned: what any door reads now.
-        status = funduq.record.read_now(lambda c: c.execute(
-            "SELECT status FROM runs WHERE id=?", (t.run_id,)).fetchone()[0])
+        status = funduq.record.read_now(
+            lambda c: c.execute("SELECT status FROM runs WHERE id=?", (t.run_id,)).fetchone()[0]
+        )
         assert status == "failed"
         run = await record_of(funduq, t.run_id)
         assert run["metadata"]["failureReason"] == reasons.AGENT_OFFLINE
@@ -289,7 +304,8 @@ async def test_a_run_for_an_agent_nobody_serves_has_failed_when_start_run_return
 
 
 async def test_an_agent_that_attaches_while_its_run_is_recorded_is_offered_the_run(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     """Whether anybody serves the agent is asked after the run is recorded,
     not of what start_run saw before its awaits (forced: the provider attaches
     during the record's write)."""

@@ -21,9 +21,15 @@ STREAM_ENDED = "provider_stream_ended_without_finishing"
 MALFORMED = "provider sent a malformed AG-UI event"
 
 INTERRUPTS = [
-    {"id": "approve-1", "reason": "tool_approval", "message": "Wire 30 EUR to Bob?",
-     "toolCallId": "call-7", "responseSchema": {"type": "object"},
-     "expiresAt": "2031-02-03T04:05:06Z", "metadata": {"severity": "high"}},
+    {
+        "id": "approve-1",
+        "reason": "tool_approval",
+        "message": "Wire 30 EUR to Bob?",
+        "toolCallId": "call-7",
+        "responseSchema": {"type": "object"},
+        "expiresAt": "2031-02-03T04:05:06Z",
+        "metadata": {"severity": "high"},
+    },
     {"id": "pick-2", "reason": "missing_value", "expiresAt": "2031-02-03T05:00:00+01:00"},
 ]
 
@@ -70,7 +76,8 @@ async def test_run_finished_completes(tmp_path, mock_clock):
 
 
 async def test_a_cancelled_run_without_run_finished_is_cancelled_with_no_run_error(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)
@@ -82,7 +89,8 @@ async def test_a_cancelled_run_without_run_finished_is_cancelled_with_no_run_err
 
 
 async def test_a_stream_ending_without_run_finished_fails_with_a_synthesized_run_error(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)
@@ -131,7 +139,8 @@ async def test_a_finish_with_no_events_at_all_fails(tmp_path, mock_clock):
         record = await record_of(funduq, a.run_id)
         assert record["status"] == "failed"
         assert events_of(record) == [
-            {"type": "RUN_ERROR", "message": STREAM_ENDED, "code": STREAM_ENDED}]
+            {"type": "RUN_ERROR", "message": STREAM_ENDED, "code": STREAM_ENDED}
+        ]
 
 
 async def test_a_run_that_reported_its_own_run_error_gets_no_second_one(tmp_path, mock_clock):
@@ -149,14 +158,21 @@ async def test_a_run_that_reported_its_own_run_error_gets_no_second_one(tmp_path
 # -- 10. malformed vs merely new ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    pytest.param({"type": "TEXT_MESSAGE_CONTENT", "delta": "no message id"}, id="known-invalid"),
-    pytest.param({"type": "RUN_FINISHED", "outcome": {"type": "interrupt", "interrupts": []}},
-                 id="known-invalid-finish"),
-    pytest.param({"messageId": "m", "delta": "x"}, id="no-type"),
-    pytest.param({"type": 7, "delta": "x"}, id="non-string-type"),
-    pytest.param(["RUN_STARTED"], id="not-an-object"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(
+            {"type": "TEXT_MESSAGE_CONTENT", "delta": "no message id"}, id="known-invalid"
+        ),
+        pytest.param(
+            {"type": "RUN_FINISHED", "outcome": {"type": "interrupt", "interrupts": []}},
+            id="known-invalid-finish",
+        ),
+        pytest.param({"messageId": "m", "delta": "x"}, id="no-type"),
+        pytest.param({"type": 7, "delta": "x"}, id="non-string-type"),
+        pytest.param(["RUN_STARTED"], id="not-an-object"),
+    ],
+)
 async def test_a_malformed_event_fails_the_run(tmp_path, mock_clock, bad):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
@@ -169,7 +185,9 @@ async def test_a_malformed_event_fails_the_run(tmp_path, mock_clock, bad):
         assert record["status"] == "failed"
         assert record["metadata"]["failureReason"] == MALFORMED
         assert events_of(record) == [
-            *good, {"type": "RUN_ERROR", "message": MALFORMED, "code": MALFORMED}]
+            *good,
+            {"type": "RUN_ERROR", "message": MALFORMED, "code": MALFORMED},
+        ]
         # The run is over: whatever the provider says next changes nothing.
         p.session.report(a.run_id, reply(a.run_id, a.thread_id)[-1])
         p.session.finish(a.run_id)
@@ -191,15 +209,22 @@ async def test_a_malformed_event_in_a_burst_keeps_the_good_ones_before_it(tmp_pa
         assert record["status"] == "failed"
         assert record["metadata"]["failureReason"] == MALFORMED
         assert events_of(record) == [
-            *events[:3], {"type": "RUN_ERROR", "message": MALFORMED, "code": MALFORMED}]
+            *events[:3],
+            {"type": "RUN_ERROR", "message": MALFORMED, "code": MALFORMED},
+        ]
 
 
 async def test_an_event_of_an_unknown_type_is_stored_and_relayed_untouched(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)
-        novel = {"type": "HOLOGRAM_PROJECTED", "hologram": {"frames": [1, 2.5, None]},
-                 "note": None, "camelCase": True, "snake_case": "kept"}
+        novel = {
+            "type": "HOLOGRAM_PROJECTED",
+            "hologram": {"frames": [1, 2.5, None]},
+            "note": None,
+            "camelCase": True,
+            "snake_case": "kept",
+        }
         events = reply(a.run_id, a.thread_id)
         events.insert(1, novel)
         async with trio.open_nursery() as nursery:

@@ -74,7 +74,8 @@ async def test_events_flow_to_followers_in_order_and_run_completes(tmp_path, moc
 
 
 async def test_second_utterance_is_offered_once_the_first_is_accepted_not_finished(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await start(funduq, p)
@@ -198,8 +199,9 @@ async def test_a_freed_place_reaches_a_run_that_can_use_it(tmp_path, mock_clock)
         p = await Provider(funduq, max_concurrent=1).attach(AGENT, "other")
         x = await accepted(funduq, p)  # fills the one place
         y = await start(funduq, p, agent="other")  # waits for room...
-        await p.session.register([{"name": AGENT, "description": "", "card": {},
-                                   "metadata": {}}])  # ...then for a provider: "other" dropped
+        await p.session.register(
+            [{"name": AGENT, "description": "", "card": {}, "metadata": {}}]
+        )  # ...then for a provider: "other" dropped
         await quiet()
         z = await start(funduq, p)  # waits for room on a served agent
         assert offered_runs(p.link) == [x.run_id]
@@ -209,8 +211,7 @@ async def test_a_freed_place_reaches_a_run_that_can_use_it(tmp_path, mock_clock)
         assert await status_of(funduq, y.run_id) == "queued"  # on its grace road
 
 
-async def test_a_freed_place_taken_by_another_head_leaves_the_waiters_waiting(
-        tmp_path, mock_clock):
+async def test_a_freed_place_taken_by_another_head_leaves_the_waiters_waiting(tmp_path, mock_clock):
     """A place frees (and is handed to the longest waiter) at the moment
     another thread's next head, moving up because its head was accepted, takes
     it first. The waiters that find no room must wait -- not hand the wake-up
@@ -236,7 +237,8 @@ async def test_a_freed_place_taken_by_another_head_leaves_the_waiters_waiting(
 
 
 async def test_a_freed_place_reaches_the_next_waiter_when_the_first_is_cancelled(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     """A place frees while the longest waiter is being cancelled: the place
     must still reach the next waiter. Whether the cancel or the freed place
     reaches the first waiter's lane first is trio's (random) choice, so the
@@ -271,8 +273,7 @@ async def test_place_returns_when_the_offer_goes_unanswered(tmp_path, mock_clock
 # -- 4. declined: back to queued at the head, re-offered only when something changes -----
 
 
-async def test_declined_run_is_queued_at_the_head_and_not_reoffered_in_a_loop(
-        tmp_path, mock_clock):
+async def test_declined_run_is_queued_at_the_head_and_not_reoffered_in_a_loop(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await start(funduq, p)
@@ -329,8 +330,7 @@ async def test_declined_run_is_reoffered_when_the_provider_attaches_again(tmp_pa
 # -- 5. refused ----------------------------------------------------------------------------
 
 
-async def test_refused_run_fails_with_the_reason_verbatim_and_is_offered_once(
-        tmp_path, mock_clock):
+async def test_refused_run_fails_with_the_reason_verbatim_and_is_offered_once(tmp_path, mock_clock):
     reason = "I only speak Klingon — «nuqneH»; try the other desk"
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
@@ -376,8 +376,7 @@ async def test_unanswered_offer_returns_to_queued_and_counts_unanswered(tmp_path
         assert len(offer_ids_for(p.link, a.run_id)) == 3
 
 
-async def test_a_late_taker_is_asked_to_stop_once_the_newer_offer_is_declined(
-        tmp_path, mock_clock):
+async def test_a_late_taker_is_asked_to_stop_once_the_newer_offer_is_declined(tmp_path, mock_clock):
     """The stop held back for the newer offer's sake is sent once that offer
     is declined (the provider still plays the stale take: a runtime declines
     a run it is already running) -- before the run is offered again."""
@@ -392,15 +391,15 @@ async def test_a_late_taker_is_asked_to_stop_once_the_newer_offer_is_declined(
         p.session.answer(second, "declined")
         assert p.link.cancels == [a.run_id]
         await quiet()
-        await p.session.register([{"name": AGENT, "description": "", "card": {},
-                                   "metadata": {}}])  # wakes the declined head
+        await p.session.register(
+            [{"name": AGENT, "description": "", "card": {}, "metadata": {}}]
+        )  # wakes the declined head
         await quiet()
         assert len(offer_ids_for(p.link, a.run_id)) == 3
         assert p.link.cancels == [a.run_id]
 
 
-async def test_a_late_acceptance_of_a_run_not_offered_again_is_asked_to_stop(
-        tmp_path, mock_clock):
+async def test_a_late_acceptance_of_a_run_not_offered_again_is_asked_to_stop(tmp_path, mock_clock):
     """With no newer offer of the run out, the late taker is asked to stop (it
     would work for nobody); the run's next offer leaves after that cancel."""
     async with broker(tmp_path) as funduq:
@@ -485,7 +484,8 @@ async def test_a_link_still_delivering_is_not_charged_for_a_late_answer(tmp_path
 
 
 async def test_a_late_acceptance_while_the_run_is_offered_again_asks_nothing_to_stop(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     """The provider accepts the first offer after funduq stopped waiting, while
     the second offer of the same run is out. A cancel names a run, not an
     offer: sent now, it would reach the provider after the second offer and

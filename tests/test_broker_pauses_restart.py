@@ -28,8 +28,14 @@ from broker_support import (
 from funduq_trio.broker.errors import RunNotPaused, ThreadQueueFull
 
 ORPHANED = "orphaned_by_restart"
-ASK = [{"id": "ask-1", "reason": "approval", "message": "Proceed?",
-        "expiresAt": "2030-06-01T00:00:00Z"}]
+ASK = [
+    {
+        "id": "ask-1",
+        "reason": "approval",
+        "message": "Proceed?",
+        "expiresAt": "2030-06-01T00:00:00Z",
+    }
+]
 
 
 async def pause(funduq, p, thread_id=None):
@@ -45,7 +51,8 @@ async def pause(funduq, p, thread_id=None):
 
 
 async def test_an_answered_pause_reopens_the_same_run_in_thread_order_and_its_log_continues(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a, first = await pause(funduq, p)
@@ -64,7 +71,8 @@ async def test_an_answered_pause_reopens_the_same_run_in_thread_order_and_its_lo
         reoffer = p.link.offers[-1][1]
         assert reoffer["runInput"]["runId"] == a.run_id
         assert reoffer["runInput"]["resume"] == [
-            {"interruptId": "ask-1", "status": "resolved", "payload": {"ok": True}}]
+            {"interruptId": "ask-1", "status": "resolved", "payload": {"ok": True}}
+        ]
         p.session.answer(last_offer_for(p.link, a.run_id), "accepted")
         second = reply(a.run_id, a.thread_id, text="done")
         async with trio.open_nursery() as nursery:
@@ -123,7 +131,8 @@ async def test_answering_a_pause_is_exempt_from_the_thread_queue_limit(tmp_path,
 
 
 async def test_restart_fails_what_a_dead_link_held_and_keeps_pauses_answerable(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         offering = await start(funduq, p)
@@ -136,8 +145,11 @@ async def test_restart_fails_what_a_dead_link_held_and_keeps_pauses_answerable(
         own_error = {"type": "RUN_ERROR", "message": "boom"}
         p.stream(reported.run_id, own_error, finish=False)
         paused, paused_events = await pause(funduq, p)
-        assert [await status_of(funduq, t.run_id) for t in (offering, running, cancelling)] \
-            == ["offering", "running", "cancelling"]
+        assert [await status_of(funduq, t.run_id) for t in (offering, running, cancelling)] == [
+            "offering",
+            "running",
+            "cancelling",
+        ]
         identity = p.identity
 
     async with broker(tmp_path) as funduq:
@@ -172,8 +184,7 @@ async def test_restart_requeues_queued_runs_in_arrival_order(tmp_path, mock_cloc
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         head = await start(funduq, p)  # offering when we stop: orphaned
-        queued = [await start(funduq, p, thread_id=head.thread_id, text=f"q{i}")
-                  for i in range(3)]
+        queued = [await start(funduq, p, thread_id=head.thread_id, text=f"q{i}") for i in range(3)]
         assert offered_runs(p.link) == [head.run_id]
         identity = p.identity
 
@@ -184,15 +195,14 @@ async def test_restart_requeues_queued_runs_in_arrival_order(tmp_path, mock_cloc
         p = await Provider(funduq, identity=identity).attach()
         for i, t in enumerate(queued):
             await quiet()
-            assert offered_runs(p.link) == [q.run_id for q in queued[:i + 1]]
+            assert offered_runs(p.link) == [q.run_id for q in queued[: i + 1]]
             p.session.answer(last_offer_for(p.link, t.run_id), "accepted")
         for t in queued:
             p.stream(t.run_id, *reply(t.run_id, t.thread_id))
             assert await status_of(funduq, t.run_id) == "completed"
 
 
-async def test_restart_requeued_runs_take_the_grace_road_when_nobody_serves(
-        tmp_path, mock_clock):
+async def test_restart_requeued_runs_take_the_grace_road_when_nobody_serves(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         head = await start(funduq, p)
@@ -239,7 +249,8 @@ async def test_quality_counters_survive_a_restart(tmp_path, mock_clock):
         for n in range(2):
             if n:
                 await p.session.register(
-                    [{"name": AGENT, "description": "", "card": {}, "metadata": {}}])
+                    [{"name": AGENT, "description": "", "card": {}, "metadata": {}}]
+                )
                 await quiet()
             p.session.answer(last_offer_for(p.link, a.run_id), "declined")
             await quiet()

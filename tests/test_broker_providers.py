@@ -41,7 +41,8 @@ async def failed_with(funduq, run_id, reason):
 
 
 async def test_a_run_for_an_agent_with_no_provider_fails_agent_offline_at_once(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         p.session.detach()
@@ -54,7 +55,8 @@ async def test_a_run_for_an_agent_with_no_provider_fails_agent_offline_at_once(
 
 
 async def test_queued_runs_of_an_agent_that_loses_its_provider_fail_after_the_grace(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq, max_concurrent=1).attach()
         x = await accepted(funduq, p)
@@ -89,8 +91,7 @@ async def test_an_agent_dropped_by_a_republish_takes_the_grace_road(tmp_path, mo
         await accepted(funduq, p)
         a = await start(funduq, p)
         await advance(mock_clock, 100)  # the window runs from the drop, not from start-up
-        await p.session.register([{"name": "other", "description": "", "card": {},
-                                   "metadata": {}}])
+        await p.session.register([{"name": "other", "description": "", "card": {}, "metadata": {}}])
         await quiet()
         assert not await online(funduq, AGENT)
         await advance(mock_clock, 44)
@@ -100,7 +101,8 @@ async def test_an_agent_dropped_by_a_republish_takes_the_grace_road(tmp_path, mo
 
 
 async def test_queued_runs_keep_their_place_when_the_provider_returns_inside_the_grace(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq, max_concurrent=1).attach()
         await accepted(funduq, p)
@@ -191,8 +193,7 @@ async def test_a_quiet_provider_keeps_its_run(tmp_path, mock_clock):
         assert await status_of(funduq, a.run_id) == "completed"
 
 
-async def test_undelivered_counts_once_per_run_and_withdraws_at_the_allowance(
-        tmp_path, mock_clock):
+async def test_undelivered_counts_once_per_run_and_withdraws_at_the_allowance(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         first = [await accepted(funduq, p) for _ in range(2)]
@@ -259,7 +260,8 @@ async def test_the_allowance_is_configurable(tmp_path, mock_clock):
 
 
 async def test_withdrawal_settles_what_it_held_and_reconnecting_restores_service(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         held = await accepted(funduq, p)
@@ -376,6 +378,8 @@ async def test_many_runs_racing_a_leaving_provider_all_settle(tmp_path, mock_clo
             await trio.testing.wait_all_tasks_blocked()
             p.session.detach()
         await advance(mock_clock, 46)
-        statuses = {t.run_id: await status_of(funduq, t.run_id)
-                    for t in [held, offering, waiting, behind, *fresh]}
+        statuses = {
+            t.run_id: await status_of(funduq, t.run_id)
+            for t in [held, offering, waiting, behind, *fresh]
+        }
         assert set(statuses.values()) == {"failed"}, statuses

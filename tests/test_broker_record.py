@@ -25,15 +25,22 @@ async def test_lone_surrogates_are_refused_never_half_recorded(tmp_path, autojum
         assert rec["metadata"]["failureReason"] == reasons.MALFORMED_EVENT
         rec = await funduq.get_run(t.run_id)
         assert [e["event"] for e in rec["events"]] == [
-            fine, {"type": "RUN_ERROR", "message": reasons.MALFORMED_EVENT,
-                   "code": reasons.MALFORMED_EVENT}]
+            fine,
+            {
+                "type": "RUN_ERROR",
+                "message": reasons.MALFORMED_EVENT,
+                "code": reasons.MALFORMED_EVENT,
+            },
+        ]
 
 
-async def test_forgotten_idle_threads_continue_from_the_record(tmp_path, autojump_clock,
-                                                               monkeypatch):
+async def test_forgotten_idle_threads_continue_from_the_record(
+    tmp_path, autojump_clock, monkeypatch
+):
     """The thread cache is bounded; a thread it forgot continues from the
     record, its history in order and nothing refused."""
     from funduq_trio.broker import funduq as facade
+
     monkeypatch.setattr(facade, "THREAD_CACHE", 4)
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
@@ -46,8 +53,7 @@ async def test_forgotten_idle_threads_continue_from_the_record(tmp_path, autojum
             assert (await funduq.wait_run(t.run_id))["status"] == "completed"
             threads.append(t.thread_id)
         assert len(funduq._thread_info) <= 4
-        t = await funduq.start_run(p.key, AGENT, user_input("again", "again"),
-                                   thread_id=threads[0])
+        t = await funduq.start_run(p.key, AGENT, user_input("again", "again"), thread_id=threads[0])
         oid, _ = await p.offer(12)
         p.session.answer(oid, "accepted")
         p.stream(t.run_id, *reply(t.run_id, t.thread_id))
@@ -76,8 +82,11 @@ async def test_a_write_lock_held_by_another_process_parks_the_writer_not_the_loo
         landed = trio.Event()
 
         async def write() -> None:
-            await record.write(lambda c: c.execute(
-                "INSERT INTO threads (id, provider_key, agent_name, created_at) VALUES ('t', 'k', 'a', 0)"))
+            await record.write(
+                lambda c: c.execute(
+                    "INSERT INTO threads (id, provider_key, agent_name, created_at) VALUES ('t', 'k', 'a', 0)"
+                )
+            )
             landed.set()
 
         async with trio.open_nursery() as nursery:
@@ -95,7 +104,8 @@ async def test_a_write_lock_held_by_another_process_parks_the_writer_not_the_loo
 
 
 async def test_the_log_is_copied_into_the_database_file_each_second_off_the_loop(
-        tmp_path, mock_clock):
+    tmp_path, mock_clock
+):
     """Commits never checkpoint (that fsyncs, on the loop); the checkpoint
     task does, once a second when anything was committed."""
     from broker_support import quiet
@@ -107,9 +117,13 @@ async def test_the_log_is_copied_into_the_database_file_each_second_off_the_loop
     async with open_record(path) as record:
         await quiet()
         before = path.stat().st_size
-        await record.write(lambda c: c.executemany(
-            "INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at) "
-            "VALUES (?, ?, ?, ?, 0)", rows))
+        await record.write(
+            lambda c: c.executemany(
+                "INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at) "
+                "VALUES (?, ?, ?, ?, 0)",
+                rows,
+            )
+        )
         await quiet()
         assert path.stat().st_size == before  # committed to the log only
         mock_clock.jump(CHECKPOINT_SECONDS)

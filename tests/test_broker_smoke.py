@@ -1,4 +1,3 @@
-
 from broker_support import AGENT, Provider, broker, reply, user_input
 
 

@@ -41,8 +41,11 @@ def test_flags_override_the_environment():
         (["--lane-inbox-reports", "0"], {}, "--lane-inbox-reports 0"),
         (["--provider-keys", "abc"], {}, "--provider-keys"),
         (["--database-url", "mysql://x"], {}, "--database-url mysql://x"),
-        (["--database-url", "postgresql://u:pw@x/db?bogus=1"], {},
-         r"--database-url postgresql://u:\*\*\*@x/db\?bogus=1: not a PostgreSQL URL"),
+        (
+            ["--database-url", "postgresql://u:pw@x/db?bogus=1"],
+            {},
+            r"--database-url postgresql://u:\*\*\*@x/db\?bogus=1: not a PostgreSQL URL",
+        ),
         ([], {"FUNDUQ_DELIVER_TIMEOUT_SECONDS": "soon"}, "FUNDUQ_DELIVER_TIMEOUT_SECONDS"),
     ],
 )
@@ -59,8 +62,7 @@ def cli_env() -> dict[str, str]:
 
 async def test_serve_exits_cleanly_on_sigint(tmp_path):
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
-         str(tmp_path)],
+        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir", str(tmp_path)],
         stderr=subprocess.PIPE,
         env=cli_env(),
     )
@@ -101,7 +103,10 @@ async def test_call_sends_one_message_and_prints_the_reply(tmp_path, by_name):
             async def call():
                 result["done"] = await trio.run_process(
                     [sys.executable, "-m", "funduq_trio", "call", *where, "hello there"],
-                    capture_stdout=True, capture_stderr=True, check=False, env=cli_env(),
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    env=cli_env(),
                 )
 
             nursery.start_soon(call)
@@ -109,14 +114,17 @@ async def test_call_sends_one_message_and_prints_the_reply(tmp_path, by_name):
             said = run["runInput"]["messages"][-1]["content"]
             await provider.answer(run, "accepted")
             ids = {"threadId": run["threadId"], "runId": run["runId"]}
-            await provider.play(run, [
-                {"type": "RUN_STARTED", **ids},
-                {"type": "TEXT_MESSAGE_START", "messageId": "m-1", "role": "assistant"},
-                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "you said: "},
-                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": said},
-                {"type": "TEXT_MESSAGE_END", "messageId": "m-1"},
-                {"type": "RUN_FINISHED", **ids},
-            ])
+            await provider.play(
+                run,
+                [
+                    {"type": "RUN_STARTED", **ids},
+                    {"type": "TEXT_MESSAGE_START", "messageId": "m-1", "role": "assistant"},
+                    {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "you said: "},
+                    {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": said},
+                    {"type": "TEXT_MESSAGE_END", "messageId": "m-1"},
+                    {"type": "RUN_FINISHED", **ids},
+                ],
+            )
         done = result["done"]
         assert done.returncode == 0, done.stderr.decode()
         assert done.stdout.decode() == "you said: hello there\n"
@@ -126,9 +134,21 @@ async def test_call_sends_one_message_and_prints_the_reply(tmp_path, by_name):
 async def test_call_by_name_says_when_no_agent_is_online(tmp_path):
     async with running_server(tmp_path) as info:
         done = await trio.run_process(
-            [sys.executable, "-m", "funduq_trio", "call", "--url", info.url, "--agent", "echo",
-             "hi"],
-            capture_stdout=True, capture_stderr=True, check=False, env=cli_env(),
+            [
+                sys.executable,
+                "-m",
+                "funduq_trio",
+                "call",
+                "--url",
+                info.url,
+                "--agent",
+                "echo",
+                "hi",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=cli_env(),
         )
     assert done.returncode == 1
     assert "no online agent named 'echo'" in done.stderr.decode()
@@ -149,9 +169,22 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
         raw_provider(info, ["echo"]) as provider,
     ):
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "funduq_trio", "call", "-v", "--url", info.url, "--agent",
-             "echo", "hello"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+            [
+                sys.executable,
+                "-m",
+                "funduq_trio",
+                "call",
+                "-v",
+                "--url",
+                info.url,
+                "--agent",
+                "echo",
+                "hello",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=cli_env(),
+        )
         try:
             with trio.fail_after(60):  # a safety net: a call that exits at once sends nothing
                 run = await provider.next_offer()
@@ -167,14 +200,19 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
                 # The first part is printed while the run is still going.
                 out = await read_until(process.stdout, b"", b"first part, ")
                 err = await read_until(process.stderr, b"", b"thread: ")
-                err = await read_until(process.stderr, err, b"\n" + b"thread: " + run["threadId"].encode() + b"\n")
+                err = await read_until(
+                    process.stderr, err, b"\n" + b"thread: " + run["threadId"].encode() + b"\n"
+                )
             assert err.decode() == f"run: {run['runId']}\nthread: {run['threadId']}\n"
             assert out == b"first part, "
-            await provider.play(run, [
-                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "then the rest"},
-                {"type": "TEXT_MESSAGE_END", "messageId": "m-1"},
-                {"type": "RUN_FINISHED", **ids},
-            ])
+            await provider.play(
+                run,
+                [
+                    {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-1", "delta": "then the rest"},
+                    {"type": "TEXT_MESSAGE_END", "messageId": "m-1"},
+                    {"type": "RUN_FINISHED", **ids},
+                ],
+            )
             with trio.fail_after(30):
                 assert await process.wait() == 0
             rest = b""
@@ -192,9 +230,23 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
 
             async def again():
                 result["done"] = await trio.run_process(
-                    [sys.executable, "-m", "funduq_trio", "call", "--json", "--thread",
-                     run["threadId"], "--url", info.a2a_url(provider.fingerprint, "echo"), "again"],
-                    capture_stdout=True, capture_stderr=True, check=False, env=cli_env())
+                    [
+                        sys.executable,
+                        "-m",
+                        "funduq_trio",
+                        "call",
+                        "--json",
+                        "--thread",
+                        run["threadId"],
+                        "--url",
+                        info.a2a_url(provider.fingerprint, "echo"),
+                        "again",
+                    ],
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    env=cli_env(),
+                )
 
             nursery.start_soon(again)
             with trio.fail_after(60):  # a safety net, as above
@@ -202,13 +254,16 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
             assert second["threadId"] == run["threadId"]
             await provider.answer(second, "accepted")
             ids = {"threadId": second["threadId"], "runId": second["runId"]}
-            await provider.play(second, [
-                {"type": "RUN_STARTED", **ids},
-                {"type": "TEXT_MESSAGE_START", "messageId": "m-2", "role": "assistant"},
-                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-2", "delta": "once more"},
-                {"type": "TEXT_MESSAGE_END", "messageId": "m-2"},
-                {"type": "RUN_FINISHED", **ids},
-            ])
+            await provider.play(
+                second,
+                [
+                    {"type": "RUN_STARTED", **ids},
+                    {"type": "TEXT_MESSAGE_START", "messageId": "m-2", "role": "assistant"},
+                    {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m-2", "delta": "once more"},
+                    {"type": "TEXT_MESSAGE_END", "messageId": "m-2"},
+                    {"type": "RUN_FINISHED", **ids},
+                ],
+            )
         done = result["done"]
         assert done.returncode == 0, done.stderr.decode()
         printed = json.loads(done.stdout)
@@ -222,9 +277,20 @@ async def test_call_streams_shows_ids_continues_a_thread_and_prints_json(tmp_pat
 async def test_call_shows_funduqs_own_error_for_an_unknown_agent(tmp_path):
     async with running_server(tmp_path) as info, raw_provider(info, ["echo"]) as provider:
         done = await trio.run_process(
-            [sys.executable, "-m", "funduq_trio", "call", "--url",
-             info.a2a_url(provider.fingerprint, "nobody"), "hi"],
-            capture_stdout=True, capture_stderr=True, check=False, env=cli_env())
+            [
+                sys.executable,
+                "-m",
+                "funduq_trio",
+                "call",
+                "--url",
+                info.a2a_url(provider.fingerprint, "nobody"),
+                "hi",
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env=cli_env(),
+        )
     stderr = done.stderr.decode()
     assert done.returncode == 1
     assert stderr.count("\n") == 1, stderr
@@ -236,10 +302,25 @@ def test_serve_says_in_one_line_when_its_postgresql_does_not_answer(tmp_path):
     """A database that does not answer at start: exit 2 with one line naming
     the database (never its password), no traceback."""
     result = subprocess.run(
-        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
-         str(tmp_path), "--database-url", "postgresql://funduq:hunter2@127.0.0.1:1/records"],
-        capture_output=True, text=True, env=cli_env(), timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "funduq_trio",
+            "serve",
+            "--port",
+            "0",
+            "--data-dir",
+            str(tmp_path),
+            "--database-url",
+            "postgresql://funduq:hunter2@127.0.0.1:1/records",
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
-    assert "serve: error: PostgreSQL database records on 127.0.0.1:1 does not answer" \
-        in result.stderr
+    assert (
+        "serve: error: PostgreSQL database records on 127.0.0.1:1 does not answer" in result.stderr
+    )
     assert "Traceback" not in result.stderr and "hunter2" not in result.stderr

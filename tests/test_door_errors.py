@@ -10,8 +10,11 @@ from funduq_trio.web.door_errors import DOOR_ANSWERS, a2a_error, door_answer
 
 
 def test_every_broker_error_has_its_own_row():
-    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(c, errors.FunduqError)]
+    classes = [
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, errors.FunduqError)
+    ]
     assert set(classes) | {InvalidActorChain} == set(DOOR_ANSWERS)
 
 

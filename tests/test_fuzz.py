@@ -242,10 +242,7 @@ def json_values(
         keys = weighted((8, keys), (1, LONE_SURROGATES))
     return st.recursive(
         leaves,
-        lambda inner: (
-            st.lists(inner, max_size=4)
-            | st.dictionaries(keys, inner, max_size=4)
-        ),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4),
         max_leaves=12,
     )
 
@@ -417,12 +414,16 @@ def provider_frames(ids: list[str], threads: list[str]) -> st.SearchStrategy[str
     frame = mutated(templates, values, keys)
     # A batch of such frames (mutated items, a nested batch now and then).
     batch = st.fixed_dictionaries(
-        {"kind": st.just("batch"),
-         "frames": st.lists(weighted((9, frame), (1, st.just({"kind": "batch", "frames": []}))),
-                            max_size=4)}
+        {
+            "kind": st.just("batch"),
+            "frames": st.lists(
+                weighted((9, frame), (1, st.just({"kind": "batch", "frames": []}))), max_size=4
+            ),
+        }
     )
-    return encodings(weighted((4, frame), (1, mutated(batch, values, ["frames", "kind"]))),
-                     MAX_FRAME)
+    return encodings(
+        weighted((4, frame), (1, mutated(batch, values, ["frames", "kind"]))), MAX_FRAME
+    )
 
 
 def jsonrpc_bodies(ids: list[str], threads: list[str]) -> st.SearchStrategy[Any]:
@@ -1005,8 +1006,9 @@ def _valid_id(value: Any) -> bool:
     return value is None or (isinstance(value, (str, int)) and not isinstance(value, bool))
 
 
-async def _fuzz_bodies(tmp_path: Path, name: str, make_fuzzer: Any, bodies: Any,
-                       edges: Any) -> Tally:
+async def _fuzz_bodies(
+    tmp_path: Path, name: str, make_fuzzer: Any, bodies: Any, edges: Any
+) -> Tally:
     """One server with runs on record, a stream of fuzzed bodies at one door,
     then the record checked untouched."""
     fig = Figures(name)
@@ -1041,8 +1043,13 @@ async def _fuzz_bodies(tmp_path: Path, name: str, make_fuzzer: Any, bodies: Any,
 
 
 async def test_fuzzed_jsonrpc_bodies(tmp_path: Path) -> None:
-    tally = await _fuzz_bodies(tmp_path, "fuzz_jsonrpc", JsonRpcFuzzer, jsonrpc_bodies,
-                       [(edge, "1.0", "fz") for edge in EDGES])
+    tally = await _fuzz_bodies(
+        tmp_path,
+        "fuzz_jsonrpc",
+        JsonRpcFuzzer,
+        jsonrpc_bodies,
+        [(edge, "1.0", "fz") for edge in EDGES],
+    )
     assert any(k.startswith("error -326") for k in tally.counts), tally.counts
 
 
@@ -1103,16 +1110,20 @@ class AguiFuzzer:
                 assert isinstance(error.get("message"), str) and error["message"], (shown, answer)
                 if must_refuse:
                     assert error["code"] == "invalid_json", (shown, answer)
-                    self.tally("400 invalid_json (" + ("not JSON" if parsed is _NOT_JSON else
-                               "not carriable") + ")")
+                    self.tally(
+                        "400 invalid_json ("
+                        + ("not JSON" if parsed is _NOT_JSON else "not carriable")
+                        + ")"
+                    )
                     return
                 self.tally(f"{r.status_code} {error['code']}")
         await healthy(self.http)
 
 
 async def test_fuzzed_agui_bodies(tmp_path: Path) -> None:
-    tally = await _fuzz_bodies(tmp_path, "fuzz_agui", AguiFuzzer, agui_bodies,
-                       [(edge, "fz") for edge in EDGES])
+    tally = await _fuzz_bodies(
+        tmp_path, "fuzz_agui", AguiFuzzer, agui_bodies, [(edge, "fz") for edge in EDGES]
+    )
     assert any(k.startswith("400") for k in tally.counts), tally.counts
     assert any(k.startswith("run") for k in tally.counts), tally.counts
     assert "400 invalid_json (not carriable)" in tally.counts, tally.counts
@@ -1129,13 +1140,27 @@ def provider_events() -> st.SearchStrategy[tuple[list[Any], bool]]:
     holding one is not JSON and closes the link, by the link's own rules),
     and now and then an object that is no event."""
     values = json_values(["m1"], hostile=True, non_finite=False)
-    fields = st.sampled_from(
-        ["messageId", "delta", "role", "message", "code", "name", "value", "outcome", "payload"]
-    ) | LONE_SURROGATES
+    fields = (
+        st.sampled_from(
+            ["messageId", "delta", "role", "message", "code", "name", "value", "outcome", "payload"]
+        )
+        | LONE_SURROGATES
+    )
     kinds = weighted(
         (3, st.just("NEWER_KIND")),  # passes untouched: where odd values get stored
-        (1, st.sampled_from(["TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_END",
-                             "CUSTOM", "RUN_ERROR", "STATE_SNAPSHOT"])),
+        (
+            1,
+            st.sampled_from(
+                [
+                    "TEXT_MESSAGE_START",
+                    "TEXT_MESSAGE_CONTENT",
+                    "TEXT_MESSAGE_END",
+                    "CUSTOM",
+                    "RUN_ERROR",
+                    "STATE_SNAPSHOT",
+                ]
+            ),
+        ),
     )
     typed = st.tuples(kinds, st.dictionaries(fields, values, max_size=3)).map(
         lambda p: {"type": p[0], **p[1]}
@@ -1147,8 +1172,9 @@ def provider_events() -> st.SearchStrategy[tuple[list[Any], bool]]:
     # at all fails the frame, which has no id to answer: it closes the link).
     untyped = st.dictionaries(fields, values, max_size=2) | values.map(lambda v: {"type": v})
     # Half of them end as a run should: a RUN_FINISHED (ids filled in per run).
-    return st.tuples(st.lists(weighted((2, typed), (4, text), (1, untyped)), max_size=5),
-                     st.booleans())
+    return st.tuples(
+        st.lists(weighted((2, typed), (4, text), (1, untyped)), max_size=5), st.booleans()
+    )
 
 
 def expected_record(events: list[Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -1188,11 +1214,15 @@ class EventFuzzer:
 
         provider = self.provider
         url = f"/agui/{provider.fingerprint}/ev"
-        body = {"threadId": f"ev-{next(self.threads)}", "runId": "r",
-                "messages": [{"id": "u1", "role": "user", "content": "go"}]}
+        body = {
+            "threadId": f"ev-{next(self.threads)}",
+            "runId": "r",
+            "messages": [{"id": "u1", "role": "user", "content": "go"}],
+        }
         seen: list[dict[str, Any]] = []
         with trio.fail_after(EXAMPLE_TIMEOUT):
             async with trio.open_nursery() as nursery:
+
                 async def caller() -> None:
                     async with self.http.stream("POST", url, json=body) as r:
                         assert r.status_code == 200, r.status_code
@@ -1204,8 +1234,14 @@ class EventFuzzer:
                 run = await provider.next_offer()
                 events, finishing = example
                 if finishing:
-                    events = [*events, {"type": "RUN_FINISHED", "threadId": run["threadId"],
-                                        "runId": run["runId"]}]
+                    events = [
+                        *events,
+                        {
+                            "type": "RUN_FINISHED",
+                            "threadId": run["threadId"],
+                            "runId": run["runId"],
+                        },
+                    ]
                 await provider.answer(run, "accepted")
                 await provider.play(run, events)
             while True:  # a malformed event asks the provider to stop: read those
@@ -1219,19 +1255,26 @@ class EventFuzzer:
             kept, malformed = expected_record(events)
             recorded = [e["event"] for e in record["events"]]
             assert recorded[: len(kept)] == kept, shown
-            extra = recorded[len(kept):]
+            extra = recorded[len(kept) :]
             assert all(e.get("type") == "RUN_ERROR" for e in extra) and len(extra) <= 1, shown
             if malformed:
                 assert record["status"] == "failed", shown
                 assert record["metadata"]["failureReason"] == agui_malformed(), shown
             assert carriable.problem(recorded, max_nesting=None) is None, shown
-            assert seen[-len(recorded):] == recorded if recorded else True, (shown, seen)
+            assert seen[-len(recorded) :] == recorded if recorded else True, (shown, seen)
 
-            answer = (await self.http.post(
-                self.info.a2a_url(provider.fingerprint, "ev"),
-                json={"jsonrpc": "2.0", "id": 1, "method": "GetTask",
-                      "params": {"id": run["runId"]}},
-                headers={"A2A-Version": "1.0"})).json()
+            answer = (
+                await self.http.post(
+                    self.info.a2a_url(provider.fingerprint, "ev"),
+                    json={
+                        "jsonrpc": "2.0",
+                        "id": 1,
+                        "method": "GetTask",
+                        "params": {"id": run["runId"]},
+                    },
+                    headers={"A2A-Version": "1.0"},
+                )
+            ).json()
             assert "result" in answer, (shown, answer)
             ParseDict(answer["result"], pb.Task(), ignore_unknown_fields=True)
             self.tally("malformed" if malformed else record["status"])
@@ -1255,14 +1298,18 @@ async def test_fuzzed_provider_events(tmp_path: Path) -> None:
         fuzzer = EventFuzzer(info, http, provider, tally)
         surrogate = "\ud800"
         edges = [
-            ([{"type": "TEXT_MESSAGE_START", "messageId": "m" + surrogate, "role": "assistant"}],
-             True),
+            (
+                [{"type": "TEXT_MESSAGE_START", "messageId": "m" + surrogate, "role": "assistant"}],
+                True,
+            ),
             ([{"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": surrogate}], True),
             ([{"type": "NEWER_KIND", surrogate: 1}], True),
             ([{"type": "NEWER_KIND", "payload": deep_value(150)}], True),
             ([{"type": "CUSTOM", "name": "n", "value": 10**400}], True),
-            ([{"type": "RUN_FINISHED", "threadId": "t", "runId": "r", "result": deep_value(90)}],
-             False),
+            (
+                [{"type": "RUN_FINISHED", "threadId": "t", "runId": "r", "result": deep_value(90)}],
+                False,
+            ),
         ]
         await trio.to_thread.run_sync(
             run_hypothesis_n, provider_events(), fuzzer.check, edges, EVENT_EXAMPLES
@@ -1285,4 +1332,5 @@ def run_hypothesis_n(
     # No shrinking: the examples share one link, so after a failure a smaller
     # example would run against what the failing one left behind.
     settings(FUZZ_SETTINGS, max_examples=n, phases=(Phase.explicit, Phase.generate))(
-        given(strategy)(prop))()
+        given(strategy)(prop)
+    )()

@@ -38,6 +38,7 @@ def deep(levels: int) -> Any:
 def poisoned_agui_bodies() -> list[tuple[str, bytes]]:
     """(what, body) for AG-UI bodies the link cannot carry. Serialized with
     json.dumps: surrogates come out as valid `\\ud800` escapes, NaN as `NaN`."""
+
     def body(**changes: Any) -> dict[str, Any]:
         return {**user_input("hi", thread_id="poison-thread"), **changes}
 
@@ -87,15 +88,28 @@ async def test_the_agui_door_refuses_what_the_link_cannot_carry(tmp_path):
 
 def v1_send(message_extra: dict[str, Any], **params: Any) -> dict[str, Any]:
     message = {"messageId": "m1", "role": "ROLE_USER", "parts": [{"text": "x"}], **message_extra}
-    return {"jsonrpc": "2.0", "id": 5, "method": "SendMessage",
-            "params": {"message": message, **params}}
+    return {
+        "jsonrpc": "2.0",
+        "id": 5,
+        "method": "SendMessage",
+        "params": {"message": message, **params},
+    }
 
 
 def v03_send(message_extra: dict[str, Any], **params: Any) -> dict[str, Any]:
-    message = {"kind": "message", "messageId": "m1", "role": "user",
-               "parts": [{"kind": "text", "text": "x"}], **message_extra}
-    return {"jsonrpc": "2.0", "id": 5, "method": "message/send",
-            "params": {"message": message, **params}}
+    message = {
+        "kind": "message",
+        "messageId": "m1",
+        "role": "user",
+        "parts": [{"kind": "text", "text": "x"}],
+        **message_extra,
+    }
+    return {
+        "jsonrpc": "2.0",
+        "id": 5,
+        "method": "message/send",
+        "params": {"message": message, **params},
+    }
 
 
 async def test_the_a2a_door_refuses_what_the_link_cannot_carry(tmp_path):
@@ -113,10 +127,11 @@ async def test_the_a2a_door_refuses_what_the_link_cannot_carry(tmp_path):
     ):
         url = info.a2a_url(provider.fingerprint, "echo")
         for what, message_extra, params in cases:
-            for body, headers in ((v1_send(message_extra, **params), V1),
-                                  (v03_send(_v03_parts(message_extra), **params), JSON_HEADERS)):
-                response = await http.post(url, content=json.dumps(body).encode(),
-                                           headers=headers)
+            for body, headers in (
+                (v1_send(message_extra, **params), V1),
+                (v03_send(_v03_parts(message_extra), **params), JSON_HEADERS),
+            ):
+                response = await http.post(url, content=json.dumps(body).encode(), headers=headers)
                 assert response.status_code == 200
                 answer = response.json()
                 assert answer["id"] == 5, (what, answer)
@@ -142,21 +157,26 @@ def _patch_record(path: Path, thread_id: str, rows: list[tuple[str, str]]) -> No
     with stores.record_connection(path) as conn:  # either store
         arrival = conn.execute("SELECT MAX(arrival) FROM runs").fetchone()[0]
         template = conn.execute(
-            "SELECT provider_key, agent_name FROM runs WHERE thread_id=? LIMIT 1",
-            (thread_id,)).fetchone()
+            "SELECT provider_key, agent_name FROM runs WHERE thread_id=? LIMIT 1", (thread_id,)
+        ).fetchone()
         for run_id, input_text in rows:
             arrival += 1
             conn.execute(
                 "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status,"
                 " input, caller_metadata, metadata, created_at) VALUES"
                 " (?, ?, ?, ?, ?, 'queued', ?, '{}', '{}', 0)",
-                (arrival, run_id, thread_id, *template, input_text))
+                (arrival, run_id, thread_id, *template, input_text),
+            )
 
 
 def _counters(path: Path) -> list[tuple[int, ...]]:
     with stores.record_connection(path) as conn:
-        return [tuple(row) for row in conn.execute(
-            "SELECT misdeclared, unanswered, abandoned, undelivered FROM providers").fetchall()]
+        return [
+            tuple(row)
+            for row in conn.execute(
+                "SELECT misdeclared, unanswered, abandoned, undelivered FROM providers"
+            ).fetchall()
+        ]
 
 
 async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
@@ -174,24 +194,38 @@ async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
             nursery.start_soon(post_sse, http, url, user_input("first", thread_id="t"))
             run = await provider.next_offer()
             await provider.answer(run, "accepted")
-            await provider.play(run, [{"type": "RUN_STARTED", "threadId": run["threadId"],
-                                       "runId": run["runId"]},
-                                      {"type": "RUN_FINISHED", "threadId": run["threadId"],
-                                       "runId": run["runId"]}])
+            await provider.play(
+                run,
+                [
+                    {"type": "RUN_STARTED", "threadId": run["threadId"], "runId": run["runId"]},
+                    {"type": "RUN_FINISHED", "threadId": run["threadId"], "runId": run["runId"]},
+                ],
+            )
         thread_id = run["threadId"]
 
     def input_text(text: str) -> str:
-        return json.dumps({"threadId": thread_id, "runId": "x", "state": {}, "tools": [],
-                           "context": [], "messages": [{"id": f"m-{text}", "role": "user",
-                                                        "content": text}]})
+        return json.dumps(
+            {
+                "threadId": thread_id,
+                "runId": "x",
+                "state": {},
+                "tools": [],
+                "context": [],
+                "messages": [{"id": f"m-{text}", "role": "user", "content": text}],
+            }
+        )
 
     poisoned = input_text("bad " + SURROGATE)
     assert "\\ud800" in poisoned  # valid JSON text, as the old door took it
-    _patch_record(path, thread_id, [
-        ("run_poison_surrogate", poisoned),
-        ("run_poison_nan", input_text("nan").replace('"state": {}', '"state": {"n": NaN}')),
-        ("run_next", input_text("next")),
-    ])
+    _patch_record(
+        path,
+        thread_id,
+        [
+            ("run_poison_surrogate", poisoned),
+            ("run_poison_nan", input_text("nan").replace('"state": {}', '"state": {"n": NaN}')),
+            ("run_next", input_text("next")),
+        ],
+    )
     before = _counters(path)
 
     async with (
@@ -205,10 +239,13 @@ async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
         assert offered["runId"] == "run_next"
         assert offered["runInput"]["messages"][-1]["content"] == "next"
         await provider.answer(offered, "accepted")
-        await provider.play(offered, [{"type": "RUN_STARTED", "threadId": thread_id,
-                                       "runId": "run_next"},
-                                      {"type": "RUN_FINISHED", "threadId": thread_id,
-                                       "runId": "run_next"}])
+        await provider.play(
+            offered,
+            [
+                {"type": "RUN_STARTED", "threadId": thread_id, "runId": "run_next"},
+                {"type": "RUN_FINISHED", "threadId": thread_id, "runId": "run_next"},
+            ],
+        )
         with trio.fail_after(LIMIT):
             done = await info.funduq.wait_run("run_next")
         assert done["status"] == "completed"
@@ -218,14 +255,22 @@ async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
             assert record["status"] == "failed", record
             assert record["metadata"]["failureReason"] == "offer_not_encodable"
             assert [e["event"] for e in record["events"]] == [
-                {"type": "RUN_ERROR", "message": "offer_not_encodable",
-                 "code": "offer_not_encodable"}]
+                {
+                    "type": "RUN_ERROR",
+                    "message": "offer_not_encodable",
+                    "code": "offer_not_encodable",
+                }
+            ]
         # The link stayed up all along: the same connection serves a new run.
         roster = (await http.get("/agents")).json()["agents"]
         assert [a["online"] for a in roster] == [True]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(post_sse, http, f"/agui/{provider.fingerprint}/echo",
-                               user_input("after", thread_id=thread_id))
+            nursery.start_soon(
+                post_sse,
+                http,
+                f"/agui/{provider.fingerprint}/echo",
+                user_input("after", thread_id=thread_id),
+            )
             with trio.fail_after(LIMIT):
                 later = await provider.next_offer()
             assert later["threadId"] == thread_id
@@ -241,11 +286,13 @@ async def test_a_recorded_run_the_link_cannot_encode_fails_alone(tmp_path):
 async def test_an_event_with_a_lone_surrogate_or_absurd_nesting_fails_its_run(tmp_path):
     def events(run: dict[str, Any], bad: dict[str, Any]) -> list[dict[str, Any]]:
         ids = {"threadId": run["threadId"], "runId": run["runId"]}
-        return [{"type": "RUN_STARTED", **ids},
-                {"type": "TEXT_MESSAGE_START", "messageId": "m", "role": "assistant"},
-                bad,
-                {"type": "TEXT_MESSAGE_END", "messageId": "m"},
-                {"type": "RUN_FINISHED", **ids}]
+        return [
+            {"type": "RUN_STARTED", **ids},
+            {"type": "TEXT_MESSAGE_START", "messageId": "m", "role": "assistant"},
+            bad,
+            {"type": "TEXT_MESSAGE_END", "messageId": "m"},
+            {"type": "RUN_FINISHED", **ids},
+        ]
 
     bad_events = [
         {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "x" + SURROGATE},
@@ -280,7 +327,9 @@ async def test_an_event_with_a_lone_surrogate_or_absurd_nesting_fails_its_run(tm
             # What came before the bad event is kept; it and what followed are not.
             assert kinds[-1] == "RUN_ERROR" and bad not in [e["event"] for e in record["events"]]
             assert kinds == ["RUN_STARTED", "TEXT_MESSAGE_START", "RUN_ERROR"] or kinds == [
-                "RUN_STARTED", "RUN_ERROR"]
+                "RUN_STARTED",
+                "RUN_ERROR",
+            ]
             assert [e["type"] for e in seen["events"]] == kinds
             # The provider is asked to stop; its link stays up for the next run.
             with trio.fail_after(LIMIT):
@@ -322,12 +371,16 @@ async def test_an_oversize_refusal_closes_its_connection(tmp_path):
     limit = 4096
     async with running_server(tmp_path, max_body_bytes=limit) as info:
         for path, status in ((b"/agui/p/echo", b"413"), (b"/a2a/p/echo", b"200")):
-            head = b"POST " + path + b" HTTP/1.1\r\nHost: funduq\r\nContent-Type: application/json\r\n"
+            head = (
+                b"POST " + path + b" HTTP/1.1\r\nHost: funduq\r\nContent-Type: application/json\r\n"
+            )
             for framing, start in (
                 (b"Content-Length: %d\r\n\r\n" % (limit + 1000), b"{" + b" " * 100),
                 # No length upfront: the limit is passed while reading, the rest never comes.
-                (b"Transfer-Encoding: chunked\r\n\r\n", b"%x\r\n%s\r\n" % (limit + 10,
-                                                                         b" " * (limit + 10))),
+                (
+                    b"Transfer-Encoding: chunked\r\n\r\n",
+                    b"%x\r\n%s\r\n" % (limit + 10, b" " * (limit + 10)),
+                ),
             ):
                 stream = await trio.open_tcp_stream("127.0.0.1", info.port)
                 await stream.send_all(head + framing + start)
@@ -349,8 +402,7 @@ async def test_an_oversize_refusal_closes_its_connection(tmp_path):
         async with http_client(info) as http:
             for url in ("/agui/p/echo", "/a2a/p/echo"):
                 for _ in range(3):
-                    refused = await http.post(url, content=b" " * 4_000_000,
-                                              headers=JSON_HEADERS)
+                    refused = await http.post(url, content=b" " * 4_000_000, headers=JSON_HEADERS)
                     assert refused.headers["connection"] == "close"
                     with trio.fail_after(LIMIT):
                         assert (await http.get("/healthz")).status_code == 200
@@ -404,12 +456,12 @@ async def test_odd_stored_events_degrade_the_a2a_views_never_fail_them(tmp_path)
         frames: list[dict[str, Any]] = []
 
         async def stream() -> None:
-            async with http.stream("POST", url, content=_rpc("SendStreamingMessage",
-                                                             {"message": message}),
-                                   headers=V1) as response:
+            async with http.stream(
+                "POST", url, content=_rpc("SendStreamingMessage", {"message": message}), headers=V1
+            ) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data:"):
-                        frames.append(json.loads(line[len("data:"):]))
+                        frames.append(json.loads(line[len("data:") :]))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stream)
@@ -429,14 +481,21 @@ async def test_odd_stored_events_degrade_the_a2a_views_never_fail_them(tmp_path)
 
         # A second task on the same context: a refusal whose reason is not UTF-8.
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_rpc_call, http, url, "SendMessage", {"message": {
-                **message, "messageId": "a2", "contextId": run["threadId"]}})
+            nursery.start_soon(
+                _rpc_call,
+                http,
+                url,
+                "SendMessage",
+                {"message": {**message, "messageId": "a2", "contextId": run["threadId"]}},
+            )
             with trio.fail_after(LIMIT):
                 refused = await provider.next_offer()
             await provider.answer(refused, "refused", "no " + SURROGATE)
 
-        for task_id, state in ((run["runId"], pb.TaskState.TASK_STATE_COMPLETED),
-                               (refused["runId"], pb.TaskState.TASK_STATE_FAILED)):
+        for task_id, state in (
+            (run["runId"], pb.TaskState.TASK_STATE_COMPLETED),
+            (refused["runId"], pb.TaskState.TASK_STATE_FAILED),
+        ):
             got = await _rpc_call(http, url, "GetTask", {"id": task_id})
             assert "result" in got, got
             task = _sdk_parses(got["result"], pb.Task())
@@ -473,19 +532,26 @@ async def test_a_stored_event_with_a_lone_surrogate_degrades_the_a2a_views(tmp_p
                 run = await provider.next_offer()
             await provider.answer(run, "accepted")
             ids = {"threadId": run["threadId"], "runId": run["runId"]}
-            await provider.play(run, [
-                {"type": "RUN_STARTED", **ids},
-                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "placeholder"},
-                {"type": "SOMETHING_NEWER", "payload": "placeholder"},
-                {"type": "RUN_FINISHED", **ids}])
+            await provider.play(
+                run,
+                [
+                    {"type": "RUN_STARTED", **ids},
+                    {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "placeholder"},
+                    {"type": "SOMETHING_NEWER", "payload": "placeholder"},
+                    {"type": "RUN_FINISHED", **ids},
+                ],
+            )
     # What an older funduq (which took such events) left in the record.
-    stored = {2: {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m" + SURROGATE,
-                  "delta": "x" + SURROGATE},
-              3: {"type": "SOMETHING_NEWER", "payload": {"k" + SURROGATE: SURROGATE}}}
+    stored = {
+        2: {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m" + SURROGATE, "delta": "x" + SURROGATE},
+        3: {"type": "SOMETHING_NEWER", "payload": {"k" + SURROGATE: SURROGATE}},
+    }
     with stores.record_connection(path) as conn:
         for seq, event in stored.items():
-            conn.execute("UPDATE events SET event=? WHERE run_id=? AND seq=?",
-                         (json.dumps(event), run["runId"], seq))
+            conn.execute(
+                "UPDATE events SET event=? WHERE run_id=? AND seq=?",
+                (json.dumps(event), run["runId"], seq),
+            )
 
     async with (
         running_server(tmp_path) as info,
@@ -528,15 +594,20 @@ async def test_a_thread_history_the_link_cannot_carry_fails_the_query_not_the_li
         raw_provider(info, ["echo"], identity=identity) as provider,
     ):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(post_sse, http, f"/agui/{provider.fingerprint}/echo",
-                               user_input("first"))
+            nursery.start_soon(
+                post_sse, http, f"/agui/{provider.fingerprint}/echo", user_input("first")
+            )
             run = await provider.next_offer()
             await provider.answer(run, "refused", "not now")
     # What an older funduq (whose door took lone surrogates) left in the history.
     with stores.record_connection(path) as conn:
-        conn.execute("UPDATE messages SET message=? WHERE thread_id=?",
-                     (json.dumps({"id": "m1", "role": "user", "content": "bad " + SURROGATE}),
-                      run["threadId"]))
+        conn.execute(
+            "UPDATE messages SET message=? WHERE thread_id=?",
+            (
+                json.dumps({"id": "m1", "role": "user", "content": "bad " + SURROGATE}),
+                run["threadId"],
+            ),
+        )
 
     async with (
         running_server(tmp_path) as info,
@@ -561,4 +632,4 @@ def test_sse_frames_escape_what_other_line_readers_split_on():
     data = {"delta": "a\u2028b\x85c\u2029d é"}
     frame = sse_frame(data, 7).decode("utf-8")
     assert frame.splitlines() == ["id: 7", 'data: {"delta":"a\\u2028b\\u0085c\\u2029d é"}', ""]
-    assert json.loads(frame.splitlines()[1][len("data: "):]) == data
+    assert json.loads(frame.splitlines()[1][len("data: ") :]) == data

@@ -40,7 +40,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "ping"}]}
 
 
 @contextlib.asynccontextmanager
-async def llm_provider(info: Any, offerings: dict[str, Any] | None = None) -> AsyncIterator[Provider]:
+async def llm_provider(
+    info: Any, offerings: dict[str, Any] | None = None
+) -> AsyncIterator[Provider]:
     """An LLM provider on the SDK serving `offerings` (default: the fake model as "fake")."""
     provider = Provider(Identity.generate(), info.provider_url)
     for name, fn in (offerings or {"fake": fake_model}).items():
@@ -52,8 +54,10 @@ async def llm_provider(info: Any, offerings: dict[str, Any] | None = None) -> As
 
 
 def opt_in(llm: Provider, name: str = "fake", context: Any = None) -> dict[str, Any]:
-    return {"llmProvider": {"providerKey": llm.identity.public_key_hex, "name": name},
-            "context": context if context is not None else {"user": "u-1"}}
+    return {
+        "llmProvider": {"providerKey": llm.identity.public_key_hex, "name": name},
+        "context": context if context is not None else {"user": "u-1"},
+    }
 
 
 def texts(events: list[dict[str, Any]]) -> str:
@@ -65,8 +69,9 @@ def heard(text: str) -> str:
 
 
 async def a2a(http: httpx.AsyncClient, url: str, method: str, params: dict[str, Any]) -> dict:
-    response = await http.post(url, json={"jsonrpc": "2.0", "id": "r-1", "method": method,
-                                          "params": params}, headers=V1)
+    response = await http.post(
+        url, json={"jsonrpc": "2.0", "id": "r-1", "method": method, "params": params}, headers=V1
+    )
     return response.json()
 
 
@@ -90,22 +95,27 @@ class HeldRun:
         self.ended = trio.Event()
 
     async def finish(self) -> None:
-        await self.raw.report(self.run_id, {"type": "RUN_FINISHED", "threadId": self.offer["threadId"],
-                                            "runId": self.run_id})
+        await self.raw.report(
+            self.run_id,
+            {"type": "RUN_FINISHED", "threadId": self.offer["threadId"], "runId": self.run_id},
+        )
         await self.raw.finish(self.run_id)
         await self.ended.wait()
 
 
 @contextlib.asynccontextmanager
-async def held_run(info: Any, http: httpx.AsyncClient, raw: RawProvider, kyok: dict[str, Any],
-                   agent: str = "agent") -> AsyncIterator[HeldRun]:
+async def held_run(
+    info: Any, http: httpx.AsyncClient, raw: RawProvider, kyok: dict[str, Any], agent: str = "agent"
+) -> AsyncIterator[HeldRun]:
     started = trio.Event()
     events: list[dict[str, Any]] = []
     holder: list[HeldRun] = []
 
     async def caller() -> None:
         body = user_input("hi", forwardedProps={"kyok": kyok})
-        async with http.stream("POST", info.agui_url(raw.fingerprint, agent), json=body) as response:
+        async with http.stream(
+            "POST", info.agui_url(raw.fingerprint, agent), json=body
+        ) as response:
             assert response.status_code == 200, await response.aread()
             async for event in sse_events(response):
                 events.append(event)
@@ -118,8 +128,10 @@ async def held_run(info: Any, http: httpx.AsyncClient, raw: RawProvider, kyok: d
         offer = await raw.next_offer()
         holder.append(HeldRun(raw, offer, events))
         await raw.answer(offer, "accepted")
-        await raw.report(offer["runId"], {"type": "RUN_STARTED", "threadId": offer["threadId"],
-                                          "runId": offer["runId"]})
+        await raw.report(
+            offer["runId"],
+            {"type": "RUN_STARTED", "threadId": offer["threadId"], "runId": offer["runId"]},
+        )
         await started.wait()
         yield holder[0]
         nursery.cancel_scope.cancel()
@@ -128,20 +140,35 @@ async def held_run(info: Any, http: httpx.AsyncClient, raw: RawProvider, kyok: d
 _calls = itertools.count()
 
 
-def signed(grant: dict[str, str], identity: Identity, body: Any = CHAT, *, now: float | None = None,
-           token: str | None = None, timestamp: int | None = None) -> dict[str, Any]:
+def signed(
+    grant: dict[str, str],
+    identity: Identity,
+    body: Any = CHAT,
+    *,
+    now: float | None = None,
+    token: str | None = None,
+    timestamp: int | None = None,
+) -> dict[str, Any]:
     """httpx keyword arguments for one signed call (body as bytes, signed as sent)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     token = token or grant["token"]
     # Each signature is taken once: calls signed anew get distinct timestamps
     # (a few seconds back, well inside the window).
-    stamp = timestamp if timestamp is not None else (
-        int(time.time() if now is None else now) - next(_calls) % 30)
+    stamp = (
+        timestamp
+        if timestamp is not None
+        else (int(time.time() if now is None else now) - next(_calls) % 30)
+    )
     signature = identity.sign(kyok_call_payload(token, stamp, raw))
-    return {"content": raw, "headers": {"Authorization": f"Bearer {token}",
-                                        "Funduq-Timestamp": str(stamp),
-                                        "Funduq-Signature": signature,
-                                        "Content-Type": "application/json"}}
+    return {
+        "content": raw,
+        "headers": {
+            "Authorization": f"Bearer {token}",
+            "Funduq-Timestamp": str(stamp),
+            "Funduq-Signature": signature,
+            "Content-Type": "application/json",
+        },
+    }
 
 
 def url_of(grant: dict[str, str]) -> str:
@@ -152,10 +179,16 @@ def url_of(grant: dict[str, str]) -> str:
 
 
 async def test_whole_chain_streaming_through_the_agui_door(tmp_path):
-    async with running_server(tmp_path) as info, llm_provider(info) as llm, \
-            sdk_provider(info, {"chat": kyok_chat}) as agent, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info) as llm,
+        sdk_provider(info, {"chat": kyok_chat}) as agent,
+        http_client(info) as http,
+    ):
         body = user_input("hello there", forwardedProps={"kyok": opt_in(llm)})
-        response, events = await post_sse(http, info.agui_url(agent.identity.fingerprint, "chat"), body)
+        response, events = await post_sse(
+            http, info.agui_url(agent.identity.fingerprint, "chat"), body
+        )
         assert response.status_code == 200, response.text
         assert events[-1]["type"] == "RUN_FINISHED", events
         assert texts(events) == heard("hello there")
@@ -163,7 +196,8 @@ async def test_whole_chain_streaming_through_the_agui_door(tmp_path):
         assert run["status"] == "completed"
         # The record says which offering the run spent against.
         assert run["metadata"]["funduq"]["kyok"] == {
-            "llmProvider": {"providerKey": llm.identity.public_key_hex, "name": "fake"}}
+            "llmProvider": {"providerKey": llm.identity.public_key_hex, "name": "fake"}
+        }
 
 
 async def test_whole_chain_not_streaming_through_the_a2a_door(tmp_path):
@@ -183,23 +217,32 @@ async def test_whole_chain_not_streaming_through_the_a2a_door(tmp_path):
         client = ctx.kyok_client()
         try:
             answer = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "whole"}])
+                model="m", messages=[{"role": "user", "content": "whole"}]
+            )
         finally:
             await client.close()
         mid = "m1"
         yield {"type": "RUN_STARTED", "threadId": run_input.thread_id, "runId": run_input.run_id}
         yield {"type": "TEXT_MESSAGE_START", "messageId": mid, "role": "assistant"}
-        yield {"type": "TEXT_MESSAGE_CONTENT", "messageId": mid,
-               "delta": answer.choices[0].message.content}
+        yield {
+            "type": "TEXT_MESSAGE_CONTENT",
+            "messageId": mid,
+            "delta": answer.choices[0].message.content,
+        }
         yield {"type": "TEXT_MESSAGE_END", "messageId": mid}
         yield {"type": "RUN_FINISHED", "threadId": run_input.thread_id, "runId": run_input.run_id}
 
-    async with running_server(tmp_path) as info, llm_provider(info, {"fake": remember}) as llm, \
-            sdk_provider(info, {"chat": ask_once}) as agent, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info, {"fake": remember}) as llm,
+        sdk_provider(info, {"chat": ask_once}) as agent,
+        http_client(info) as http,
+    ):
         url = info.a2a_url(agent.identity.fingerprint, "chat")
         kyok = opt_in(llm, context={"secretOfTheCaller": 42})
-        answer = await a2a(http, url, "SendMessage", {
-            "message": a2a_message("hi"), "metadata": {"kyok": kyok}})
+        answer = await a2a(
+            http, url, "SendMessage", {"message": a2a_message("hi"), "metadata": {"kyok": kyok}}
+        )
         task = answer["result"]["task"]
         assert task["status"]["state"] == "TASK_STATE_COMPLETED", answer
         assert task["artifacts"][0]["parts"][0]["text"] == heard("whole")
@@ -212,16 +255,25 @@ async def test_whole_chain_not_streaming_through_the_a2a_door(tmp_path):
 
 
 async def test_an_unknown_offering_is_refused_at_both_doors_and_records_nothing(tmp_path):
-    async with running_server(tmp_path) as info, llm_provider(info) as llm, \
-            sdk_provider(info, {"chat": kyok_chat}) as agent, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info) as llm,
+        sdk_provider(info, {"chat": kyok_chat}) as agent,
+        http_client(info) as http,
+    ):
         fp = agent.identity.fingerprint
         unknown = opt_in(llm, name="nope")
-        response = await http.post(info.agui_url(fp, "chat"),
-                                   json=user_input("x", forwardedProps={"kyok": unknown}))
+        response = await http.post(
+            info.agui_url(fp, "chat"), json=user_input("x", forwardedProps={"kyok": unknown})
+        )
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "invalid_kyok_opt_in"
-        answer = await a2a(http, info.a2a_url(fp, "chat"), "SendMessage",
-                           {"message": a2a_message("x"), "metadata": {"kyok": {"llmProvider": 7}}})
+        answer = await a2a(
+            http,
+            info.a2a_url(fp, "chat"),
+            "SendMessage",
+            {"message": a2a_message("x"), "metadata": {"kyok": {"llmProvider": 7}}},
+        )
         assert answer["error"]["code"] == -32602
         assert await info.funduq.list_runs() == []
 
@@ -230,9 +282,13 @@ async def test_an_unknown_offering_is_refused_at_both_doors_and_records_nothing(
 
 
 async def test_token_checks_expired_tampered_and_another_agents(tmp_path):
-    async with running_server(tmp_path, kyok_secret=SECRET) as info, llm_provider(info) as llm, \
-            raw_provider(info, ["agent"]) as raw, raw_provider(info, ["agent"]) as other, \
-            http_client(info) as http:
+    async with (
+        running_server(tmp_path, kyok_secret=SECRET) as info,
+        llm_provider(info) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        raw_provider(info, ["agent"]) as other,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm)) as run:
             grant, url = run.grant, url_of(run.grant)
             # The clock funduq reads tokens and signatures with, injected.
@@ -261,15 +317,20 @@ async def test_token_checks_expired_tampered_and_another_agents(tmp_path):
             assert stolen.json()["error"]["code"] == "invalid_signature"
             # A token (made with the secret) naming another agent for this run.
             forged = mint_token(SECRET.encode(), run.run_id, f"{other.key}/agent", exp)
-            not_theirs = await http.post(url, **signed(grant, other.identity, now=now[0],
-                                                       token=forged))
+            not_theirs = await http.post(
+                url, **signed(grant, other.identity, now=now[0], token=forged)
+            )
             assert not_theirs.status_code == 403
             assert not_theirs.json()["error"]["code"] == "not_this_agents_run"
 
 
 async def test_signature_body_and_attachment_checks(tmp_path):
-    async with running_server(tmp_path) as info, llm_provider(info) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm)) as run:
             grant, url = run.grant, url_of(run.grant)
             now = time.time()
@@ -316,8 +377,12 @@ async def test_signature_body_and_attachment_checks(tmp_path):
 
 
 async def test_a_finished_run_is_refused(tmp_path):
-    async with running_server(tmp_path) as info, llm_provider(info) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm)) as run:
             await run.finish()
             assert (await http.get(f"/runs/{run.run_id}")).json()["status"] == "completed"
@@ -336,12 +401,23 @@ async def test_refused_from_the_moment_the_cancel_is_accepted(tmp_path):
     """The offer (and its grant) is out, unanswered; a cancel is accepted (the
     lane reads it only after the answer, so nothing writes `cancelling` yet):
     the grant is refused already."""
-    async with running_server(tmp_path) as info, llm_provider(info) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         a2a_url = info.a2a_url(raw.fingerprint, "agent")
-        answer = await a2a(http, a2a_url, "SendMessage", {
-            "message": a2a_message("x"), "metadata": {"kyok": opt_in(llm)},
-            "configuration": {"returnImmediately": True}})
+        answer = await a2a(
+            http,
+            a2a_url,
+            "SendMessage",
+            {
+                "message": a2a_message("x"),
+                "metadata": {"kyok": opt_in(llm)},
+                "configuration": {"returnImmediately": True},
+            },
+        )
         offer = await raw.next_offer()
         grant = offer["runInput"]["forwardedProps"]["kyok"]
         cancel = await a2a(http, a2a_url, "CancelTask", {"id": offer["runId"]})
@@ -360,8 +436,12 @@ async def test_refused_from_the_moment_the_cancel_is_accepted(tmp_path):
 async def test_a_cancel_accepted_while_the_call_is_being_read_is_refused(tmp_path):
     """The call passed the token and run checks and is still sending its
     body when the cancel is accepted: the check made once the body is in refuses it."""
-    async with running_server(tmp_path) as info, llm_provider(info) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm)) as run:
             kwargs = signed(run.grant, raw.identity)
             whole = kwargs.pop("content")
@@ -380,8 +460,9 @@ async def test_a_cancel_accepted_while_the_call_is_being_read_is_refused(tmp_pat
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call)
                 await trio.testing.wait_all_tasks_blocked()  # the route waits for the body
-                cancel = await a2a(http, info.a2a_url(raw.fingerprint, "agent"), "CancelTask",
-                                   {"id": run.run_id})
+                cancel = await a2a(
+                    http, info.a2a_url(raw.fingerprint, "agent"), "CancelTask", {"id": run.run_id}
+                )
                 assert "result" in cancel, cancel
                 rest.set()
             assert result[0].status_code == 403
@@ -397,57 +478,76 @@ def hanging(abandoned: trio.Event, chunks: int = 1):
             await trio.sleep_forever()
         finally:
             abandoned.set()
+
     return offering
 
 
 async def test_a_completion_in_flight_ends_when_the_cancel_arrives(tmp_path):
     abandoned = trio.Event()
-    async with running_server(tmp_path) as info, \
-            llm_provider(info, {"slow": hanging(abandoned)}) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info, {"slow": hanging(abandoned)}) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm, "slow")) as run:
             body = {**CHAT, "stream": True}
-            async with http.stream("POST", url_of(run.grant),
-                                   **signed(run.grant, raw.identity, body)) as response:
+            async with http.stream(
+                "POST", url_of(run.grant), **signed(run.grant, raw.identity, body)
+            ) as response:
                 assert response.status_code == 200
                 lines = response.aiter_lines()
-                assert json.loads((await lines.__anext__())[len("data: "):])["choices"][0][
-                    "delta"]["content"] == "c0"
-                cancel = await a2a(http, info.a2a_url(raw.fingerprint, "agent"), "CancelTask",
-                                   {"id": run.run_id})
+                assert (
+                    json.loads((await lines.__anext__())[len("data: ") :])["choices"][0]["delta"][
+                        "content"
+                    ]
+                    == "c0"
+                )
+                cancel = await a2a(
+                    http, info.a2a_url(raw.fingerprint, "agent"), "CancelTask", {"id": run.run_id}
+                )
                 assert "result" in cancel
                 rest = [line async for line in lines if line]
             assert len(rest) == 1 and rest[0].startswith("data: "), rest
-            error = json.loads(rest[0][len("data: "):])["error"]
+            error = json.loads(rest[0][len("data: ") :])["error"]
             assert error["code"] == "run_cancel_requested"
             with trio.fail_after(5):
                 await abandoned.wait()  # the LLM provider was asked to stop (abandon)
         metrics = (await http.get("/metrics")).text
-        assert f'funduq_kyok_completions_total{{offering="{llm.identity.fingerprint}/slow",' \
-               'outcome="abandoned"} 1' in metrics
+        assert (
+            f'funduq_kyok_completions_total{{offering="{llm.identity.fingerprint}/slow",'
+            'outcome="abandoned"} 1' in metrics
+        )
 
 
 async def test_completions_in_flight_per_run_are_bounded(tmp_path):
     """FUNDUQ_KYOK_COMPLETIONS_PER_RUN: past it a call is refused 429 before
     anything reaches the LLM provider; once one ends, another may start."""
     abandoned = trio.Event()
-    async with running_server(tmp_path, kyok_completions_per_run=2) as info, \
-            llm_provider(info, {"slow": hanging(abandoned)}) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path, kyok_completions_per_run=2) as info,
+        llm_provider(info, {"slow": hanging(abandoned)}) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm, "slow")) as run:
             body = {**CHAT, "stream": True}
             async with contextlib.AsyncExitStack() as open_calls:
                 streams = []
                 for _ in range(2):
-                    response = await open_calls.enter_async_context(http.stream(
-                        "POST", url_of(run.grant), **signed(run.grant, raw.identity, body)))
+                    response = await open_calls.enter_async_context(
+                        http.stream(
+                            "POST", url_of(run.grant), **signed(run.grant, raw.identity, body)
+                        )
+                    )
                     assert response.status_code == 200
                     lines = response.aiter_lines()
                     assert (await lines.__anext__()).startswith("data: ")  # c0: in flight
                     streams.append(lines)
                 with trio.fail_after(5):  # (unbounded, the third call streams forever)
-                    third = await http.post(url_of(run.grant),
-                                            **signed(run.grant, raw.identity, body))
+                    third = await http.post(
+                        url_of(run.grant), **signed(run.grant, raw.identity, body)
+                    )
                 assert third.status_code == 429, third.text
                 assert third.json()["error"]["code"] == "too_many_completions"
                 assert len(info.funduq.kyok.by_run[run.run_id]) == 2
@@ -456,16 +556,20 @@ async def test_completions_in_flight_per_run_are_bounded(tmp_path):
                 while info.funduq.kyok.by_run.get(run.run_id):
                     await trio.testing.wait_all_tasks_blocked()
                     await trio.sleep(0)
-            async with http.stream("POST", url_of(run.grant),
-                                   **signed(run.grant, raw.identity, body)) as response:
+            async with http.stream(
+                "POST", url_of(run.grant), **signed(run.grant, raw.identity, body)
+            ) as response:
                 assert response.status_code == 200
 
 
 async def test_a_completion_in_flight_ends_when_the_run_settles(tmp_path):
     abandoned = trio.Event()
-    async with running_server(tmp_path) as info, \
-            llm_provider(info, {"slow": hanging(abandoned, chunks=0)}) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info, {"slow": hanging(abandoned, chunks=0)}) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm, "slow")) as run:
             result: list[httpx.Response] = []
 
@@ -502,11 +606,18 @@ async def test_refusals_before_and_after_the_first_chunk_and_the_counters(tmp_pa
         yield  # pragma: no cover
 
     offerings = {"fake": fake_model, "refuse": refuse, "half": half, "broken": broken}
-    async with running_server(tmp_path) as info, llm_provider(info, offerings) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info, offerings) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
+
         async def spend(name: str, body: dict) -> httpx.Response:
             async with held_run(info, http, raw, opt_in(llm, name)) as run:
-                response = await http.post(url_of(run.grant), **signed(run.grant, raw.identity, body))
+                response = await http.post(
+                    url_of(run.grant), **signed(run.grant, raw.identity, body)
+                )
                 await run.finish()
                 return response
 
@@ -535,22 +646,33 @@ async def test_refusals_before_and_after_the_first_chunk_and_the_counters(tmp_pa
         counters = (await http.get("/llms")).json()["llms"]
         assert {o["name"]: o["online"] for o in counters} == dict.fromkeys(offerings, True)
         assert counters[0]["counters"] == {"completions": 1, "refused": 3, "failed": 1}
-        stored = await info.funduq.record.read(lambda c: c.execute(
-            "SELECT completions, refused, failed FROM llm_providers").fetchall())
+        stored = await info.funduq.record.read(
+            lambda c: c.execute("SELECT completions, refused, failed FROM llm_providers").fetchall()
+        )
         assert stored == [(1, 3, 1)]
         metrics = (await http.get("/metrics")).text
         fp = llm.identity.fingerprint
-        for name, outcome, n in [("refuse", "refused", 2), ("half", "refused", 1),
-                                 ("broken", "failed", 1), ("fake", "completed", 1)]:
-            assert f'funduq_kyok_completions_total{{offering="{fp}/{name}",outcome="{outcome}"}} {n}' \
-                in metrics, metrics
+        for name, outcome, n in [
+            ("refuse", "refused", 2),
+            ("half", "refused", 1),
+            ("broken", "failed", 1),
+            ("fake", "completed", 1),
+        ]:
+            assert (
+                f'funduq_kyok_completions_total{{offering="{fp}/{name}",outcome="{outcome}"}} {n}'
+                in metrics
+            ), metrics
 
 
 async def test_the_example_agent_says_so_without_a_grant(tmp_path):
-    async with running_server(tmp_path) as info, sdk_provider(info, {"chat": kyok_chat}) as agent, \
-            http_client(info) as http:
-        _, events = await post_sse(http, info.agui_url(agent.identity.fingerprint, "chat"),
-                                   user_input("x"))
+    async with (
+        running_server(tmp_path) as info,
+        sdk_provider(info, {"chat": kyok_chat}) as agent,
+        http_client(info) as http,
+    ):
+        _, events = await post_sse(
+            http, info.agui_url(agent.identity.fingerprint, "chat"), user_input("x")
+        )
         assert events[-1]["type"] == "RUN_ERROR"
         assert "no KYOK grant" in events[-1]["message"]
 
@@ -577,19 +699,28 @@ class RawLlm:
 
 
 async def test_hostile_bodies_and_chunks_are_refused(tmp_path):
-    async with running_server(tmp_path) as info, raw_provider(info, []) as raw_llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        raw_provider(info, []) as raw_llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         llm = RawLlm(raw_llm)
-        reply = await raw_llm.request({"kind": "register.llm", "offerings": [
-            {"name": "raw", "description": None, "metadata": None}]})
+        reply = await raw_llm.request(
+            {
+                "kind": "register.llm",
+                "offerings": [{"name": "raw", "description": None, "metadata": None}],
+            }
+        )
         assert reply["kind"] == "ok", reply
         kyok = {"llmProvider": {"providerKey": raw_llm.key, "name": "raw"}, "context": None}
         async with held_run(info, http, raw, kyok) as run:
             deep: Any = "x"
             for _ in range(200):
                 deep = [deep]
-            nested = await http.post(url_of(run.grant),
-                                     **signed(run.grant, raw.identity, {"model": "m", "x": deep}))
+            nested = await http.post(
+                url_of(run.grant), **signed(run.grant, raw.identity, {"model": "m", "x": deep})
+            )
             assert nested.status_code == 400
 
             result: list[httpx.Response] = []
@@ -604,7 +735,8 @@ async def test_hostile_bodies_and_chunks_are_refused(tmp_path):
                 assert complete["agent"] == {"providerKey": raw.key, "name": "agent"}
                 assert complete["body"] == CHAT and complete["context"] is None
                 await raw_llm.ws.send_message(
-                    json.dumps({"kind": "chunk", "id": complete["id"], "data": "\ud800"}))
+                    json.dumps({"kind": "chunk", "id": complete["id"], "data": "\ud800"})
+                )
                 assert await llm.abandons.receive() == complete["id"]
             assert result[0].status_code == 502
             assert result[0].json()["error"]["code"] == "llm_bad_chunk"
@@ -615,14 +747,21 @@ async def test_chunks_relay_verbatim_and_a_whole_answer_is_one_chunk(tmp_path):
         yield "first\nsecond"
         yield '{"n": 2}'
 
-    async with running_server(tmp_path) as info, llm_provider(info, {"lines": lines}) as llm, \
-            raw_provider(info, ["agent"]) as raw, http_client(info) as http:
+    async with (
+        running_server(tmp_path) as info,
+        llm_provider(info, {"lines": lines}) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm, "lines")) as run:
-            streamed = await http.post(url_of(run.grant),
-                                       **signed(run.grant, raw.identity, {**CHAT, "stream": True}))
+            streamed = await http.post(
+                url_of(run.grant), **signed(run.grant, raw.identity, {**CHAT, "stream": True})
+            )
             assert streamed.headers["content-type"].startswith("text/event-stream")
             # A line break inside a chunk is a second data: line of the same event.
-            assert streamed.text == 'data: first\ndata: second\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+            assert (
+                streamed.text == 'data: first\ndata: second\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+            )
             whole = await http.post(url_of(run.grant), **signed(run.grant, raw.identity))
             assert whole.status_code == 502
             assert whole.json()["error"]["code"] == "llm_bad_response"
@@ -636,15 +775,18 @@ async def test_the_sdk_signs_the_same_call_twice_in_a_second_apart():
 
     def answer(request: httpx.Request) -> httpx.Response:
         stamp = request.headers["Funduq-Timestamp"]
-        assert verify(identity.public_key_hex,
-                      kyok_call_payload("t", int(stamp), request.content),
-                      request.headers["Funduq-Signature"])
+        assert verify(
+            identity.public_key_hex,
+            kyok_call_payload("t", int(stamp), request.content),
+            request.headers["Funduq-Signature"],
+        )
         seen.append(stamp)
         return httpx.Response(200, json={})
 
     grant = {"token": "t", "baseUrl": "http://relay.test/kyok/v1"}
-    async with kyok_http_client(grant, identity, clock=lambda: 1000.5,
-                                transport=httpx.MockTransport(answer)) as client:
+    async with kyok_http_client(
+        grant, identity, clock=lambda: 1000.5, transport=httpx.MockTransport(answer)
+    ) as client:
         for _ in range(3):
             await client.post("http://relay.test/kyok/v1/chat/completions", json=CHAT)
     assert seen == ["1000", "999", "998"]

@@ -34,22 +34,46 @@ async def fake_openai() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         body = await request.get_json()
         seen.append({"authorization": request.headers.get("Authorization"), "body": body})
         if body.get("model") == "refuse":
-            return Response(json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}),
-                            status=429, content_type="application/json")
+            return Response(
+                json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}),
+                status=429,
+                content_type="application/json",
+            )
         if body.get("stream"):
+
             async def events() -> AsyncIterator[bytes]:
                 for word in ("up", "stream"):
-                    chunk = {"id": "u1", "object": "chat.completion.chunk", "created": 0,
-                             "model": body["model"],
-                             "choices": [{"index": 0, "delta": {"content": word},
-                                          "finish_reason": None}]}
+                    chunk = {
+                        "id": "u1",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "delta": {"content": word}, "finish_reason": None}
+                        ],
+                    }
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
+
             return Response(events(), content_type="text/event-stream")
-        return Response(json.dumps({
-            "id": "u2", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "up whole"},
-                         "finish_reason": "stop"}]}), content_type="application/json")
+        return Response(
+            json.dumps(
+                {
+                    "id": "u2",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "up whole"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                }
+            ),
+            content_type="application/json",
+        )
 
     config = Config()
     config.bind = ["127.0.0.1:0"]
@@ -62,9 +86,18 @@ async def fake_openai() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
 
 @contextlib.asynccontextmanager
 async def forwarder(info: Any, upstream: str, tmp_path: Any, model: str | None = None):
-    argv = ["--url", info.provider_url, "--key-file", str(tmp_path / "llm.key"),
-            "--offering", "forward", "--forward-url", upstream + "/v1",
-            "--forward-key-env", "UPSTREAM_KEY"]
+    argv = [
+        "--url",
+        info.provider_url,
+        "--key-file",
+        str(tmp_path / "llm.key"),
+        "--offering",
+        "forward",
+        "--forward-url",
+        upstream + "/v1",
+        "--forward-key-env",
+        "UPSTREAM_KEY",
+    ]
     if model:
         argv += ["--forward-model", model]
     args: argparse.Namespace = build_llm_provider_parser().parse_args(argv)
@@ -76,19 +109,26 @@ async def forwarder(info: Any, upstream: str, tmp_path: Any, model: str | None =
 
 
 def opt_in(llm: Any) -> dict[str, Any]:
-    return {"llmProvider": {"providerKey": llm.identity.fingerprint, "name": "forward"},
-            "context": {"plan": "gold"}}
+    return {
+        "llmProvider": {"providerKey": llm.identity.fingerprint, "name": "forward"},
+        "context": {"plan": "gold"},
+    }
 
 
 async def test_the_forwarder_streams_through_the_whole_chain(tmp_path):
-    async with fake_openai() as (upstream, seen), running_server(tmp_path) as info, \
-            forwarder(info, upstream, tmp_path, model="up-model") as llm, \
-            sdk_provider(info, {"chat": kyok_chat}) as agent, http_client(info) as http:
+    async with (
+        fake_openai() as (upstream, seen),
+        running_server(tmp_path) as info,
+        forwarder(info, upstream, tmp_path, model="up-model") as llm,
+        sdk_provider(info, {"chat": kyok_chat}) as agent,
+        http_client(info) as http,
+    ):
         body = user_input("hello", forwardedProps={"kyok": opt_in(llm)})
         _, events = await post_sse(http, info.agui_url(agent.identity.fingerprint, "chat"), body)
         assert events[-1]["type"] == "RUN_FINISHED", events
-        assert "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") \
-            == "upstream"
+        assert (
+            "".join(e["delta"] for e in events if e["type"] == "TEXT_MESSAGE_CONTENT") == "upstream"
+        )
         assert seen[0]["authorization"] == "Bearer sk-upstream"
         assert seen[0]["body"]["model"] == "up-model"  # --forward-model wins
         assert seen[0]["body"]["messages"][-1] == {"role": "user", "content": "hello"}
@@ -97,16 +137,24 @@ async def test_the_forwarder_streams_through_the_whole_chain(tmp_path):
 async def test_the_forwarder_whole_answers_and_upstream_refusals(tmp_path):
     from support import raw_provider
 
-    async with fake_openai() as (upstream, seen), running_server(tmp_path) as info, \
-            forwarder(info, upstream, tmp_path) as llm, raw_provider(info, ["agent"]) as raw, \
-            http_client(info) as http:
+    async with (
+        fake_openai() as (upstream, seen),
+        running_server(tmp_path) as info,
+        forwarder(info, upstream, tmp_path) as llm,
+        raw_provider(info, ["agent"]) as raw,
+        http_client(info) as http,
+    ):
         async with held_run(info, http, raw, opt_in(llm)) as run:
             whole = await http.post(url_of(run.grant), **signed(run.grant, raw.identity))
             assert whole.status_code == 200
             assert whole.json()["choices"][0]["message"]["content"] == "up whole"
             assert seen[-1]["body"] == CHAT
-            refused = await http.post(url_of(run.grant), **signed(
-                run.grant, raw.identity, {**CHAT, "model": "refuse", "stream": True}))
+            refused = await http.post(
+                url_of(run.grant),
+                **signed(run.grant, raw.identity, {**CHAT, "model": "refuse", "stream": True}),
+            )
             assert refused.status_code == 502
             assert refused.json()["error"]["refusal"] == {
-                "upstreamStatus": 429, "error": {"message": "slow down", "type": "rate_limit"}}
+                "upstreamStatus": 429,
+                "error": {"message": "slow down", "type": "rate_limit"},
+            }

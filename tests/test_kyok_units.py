@@ -26,8 +26,14 @@ from funduq_trio.protocol import link as L
 
 SECRET = b"s" * 32
 AGENT = Identity.from_private_hex("a5" * 32)
-REQUEST = {"runId": "run_1", "agent": {"providerKey": AGENT.public_key_hex, "name": "chat"},
-           "llm": "fake", "body": {"model": "m"}, "context": {"c": 1}, "actorChain": None}
+REQUEST = {
+    "runId": "run_1",
+    "agent": {"providerKey": AGENT.public_key_hex, "name": "chat"},
+    "llm": "fake",
+    "body": {"model": "m"},
+    "context": {"c": 1},
+    "actorChain": None,
+}
 
 
 def test_a_token_round_trips_and_expires_exactly_at_exp():
@@ -42,12 +48,19 @@ def test_a_token_round_trips_and_expires_exactly_at_exp():
     assert expired.value.status == 401
 
 
-@pytest.mark.parametrize("token", [
-    None, "", "nodot", "a.b", "x" * 5000,
-    mint_token(b"t" * 32, "run_1", "k/agent", 1000),  # another funduq's secret
-    mint_token(SECRET, "run_1", "k/agent", 1000)[:-1] + "0",
-    mint_token(SECRET, "run_1", "k/agent", 1000).upper(),
-])
+@pytest.mark.parametrize(
+    "token",
+    [
+        None,
+        "",
+        "nodot",
+        "a.b",
+        "x" * 5000,
+        mint_token(b"t" * 32, "run_1", "k/agent", 1000),  # another funduq's secret
+        mint_token(SECRET, "run_1", "k/agent", 1000)[:-1] + "0",
+        mint_token(SECRET, "run_1", "k/agent", 1000).upper(),
+    ],
+)
 def test_a_token_that_does_not_verify_is_401(token):
     with pytest.raises(KyokRefusal) as refused:
         read_token(SECRET, token, 0)
@@ -59,8 +72,11 @@ def test_a_token_whose_claims_are_not_a_grant_is_401():
     import hashlib
     import hmac
 
-    first = base64.urlsafe_b64encode(json.dumps({"runId": 1, "agent": "a", "exp": 5})
-                                     .encode()).rstrip(b"=").decode()
+    first = (
+        base64.urlsafe_b64encode(json.dumps({"runId": 1, "agent": "a", "exp": 5}).encode())
+        .rstrip(b"=")
+        .decode()
+    )
     token = first + "." + hmac.new(SECRET, first.encode(), hashlib.sha256).hexdigest()
     with pytest.raises(KyokRefusal):
         read_token(SECRET, token, 0)
@@ -70,9 +86,14 @@ def test_the_call_signature_is_fresh_and_covers_the_body():
     body = b'{"a":1}'
     sig = AGENT.sign(kyok_call_payload("tok", 1000, body))
     check_call_signature(AGENT.public_key_hex, "tok", "1000", sig, body, 1060)
-    for args in [("tok", "1000", sig, body, 1061), ("tok", "1000", sig, b"{}", 1000),
-                 ("tok2", "1000", sig, body, 1000), ("tok", "1000.0", sig, body, 1000),
-                 ("tok", None, sig, body, 1000), ("tok", "1000", None, body, 1000)]:
+    for args in [
+        ("tok", "1000", sig, body, 1061),
+        ("tok", "1000", sig, b"{}", 1000),
+        ("tok2", "1000", sig, body, 1000),
+        ("tok", "1000.0", sig, body, 1000),
+        ("tok", None, sig, body, 1000),
+        ("tok", "1000", None, body, 1000),
+    ]:
         with pytest.raises(KyokRefusal) as refused:
             check_call_signature(AGENT.public_key_hex, *args)
         assert refused.value.status == 401
@@ -84,8 +105,11 @@ def test_kyok_frames_decode_and_batch():
     for kind in ("complete", "abandon"):
         assert kind in f.FROM_FUNDUQ and kind in f.IN_FUNDUQ_BATCH
     with pytest.raises(f.FrameError) as twice:
-        f.decode_frame(json.dumps({"kind": "register.llm", "id": "r", "offerings": [
-            {"name": "a"}, {"name": "a"}]}))
+        f.decode_frame(
+            json.dumps(
+                {"kind": "register.llm", "id": "r", "offerings": [{"name": "a"}, {"name": "a"}]}
+            )
+        )
     assert twice.value.id == "r"
     with pytest.raises(f.FrameError):
         f.decode_frame('{"kind":"chunk","id":"c","data":7}')
@@ -104,9 +128,15 @@ def test_the_link_machine_relays_a_completion_and_ignores_what_crosses_an_abando
     assert m.receive('{"kind":"completion.failed","id":"c2","message":"m","refusal":null}') == []
     with pytest.raises(ValueError):
         m.complete("c1", REQUEST)
-    assert m.receive(json.dumps({"kind": "register.llm", "id": "r1", "offerings": [
-        {"name": "fake", "description": None, "metadata": None}]})) == [
-        L.RegisterLlm("r1", [{"name": "fake", "description": None, "metadata": None}])]
+    assert m.receive(
+        json.dumps(
+            {
+                "kind": "register.llm",
+                "id": "r1",
+                "offerings": [{"name": "fake", "description": None, "metadata": None}],
+            }
+        )
+    ) == [L.RegisterLlm("r1", [{"name": "fake", "description": None, "metadata": None}])]
 
 
 def test_a_chunk_for_a_completion_never_asked_closes_the_link():
@@ -142,8 +172,10 @@ async def test_the_public_url_sets_the_grants_base_url(tmp_path):
 
 
 def test_the_sdk_imports_without_openai_or_the_server():
-    code = ("import sys; import funduq_trio.provider, funduq_trio.provider.llm_cli; "
-            "bad = [m for m in ('openai', 'quart', 'hypercorn', 'funduq_trio.broker') "
-            "if m in sys.modules]; print(bad)")
+    code = (
+        "import sys; import funduq_trio.provider, funduq_trio.provider.llm_cli; "
+        "bad = [m for m in ('openai', 'quart', 'hypercorn', 'funduq_trio.broker') "
+        "if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -44,8 +44,14 @@ from funduq_trio.web.provider_socket import ProviderSocket
 
 # A safety net against a hung test, never a behaviour clock.
 NET = 15
-ASK = [{"id": "ask-1", "reason": "approval", "message": "Proceed?",
-        "expiresAt": "2030-06-01T00:00:00Z"}]
+ASK = [
+    {
+        "id": "ask-1",
+        "reason": "approval",
+        "message": "Proceed?",
+        "expiresAt": "2030-06-01T00:00:00Z",
+    }
+]
 
 
 async def until(check: Any) -> None:
@@ -62,8 +68,7 @@ async def status_is(http: Any, run_id: str, status: str) -> bool:
 # --- runs waiting in funduq ---------------------------------------------------------
 
 
-async def test_runs_waiting_for_one_agent_are_bounded_and_a_refused_run_leaves_no_trace(
-        tmp_path):
+async def test_runs_waiting_for_one_agent_are_bounded_and_a_refused_run_leaves_no_trace(tmp_path):
     async with (
         running_server(tmp_path, max_queued_runs_per_agent=2) as info,
         http_client(info) as http,
@@ -74,10 +79,14 @@ async def test_runs_waiting_for_one_agent_are_bounded_and_a_refused_run_leaves_n
             await send_blocking(client, send_request("two", immediately=True))
             with pytest.raises(UnsupportedOperationError) as refused:
                 await send(client, send_request("three", immediately=True))
-        assert refused.value.data == {"reason": "agent_queued_runs_limit",
-                                      "setting": "FUNDUQ_MAX_QUEUED_RUNS_PER_AGENT", "limit": "2"}
-        response, events = await post_sse(http, f"/agui/{provider.key}/echo",
-                                          user_input("four", thread_id="caller-four"))
+        assert refused.value.data == {
+            "reason": "agent_queued_runs_limit",
+            "setting": "FUNDUQ_MAX_QUEUED_RUNS_PER_AGENT",
+            "limit": "2",
+        }
+        response, events = await post_sse(
+            http, f"/agui/{provider.key}/echo", user_input("four", thread_id="caller-four")
+        )
         assert response.status_code == 503 and events == []
         error = response.json()["error"]
         assert error["code"] == "agent_queued_runs_limit"
@@ -85,8 +94,11 @@ async def test_runs_waiting_for_one_agent_are_bounded_and_a_refused_run_leaves_n
         # Nothing of the refused runs was recorded: no run, no thread, no message.
         runs = await info.funduq.list_runs(limit=100)
         assert len(runs) == 2
-        texts = [m["content"] for r in runs
-                 for m in (await http.get(f"/threads/{r['threadId']}")).json()["messages"]]
+        texts = [
+            m["content"]
+            for r in runs
+            for m in (await http.get(f"/threads/{r['threadId']}")).json()["messages"]
+        ]
         assert sorted(texts) == ["one", "two"]
 
         # Another agent of the same provider has its own bound.
@@ -164,8 +176,9 @@ async def test_a_follower_behind_the_feed_reads_the_rest_from_the_record_in_orde
         assert offer["runId"] == run_id
         # A slow follower: it reads one burst, then nothing while the run goes on.
         follower = funduq.follow(run_id)
-        await provider.report(run_id, {"type": "RUN_STARTED", "threadId": task.context_id,
-                                       "runId": run_id})
+        await provider.report(
+            run_id, {"type": "RUN_STARTED", "threadId": task.context_id, "runId": run_id}
+        )
         with trio.fail_after(NET):
             seen = list(await follower.__anext__())
         for i in range(count):
@@ -178,8 +191,9 @@ async def test_a_follower_behind_the_feed_reads_the_rest_from_the_record_in_orde
         assert len(lane.feed.events) == 5
         assert [seq for seq, _ in lane.feed.events] == list(range(count - 3, count + 2))
         # ...and the follower still reads every one, in order, none twice.
-        await provider.report(run_id, {"type": "RUN_FINISHED", "threadId": task.context_id,
-                                       "runId": run_id})
+        await provider.report(
+            run_id, {"type": "RUN_FINISHED", "threadId": task.context_id, "runId": run_id}
+        )
         await provider.finish(run_id)
         with trio.fail_after(NET):
             async for burst in follower:
@@ -206,11 +220,14 @@ async def test_a_live_stream_relays_every_event_with_a_tiny_feed(tmp_path):
             offer = await provider.next_offer()
             await provider.answer(offer, "accepted")
             run_id, thread_id = offer["runId"], offer["threadId"]
-            await provider.play(offer, [
-                {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
-                *(custom(i) for i in range(30)),
-                {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
-            ])
+            await provider.play(
+                offer,
+                [
+                    {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
+                    *(custom(i) for i in range(30)),
+                    {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
+                ],
+            )
         ((response, events),) = results
         assert response.status_code == 200
         assert [e["type"] for e in events] == ["RUN_STARTED", *["CUSTOM"] * 30, "RUN_FINISHED"]
@@ -232,15 +249,20 @@ async def test_reply_text_kept_for_the_history_is_bounded_while_the_record_keeps
             offer = await provider.next_offer()
             await provider.answer(offer, "accepted")
             run_id, thread_id = offer["runId"], offer["threadId"]
-            deltas = [{"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "x" * 1000}
-                      for _ in range(12)]
-            await provider.play(offer, [
-                {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
-                {"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"},
-                *deltas,
-                {"type": "TEXT_MESSAGE_END", "messageId": "m1"},
-                {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
-            ])
+            deltas = [
+                {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "x" * 1000}
+                for _ in range(12)
+            ]
+            await provider.play(
+                offer,
+                [
+                    {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
+                    {"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"},
+                    *deltas,
+                    {"type": "TEXT_MESSAGE_END", "messageId": "m1"},
+                    {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
+                ],
+            )
         run = await info.funduq.wait_run(run_id)
         assert run["status"] == "completed"
         recorded = (await http.get(f"/runs/{run_id}")).json()["events"]
@@ -305,8 +327,14 @@ async def test_agents_no_longer_served_are_kept_only_within_a_frame_of_bytes(tmp
     ):
         assert (await raw.connect())["kind"] == "connect.ok"
         for name in ("a", "b", "c"):
-            reply = await raw.request({"kind": "register", "agents": [
-                {"name": name, "description": "d" * 8_000, "card": None, "metadata": None}]})
+            reply = await raw.request(
+                {
+                    "kind": "register",
+                    "agents": [
+                        {"name": name, "description": "d" * 8_000, "card": None, "metadata": None}
+                    ],
+                }
+            )
             assert reply["kind"] == "ok"
         # b and c fill the bytes one key may keep: a is forgotten.
         assert await roster(http) == {("b", False), ("c", True)}
@@ -349,11 +377,20 @@ async def test_the_handshake_deadline_under_a_mock_clock(tmp_path, autojump_cloc
             provider = Identity.generate()
             hello = prompt.written[0]
             nonce = new_nonce()
-            proof = provider.sign(provider_connect_payload(hello["funduqKey"], hello["nonce"],
-                                                           nonce))
-            await prompt.inbound_send.send(json.dumps({
-                "kind": "connect", "publicKey": provider.public_key_hex, "nonce": nonce,
-                "proof": proof, "maxConcurrentRuns": None}))
+            proof = provider.sign(
+                provider_connect_payload(hello["funduqKey"], hello["nonce"], nonce)
+            )
+            await prompt.inbound_send.send(
+                json.dumps(
+                    {
+                        "kind": "connect",
+                        "publicKey": provider.public_key_hex,
+                        "nonce": nonce,
+                        "proof": proof,
+                        "maxConcurrentRuns": None,
+                    }
+                )
+            )
             await trio.sleep(100)
             nursery.cancel_scope.cancel()
         assert [m["kind"] for m in silent.written] == ["hello", "connect.err"]
@@ -377,8 +414,15 @@ async def say_connect(raw: Raw) -> dict[str, Any]:
     """`connect` on a link whose hello was already read into `raw.hello`."""
     nonce = new_nonce()
     payload = provider_connect_payload(raw.hello["funduqKey"], raw.hello["nonce"], nonce)
-    await raw.send({"kind": "connect", "publicKey": raw.identity.public_key_hex, "nonce": nonce,
-                    "proof": raw.identity.sign(payload), "maxConcurrentRuns": None})
+    await raw.send(
+        {
+            "kind": "connect",
+            "publicKey": raw.identity.public_key_hex,
+            "nonce": nonce,
+            "proof": raw.identity.sign(payload),
+            "maxConcurrentRuns": None,
+        }
+    )
     return await raw.recv()
 
 
@@ -425,7 +469,8 @@ async def test_a_body_that_trickles_is_cut_with_408(tmp_path, door):
         async with stream:
             await stream.send_all(
                 f"POST /{door}/0123456789abcdef/echo HTTP/1.1\r\nHost: t\r\n"
-                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"th".encode())
+                'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"th'.encode()
+            )
             answer = await read_to_eof(stream, NET)
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408")
@@ -444,8 +489,9 @@ async def test_idle_and_half_open_connections_are_closed(tmp_path):
         # body is never read, so the connection closes rather than wait for it.
         stream = await trio.open_tcp_stream("127.0.0.1", info.port)
         async with stream:
-            await stream.send_all(b"POST /healthz HTTP/1.1\r\nHost: t\r\n"
-                                  b"Content-Length: 100\r\n\r\nab")
+            await stream.send_all(
+                b"POST /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\nab"
+            )
             assert (await read_to_eof(stream, 3)).startswith(b"HTTP/1.1 405")
         # A keep-alive connection left idle after its request.
         stream = await trio.open_tcp_stream("127.0.0.1", info.port)
@@ -492,14 +538,27 @@ async def test_runs_queued_again_at_a_restart_count(tmp_path, mock_clock):
 
 
 def test_bad_bounds_are_refused_at_start():
-    bad = Settings(max_queued_runs=0, max_feed_events=0, max_agents_per_provider=-1,
-                   max_unauthenticated_links=0, max_queued_input_bytes=0,
-                   max_queued_runs_per_agent=0, handshake_timeout_seconds=0,
-                   body_timeout_seconds=-1)
+    bad = Settings(
+        max_queued_runs=0,
+        max_feed_events=0,
+        max_agents_per_provider=-1,
+        max_unauthenticated_links=0,
+        max_queued_input_bytes=0,
+        max_queued_runs_per_agent=0,
+        handshake_timeout_seconds=0,
+        body_timeout_seconds=-1,
+    )
     problems = " ".join(bad.problems())
-    for name in ("MAX_QUEUED_RUNS=", "MAX_FEED_EVENTS", "MAX_AGENTS_PER_PROVIDER",
-                 "MAX_UNAUTHENTICATED_LINKS", "MAX_QUEUED_INPUT_BYTES",
-                 "MAX_QUEUED_RUNS_PER_AGENT", "HANDSHAKE_TIMEOUT_SECONDS", "BODY_TIMEOUT_SECONDS"):
+    for name in (
+        "MAX_QUEUED_RUNS=",
+        "MAX_FEED_EVENTS",
+        "MAX_AGENTS_PER_PROVIDER",
+        "MAX_UNAUTHENTICATED_LINKS",
+        "MAX_QUEUED_INPUT_BYTES",
+        "MAX_QUEUED_RUNS_PER_AGENT",
+        "HANDSHAKE_TIMEOUT_SECONDS",
+        "BODY_TIMEOUT_SECONDS",
+    ):
         assert f"FUNDUQ_{name}" in problems
     assert Settings().problems() == []
 
@@ -508,8 +567,11 @@ async def test_answering_a_pause_waits_again_so_it_counts(tmp_path, mock_clock):
     async with broker(tmp_path, max_queued_runs_per_agent=1) as funduq:
         p = await Provider(funduq, max_concurrent=1).attach()
         paused = await accepted(funduq, p)
-        p.stream(paused.run_id, *reply(paused.run_id, paused.thread_id)[:-1],
-                 interrupt_finish(paused.run_id, paused.thread_id, ASK))
+        p.stream(
+            paused.run_id,
+            *reply(paused.run_id, paused.thread_id)[:-1],
+            interrupt_finish(paused.run_id, paused.thread_id, ASK),
+        )
         assert await status_of(funduq, paused.run_id) == "input-required"
         waiting = await start(funduq, p)  # offered, not yet answered: it waits
         messages = len((await funduq.get_thread(paused.thread_id))["messages"])
@@ -545,8 +607,17 @@ def test_the_link_machine_owns_both_handshake_refusals():
     attached = LinkMachine(funduq, "n" * 32)
     nonce = new_nonce()
     proof = provider.sign(provider_connect_payload(funduq.public_key_hex, "n" * 32, nonce))
-    attached.receive(json.dumps({"kind": "connect", "publicKey": provider.public_key_hex,
-                                 "nonce": nonce, "proof": proof, "maxConcurrentRuns": None}))
+    attached.receive(
+        json.dumps(
+            {
+                "kind": "connect",
+                "publicKey": provider.public_key_hex,
+                "nonce": nonce,
+                "proof": proof,
+                "maxConcurrentRuns": None,
+            }
+        )
+    )
     assert attached.state is State.ATTACHED
     assert attached.handshake_timed_out(10) == [] and attached.state is State.ATTACHED
 

@@ -31,8 +31,13 @@ def events_of(run: dict[str, Any], text: str) -> list[dict[str, Any]]:
 
 
 def accepted(run: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": "ok", "id": run["offerId"], "verdict": "accepted", "reason": None,
-            "payload": None}
+    return {
+        "kind": "ok",
+        "id": run["offerId"],
+        "verdict": "accepted",
+        "reason": None,
+        "payload": None,
+    }
 
 
 def reports(run: dict[str, Any], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,7 +64,11 @@ async def test_a_whole_run_in_one_batch_reaches_the_caller_and_the_record(tmp_pa
             nursery.start_soon(call)
             run = await provider.next_offer()
             events = events_of(run, "hello")
-            frames = [accepted(run), *reports(run, events), {"kind": "finish", "runId": run["runId"]}]
+            frames = [
+                accepted(run),
+                *reports(run, events),
+                {"kind": "finish", "runId": run["runId"]},
+            ]
             await provider.send({"kind": "batch", "frames": frames})
         record = (await http.get(f"/runs/{run['runId']}")).json()
     assert result["response"].status_code == 200
@@ -225,21 +234,38 @@ async def offers_written_while_busy(tmp_path, extensions: list[str] | None) -> l
             nursery.start_soon(ProviderSocket(ws, funduq).run)
             hello = await ws.next_written("hello")
             nonce = new_nonce()
-            proof = provider.sign(provider_connect_payload(hello["funduqKey"], hello["nonce"], nonce))
-            await ws._in_send.send(json.dumps({
-                "kind": "connect", "publicKey": provider.public_key_hex, "nonce": nonce,
-                "proof": proof, "maxConcurrentRuns": None, "extensions": extensions}))
-            await ws._in_send.send(json.dumps({
-                "kind": "register", "id": "r1",
-                "agents": [{"name": "echo", "description": None, "card": None,
-                            "metadata": None}]}))
+            proof = provider.sign(
+                provider_connect_payload(hello["funduqKey"], hello["nonce"], nonce)
+            )
+            await ws._in_send.send(
+                json.dumps(
+                    {
+                        "kind": "connect",
+                        "publicKey": provider.public_key_hex,
+                        "nonce": nonce,
+                        "proof": proof,
+                        "maxConcurrentRuns": None,
+                        "extensions": extensions,
+                    }
+                )
+            )
+            await ws._in_send.send(
+                json.dumps(
+                    {
+                        "kind": "register",
+                        "id": "r1",
+                        "agents": [
+                            {"name": "echo", "description": None, "card": None, "metadata": None}
+                        ],
+                    }
+                )
+            )
             await ws.next_written("ok")
             await quiet()
             ws.busy = trio.Event()
             before = len(ws.written)
             for i in range(3):
-                await funduq.start_run(provider.public_key_hex, "echo",
-                                       broker_input(f"run {i}"))
+                await funduq.start_run(provider.public_key_hex, "echo", broker_input(f"run {i}"))
             await quiet()
             ws.busy.set()
             await quiet()

@@ -129,8 +129,15 @@ def test_decode_round_trips_every_kind():
         f.Batch(frames=[{"kind": "finish", "runId": "r"}]),
         # KYOK (DESIGN §9)
         f.RegisterLlm(id="l", offerings=[f.LlmOffering(name="fake", metadata={"a": 1})]),
-        f.Complete(id="c", run_id="r", agent=f.CompleteAgent(provider_key="1" * 64, name="a"),
-                   llm="fake", body={"model": "m"}, context=None, actor_chain=["t"]),
+        f.Complete(
+            id="c",
+            run_id="r",
+            agent=f.CompleteAgent(provider_key="1" * 64, name="a"),
+            llm="fake",
+            body={"model": "m"},
+            context=None,
+            actor_chain=["t"],
+        ),
         f.Chunk(id="c", data="x"),
         f.CompletionEnd(id="c"),
         f.CompletionFailed(id="c", message="m", refusal={"why": "no"}),
@@ -376,7 +383,9 @@ def test_a_batch_means_its_frames_one_after_another():
     assert m.receive(batch(*frames)) == one_by_one
     assert one_by_one[0] == L.Answer("o1", "accepted", None)
     assert one_by_one[1:4] == [
-        L.Report("run_1", event, 1), L.Report("run_1", event, 2), L.Finish("run_1")
+        L.Report("run_1", event, 1),
+        L.Report("run_1", event, 2),
+        L.Finish("run_1"),
     ]
     assert isinstance(one_by_one[4], L.Register)
     assert m.state is L.State.ATTACHED and m.outstanding_offers == frozenset()

@@ -39,8 +39,12 @@ def test_every_family_has_help_and_type_and_labels_are_quoted():
     text = m.render({"funduq_runs_live": ("Live runs.", 3)})
     names = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
     assert len(names) == len(re.findall(r"^# HELP ", text, re.M)) == 7
-    assert samples(text)[
-        'funduq_kyok_completions_total{offering="0123456789abcdef/fake",outcome="refused"}'] == 1
+    assert (
+        samples(text)[
+            'funduq_kyok_completions_total{offering="0123456789abcdef/fake",outcome="refused"}'
+        ]
+        == 1
+    )
     values = samples(text)
     assert values['funduq_runs_ended_total{status="failed"}'] == 1
     assert values['funduq_offers_answered_total{verdict="declined"}'] == 1
@@ -49,8 +53,7 @@ def test_every_family_has_help_and_type_and_labels_are_quoted():
     assert values["funduq_runs_live"] == 3
 
 
-async def test_the_offer_round_trip_is_timed_from_the_offer_to_the_answer(
-        tmp_path, mock_clock):
+async def test_the_offer_round_trip_is_timed_from_the_offer_to_the_answer(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await start(funduq, p)

@@ -60,6 +60,7 @@ async def test_the_page_needs_the_operator_token(tmp_path):
         http_client(info) as http,
         raw_provider(info, ["echo"]) as provider,
     ):
+
         async def refused_run():
             await provider.answer(await provider.next_offer(), "refused", "busy")
 
@@ -72,6 +73,7 @@ async def test_the_page_needs_the_operator_token(tmp_path):
         assert OPERATOR_COOKIE not in http.cookies
         everything = await http.get("/runs", headers={"Authorization": f"Bearer {TOKEN}"})
         assert len(everything.json()["runs"]) == 1
+
 
 async def test_the_page_shows_roster_counters_runs_timeline_and_failures(tmp_path):
     async with (

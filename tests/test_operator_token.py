@@ -51,6 +51,5 @@ def test_is_operator_by_bearer_query_or_cookie_only_with_the_right_token():
     assert is_operator(funduq, _request(cookies={OPERATOR_COOKIE: "the-right-token-123"}))
     assert not is_operator(funduq, _request())
     assert not is_operator(funduq, _request(headers={"Authorization": "Bearer wrong-token-00000"}))
-    assert not is_operator(funduq, _request(args={"token": "the-right-token-12"}),
-                           from_query=True)
+    assert not is_operator(funduq, _request(args={"token": "the-right-token-12"}), from_query=True)
     assert not is_operator(funduq, _request(headers={"Authorization": "Bearer \ud800"}))

@@ -471,21 +471,29 @@ async def test_thread_queries_are_bounded_per_link_in_number_size_and_count(tmp_
     `limit: null` answers at most the newest FUNDUQ_MAX_THREAD_MESSAGES_PER_QUERY
     messages, and the reply fits the frame limit (older messages give way)."""
     async with (
-        running_server(tmp_path, max_thread_queries_per_link=2,
-                       max_thread_messages_per_query=3, max_frame_bytes=4096) as info,
+        running_server(
+            tmp_path,
+            max_thread_queries_per_link=2,
+            max_thread_messages_per_query=3,
+            max_frame_bytes=4096,
+        ) as info,
         raw_provider(info, ["echo"]) as raw,
     ):
         funduq = info.funduq
         ticket = await funduq.start_run(raw.identity.fingerprint, "echo", user_input("ping"))
         offer = await raw.next_offer()
         await raw.answer(offer, "declined")
-        history = [{"id": f"h{i}", "role": "user", "content": "x" * 1200}
-                   for i in range(8)]
-        await funduq.record.write(lambda c: c.executemany(
-            "INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
-            "VALUES (?, ?, ?, ?, ?)",
-            [(ticket.thread_id, 100 + i, m["id"], ticket.run_id, json.dumps(m))
-             for i, m in enumerate(history)]))
+        history = [{"id": f"h{i}", "role": "user", "content": "x" * 1200} for i in range(8)]
+        await funduq.record.write(
+            lambda c: c.executemany(
+                "INSERT INTO messages (thread_id, idx, message_id, run_id, message) "
+                "VALUES (?, ?, ?, ?, ?)",
+                [
+                    (ticket.thread_id, 100 + i, m["id"], ticket.run_id, json.dumps(m))
+                    for i, m in enumerate(history)
+                ],
+            )
+        )
         read, gate = funduq._messages, trio.Event()
 
         async def gated(thread_id, limit=None):
@@ -496,10 +504,12 @@ async def test_thread_queries_are_bounded_per_link_in_number_size_and_count(tmp_
         query = {"kind": "query.threadMessages", "threadId": ticket.thread_id, "limit": None}
         replies, refused = [], trio.Event()
         async with trio.open_nursery() as nursery:
+
             async def ask():
                 replies.append(await raw.request(query))
                 if len(replies) == 3:
                     refused.set()
+
             for _ in range(5):
                 nursery.start_soon(ask)
             with trio.fail_after(10):

@@ -63,16 +63,26 @@ def ends(actions: list[P.Action]) -> list[P.End]:
 
 
 def offer(offer_id: str = "o1", run_id: str = "r1") -> f.Offer:
-    run = {"runId": run_id, "threadId": "t1", "agentName": "echo",
-           "runInput": {"threadId": "t1", "runId": run_id, "messages": []}}
+    run = {
+        "runId": run_id,
+        "threadId": "t1",
+        "agentName": "echo",
+        "runInput": {"threadId": "t1", "runId": run_id, "messages": []},
+    }
     return f.Offer(id=offer_id, run=f.OfferRun.model_validate(run))
 
 
 def complete(completion_id: str = "c1") -> f.Complete:
-    return f.Complete.model_validate({
-        "kind": "complete", "id": completion_id, "runId": "r1",
-        "agent": {"providerKey": PROVIDER.public_key_hex, "name": "echo"},
-        "llm": "fake", "body": {"messages": []}})
+    return f.Complete.model_validate(
+        {
+            "kind": "complete",
+            "id": completion_id,
+            "runId": "r1",
+            "agent": {"providerKey": PROVIDER.public_key_hex, "name": "echo"},
+            "llm": "fake",
+            "body": {"messages": []},
+        }
+    )
 
 
 # --- the handshake ---------------------------------------------------------
@@ -115,8 +125,11 @@ HANDSHAKES = [
 ]
 
 
-@pytest.mark.parametrize(("pin", "presents", "signer", "fault"),
-                         [h[1:] for h in HANDSHAKES], ids=[h[0] for h in HANDSHAKES])
+@pytest.mark.parametrize(
+    ("pin", "presents", "signer", "fault"),
+    [h[1:] for h in HANDSHAKES],
+    ids=[h[0] for h in HANDSHAKES],
+)
 def test_connect_ok_is_verified(pin, presents, signer, fault):
     if pin == "UPPER":
         pin_key = FUNDUQ.public_key_hex.upper()
@@ -135,8 +148,9 @@ def test_an_answer_over_another_connections_nonces_does_not_verify():
     m = machine()
     m.receive(hello())
     (end,) = m.receive(connect_ok(pnonce="ff" * 16))
-    assert end == P.End("funduq's connect.ok answer does not verify under its key",
-                        P.Fault.KEY_MISMATCH)
+    assert end == P.End(
+        "funduq's connect.ok answer does not verify under its key", P.Fault.KEY_MISMATCH
+    )
 
 
 def test_a_pinned_key_mismatch_ends_the_link_before_anything_is_sent():
@@ -152,7 +166,8 @@ def test_connect_err_is_a_rejection_carrying_funduqs_reason():
     m = machine()
     m.receive(hello())
     assert m.receive(text(f.ConnectErr(reason="key not allowed on this funduq"))) == [
-        P.End("key not allowed on this funduq", P.Fault.CONNECT_REJECTED)]
+        P.End("key not allowed on this funduq", P.Fault.CONNECT_REJECTED)
+    ]
     assert m.state is P.State.CLOSED
 
 
@@ -188,20 +203,26 @@ ATTACHED_INPUTS = [
     ("cancel", text(f.Cancel(run_id="r9")), [P.CancelArrived("r9")]),
     ("complete", text(complete()), [P.CompletionRequested(complete())]),
     ("abandon", text(f.Abandon(id="c1")), [P.CompletionAbandoned("c1")]),
-    ("err without id", text(f.Err(reason="bad seq")),
-     [P.Notice("funduq complained: bad seq")]),
-    ("ok to an id never asked", text(f.Ok(id="register-9")),
-     [P.Notice("funduq answered 'register-9', which this provider never asked")]),
-    ("err to an id never asked", text(f.Err(id="x", reason="no")),
-     [P.Notice("funduq answered 'x', which this provider never asked")]),
+    ("err without id", text(f.Err(reason="bad seq")), [P.Notice("funduq complained: bad seq")]),
+    (
+        "ok to an id never asked",
+        text(f.Ok(id="register-9")),
+        [P.Notice("funduq answered 'register-9', which this provider never asked")],
+    ),
+    (
+        "err to an id never asked",
+        text(f.Err(id="x", reason="no")),
+        [P.Notice("funduq answered 'x', which this provider never asked")],
+    ),
     ("undecodable, with an id", '{"kind": "offer", "id": "o7", "run": {}}', "err o7"),
     ("unknown kind, with an id", '{"kind": "teleport", "id": "t1"}', "err t1"),
     ("a provider's kind, with an id", text(f.Register(id="r", agents=[])), "err r"),
 ]
 
 
-@pytest.mark.parametrize(("message", "expected"), [i[1:] for i in ATTACHED_INPUTS],
-                         ids=[i[0] for i in ATTACHED_INPUTS])
+@pytest.mark.parametrize(
+    ("message", "expected"), [i[1:] for i in ATTACHED_INPUTS], ids=[i[0] for i in ATTACHED_INPUTS]
+)
 def test_attached_inputs(message, expected):
     m = attached()
     actions = m.receive(message)
@@ -224,8 +245,11 @@ ATTACHED_VIOLATIONS = [
 ]
 
 
-@pytest.mark.parametrize(("message", "words"), [v[1:] for v in ATTACHED_VIOLATIONS],
-                         ids=[v[0] for v in ATTACHED_VIOLATIONS])
+@pytest.mark.parametrize(
+    ("message", "words"),
+    [v[1:] for v in ATTACHED_VIOLATIONS],
+    ids=[v[0] for v in ATTACHED_VIOLATIONS],
+)
 def test_attached_protocol_violations_end_the_link(message, words):
     m = attached()
     (end,) = m.receive(message)
@@ -238,36 +262,48 @@ def test_attached_protocol_violations_end_the_link(message, words):
 
 
 def batch(*items: Any) -> str:
-    return json.dumps({"kind": "batch",
-                       "frames": [i if isinstance(i, (dict, list)) else json.loads(text(i))
-                                  for i in items]})
+    return json.dumps(
+        {
+            "kind": "batch",
+            "frames": [i if isinstance(i, (dict, list)) else json.loads(text(i)) for i in items],
+        }
+    )
 
 
 def test_a_batch_means_its_frames_one_after_another():
     m = attached(["batch"])
     actions = m.receive(batch(offer("o1", "r1"), f.Cancel(run_id="r0"), offer("o2", "r2")))
-    assert actions == [P.OfferArrived(offer("o1", "r1")), P.CancelArrived("r0"),
-                       P.OfferArrived(offer("o2", "r2"))]
+    assert actions == [
+        P.OfferArrived(offer("o1", "r1")),
+        P.CancelArrived("r0"),
+        P.OfferArrived(offer("o2", "r2")),
+    ]
     assert m.outstanding_offers == {"o1", "o2"}
 
 
 def test_a_bad_item_with_an_id_is_answered_err_and_the_batch_goes_on():
     m = attached(["batch"])
-    actions = m.receive(batch(offer("o1"), {"kind": "offer", "id": "bad", "run": {}},
-                              f.Cancel(run_id="r1")))
+    actions = m.receive(
+        batch(offer("o1"), {"kind": "offer", "id": "bad", "run": {}}, f.Cancel(run_id="r1"))
+    )
     assert actions[0] == P.OfferArrived(offer("o1"))
     (err,) = sent(actions)
     assert err.id == "bad" and err.reason.startswith("batch item 1: ")
     assert actions[2] == P.CancelArrived("r1") and m.state is P.State.ATTACHED
 
 
-@pytest.mark.parametrize(("bad", "words"), [
-    ({"kind": "cancel"}, "batch item 1: 'cancel' frame does not validate"),
-    ({"kind": "batch", "frames": [json.loads(text(f.Cancel(run_id="r")))]},
-     "batch item 1: 'batch' is not a frame this side accepts"),  # a batch never nests
-    (json.loads(hello()), "batch item 1: 'hello' is not a frame this side accepts"),
-    ([1, 2], "batch item 1: frame is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"kind": "cancel"}, "batch item 1: 'cancel' frame does not validate"),
+        (
+            {"kind": "batch", "frames": [json.loads(text(f.Cancel(run_id="r")))]},
+            "batch item 1: 'batch' is not a frame this side accepts",
+        ),  # a batch never nests
+        (json.loads(hello()), "batch item 1: 'hello' is not a frame this side accepts"),
+        ([1, 2], "batch item 1: frame is not a JSON object"),
+    ],
+)
 def test_a_violation_mid_batch_ends_the_link_and_nothing_after_it_is_read(bad, words):
     m = attached(["batch"])
     actions = m.receive(batch(f.Cancel(run_id="r0"), bad, offer("o9")))
@@ -284,8 +320,11 @@ def test_both_sides_read_a_batch_through_the_one_rule():
     server = L.LinkMachine(FUNDUQ, NONCE)
     proof = PROVIDER.sign(identity.provider_connect_payload(FUNDUQ.public_key_hex, NONCE, PNONCE))
     server.receive(text(f.Connect(public_key=PROVIDER.public_key_hex, nonce=PNONCE, proof=proof)))
-    server_close = [a for a in server.receive(json.dumps({"kind": "batch", "frames": [nested]}))
-                    if isinstance(a, L.Close)]
+    server_close = [
+        a
+        for a in server.receive(json.dumps({"kind": "batch", "frames": [nested]}))
+        if isinstance(a, L.Close)
+    ]
     m = attached(["batch"])
     (end,) = m.receive(json.dumps({"kind": "batch", "frames": [nested]}))
     assert end.reason == f"protocol error: {server_close[0].reason}"
@@ -308,8 +347,11 @@ def test_request_ids_are_fresh_and_name_their_request():
     assert (llm_id, reg_id, query_id) == ("register.llm-1", "register-2", "query-3")
     assert sent(llm_actions) == [f.RegisterLlm(id=llm_id, offerings=OFFERINGS)]
     assert sent(reg_actions) == [f.Register(id=reg_id, agents=AGENTS)]
-    assert m.outstanding_requests == {llm_id: P.Request.REGISTER_LLM,
-                                      reg_id: P.Request.REGISTER, query_id: P.Request.QUERY}
+    assert m.outstanding_requests == {
+        llm_id: P.Request.REGISTER_LLM,
+        reg_id: P.Request.REGISTER,
+        query_id: P.Request.QUERY,
+    }
 
 
 # (request, reply) -> the actions (and whether the link ends with REGISTER_REJECTED)
@@ -317,34 +359,39 @@ REPLIES = [
     ("register ok", "register", f.Ok, [P.Registered()]),
     ("register err", "register", f.Err, [P.End("no agents", P.Fault.REGISTER_REJECTED)]),
     ("register.llm ok", "register.llm", f.Ok, []),
-    ("register.llm err", "register.llm", f.Err,
-     [P.End("no agents", P.Fault.REGISTER_REJECTED)]),
+    ("register.llm err", "register.llm", f.Err, [P.End("no agents", P.Fault.REGISTER_REJECTED)]),
     ("query ok", "query", f.Ok, [P.QueryAnswered("ID", [{"role": "user"}])]),
     ("query err", "query", f.Err, [P.QueryAnswered("ID", None, "no agents")]),
 ]
 
 
-@pytest.mark.parametrize(("request_kind", "reply", "expected"), [r[1:] for r in REPLIES],
-                         ids=[r[0] for r in REPLIES])
+@pytest.mark.parametrize(
+    ("request_kind", "reply", "expected"), [r[1:] for r in REPLIES], ids=[r[0] for r in REPLIES]
+)
 def test_replies_to_this_sides_requests(request_kind, reply, expected):
     m = attached()
-    ask = {"register": lambda: m.register(AGENTS),
-           "register.llm": lambda: m.register_llm(OFFERINGS),
-           "query": lambda: m.query_thread_messages("t1", None)}[request_kind]
+    ask = {
+        "register": lambda: m.register(AGENTS),
+        "register.llm": lambda: m.register_llm(OFFERINGS),
+        "query": lambda: m.query_thread_messages("t1", None),
+    }[request_kind]
     request_id, _ = ask()
     if reply is f.Ok:
         frame = f.Ok(id=request_id, payload={"messages": [{"role": "user"}]})
     else:
         frame = f.Err(id=request_id, reason="no agents")
-    expected = [dataclasses.replace(a, request_id=request_id)
-                if isinstance(a, P.QueryAnswered) else a for a in expected]
+    expected = [
+        dataclasses.replace(a, request_id=request_id) if isinstance(a, P.QueryAnswered) else a
+        for a in expected
+    ]
     assert m.receive(text(frame)) == expected
     assert request_id not in m.outstanding_requests
     rejected = any(isinstance(a, P.End) for a in expected)
     assert m.state is (P.State.CLOSED if rejected else P.State.ATTACHED)
     if not rejected:  # a second reply to the same id: funduq answered twice
         assert m.receive(text(frame)) == [
-            P.Notice(f"funduq answered {request_id!r}, which this provider never asked")]
+            P.Notice(f"funduq answered {request_id!r}, which this provider never asked")
+        ]
 
 
 def test_a_query_reply_without_a_messages_list_reads_as_no_messages():
@@ -357,7 +404,9 @@ def test_replies_in_a_batch_are_read_like_lone_ones():
     m = attached(["batch"])
     reg_id, _ = m.register(AGENTS)
     assert m.receive(batch(f.Ok(id=reg_id), offer("o1"))) == [
-        P.Registered(), P.OfferArrived(offer("o1"))]
+        P.Registered(),
+        P.OfferArrived(offer("o1")),
+    ]
 
 
 # --- the runtime's sends ------------------------------------------------------------

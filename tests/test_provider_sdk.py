@@ -208,8 +208,9 @@ def provider_for(fake: FakeFunduq, **kw: Any) -> Provider:
 
 
 @asynccontextmanager
-async def serving(agents: dict[str, Any], *, extensions: list[str] | None = None,
-                  **kw: Any) -> AsyncIterator[tuple[FakeFunduq, Provider, FunduqEnd]]:
+async def serving(
+    agents: dict[str, Any], *, extensions: list[str] | None = None, **kw: Any
+) -> AsyncIterator[tuple[FakeFunduq, Provider, FunduqEnd]]:
     """A provider serving `agents`, running against an in-memory funduq that
     said `extensions` in its hello; yields (fake, provider, its attached link)."""
     fake = FakeFunduq()
@@ -300,7 +301,9 @@ async def messages_while_the_socket_was_busy(extensions: list[str] | None) -> li
     """Offer an 8-delta echo run while the provider's socket is busy, let the
     agent queue everything, free the socket: the messages that arrive."""
     async with serving({"echo": make_echo(deltas=8)}, extensions=extensions) as (
-        fake, provider, link,
+        fake,
+        provider,
+        link,
     ):
         fake.connections[-1].gate = gate = trio.Event()
         await link.offer("o1", "r1", text="hello, world!")
@@ -403,11 +406,15 @@ async def test_the_sdk_asks_for_batches_and_reads_them_frame_by_frame(autojump_c
         await link.handshake()
         assert link.connect is not None and link.connect.extensions == ["batch"]
         register = await link.recv()
-        await link.outgoing.send(f.batch_text([
-            f.encode_frame(f.Ok(id=register.id)),
-            '{"kind": "offer", "id": "bad-offer", "run": {}}',  # answered err, the rest read
-            f.encode_frame(offer_frame("o2", "r2", thread="t2", text="two")),
-        ]))
+        await link.outgoing.send(
+            f.batch_text(
+                [
+                    f.encode_frame(f.Ok(id=register.id)),
+                    '{"kind": "offer", "id": "bad-offer", "run": {}}',  # answered err, the rest read
+                    f.encode_frame(offer_frame("o2", "r2", thread="t2", text="two")),
+                ]
+            )
+        )
         err = await link.until(f.Err)
         assert err.id == "bad-offer" and err.reason.startswith("batch item 1: ")
         ok = await link.until(f.Ok, id="o2")

@@ -52,8 +52,7 @@ def old_record(tmp_path: Path) -> Path:
 
 def rows(path: Path) -> dict[str, list[tuple[Any, ...]]]:
     with sqlite3.connect(path) as conn:
-        return {t: sorted(conn.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
-                for t in TABLES}
+        return {t: sorted(conn.execute(f"SELECT * FROM {t}").fetchall(), key=repr) for t in TABLES}
 
 
 def version_of(path: Path) -> int:
@@ -63,8 +62,11 @@ def version_of(path: Path) -> int:
 
 # -- the list's logic (pure) -------------------------------------------------------------------
 
-STEPS = (Migration(1, "one", "CREATE TABLE a (x)"), Migration(2, "two", "CREATE TABLE b (y)"),
-         Migration(3, "three", "ALTER TABLE a ADD COLUMN z"))
+STEPS = (
+    Migration(1, "one", "CREATE TABLE a (x)"),
+    Migration(2, "two", "CREATE TABLE b (y)"),
+    Migration(3, "three", "ALTER TABLE a ADD COLUMN z"),
+)
 
 
 def test_plan_takes_a_file_from_where_it_is_to_the_latest_in_order():
@@ -142,7 +144,8 @@ def test_a_failing_step_leaves_the_file_at_the_step_before(tmp_path):
     with pytest.raises(sqlite3.OperationalError, match="nowhere") as failed:
         schema.upgrade(conn, migrations=bad)
     assert failed.value.__notes__ == [
-        "the record: schema migration 3 (bad) failed at: ALTER TABLE nowhere ADD y;"]
+        "the record: schema migration 3 (bad) failed at: ALTER TABLE nowhere ADD y;"
+    ]
     assert version_of(path) == 2
     assert not conn.in_transaction
     # Step 3's first statement was rolled back with it: a fixed step 3 applies whole.
@@ -192,15 +195,21 @@ def test_serve_refuses_a_newer_record_in_one_line(tmp_path):
     with sqlite3.connect(path) as conn:
         conn.execute(f"PRAGMA user_version={schema.latest() + 1}")
     done = subprocess.run(
-        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir",
-         str(tmp_path)], capture_output=True, text=True, env=cli_env(), timeout=60)
+        [sys.executable, "-m", "funduq_trio", "serve", "--port", "0", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
     assert done.returncode == 2  # a start-up error (docs/operator.md)
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert errors == [f"funduq-trio serve: error: {path}: schema version "
-                      f"{schema.latest() + 1}, newer than this build of funduq-trio knows "
-                      f"(up to {schema.latest()}); refusing to open it: run a build at least "
-                      "as new as the one that wrote it"]
+    assert errors == [
+        f"funduq-trio serve: error: {path}: schema version "
+        f"{schema.latest() + 1}, newer than this build of funduq-trio knows "
+        f"(up to {schema.latest()}); refusing to open it: run a build at least "
+        "as new as the one that wrote it"
+    ]
 
 
 async def test_a_record_made_before_versions_upgrades_without_loss(tmp_path, mock_clock):
@@ -219,8 +228,9 @@ async def test_a_record_made_before_versions_upgrades_without_loss(tmp_path, moc
         # Every event is kept; the runs the restart rules fail get their RUN_ERROR after.
         kept = [r for r in after["events"] if r in before["events"]]
         assert kept == before["events"]
-        added = sorted((r[0], json.loads(r[2])) for r in after["events"]
-                       if r not in before["events"])
+        added = sorted(
+            (r[0], json.loads(r[2])) for r in after["events"] if r not in before["events"]
+        )
         assert added == sorted((run, ORPHANED) for run in orphans)
         runs_before = {r[1]: r for r in before["runs"]}
         for run in after["runs"]:
@@ -233,8 +243,9 @@ async def test_a_record_made_before_versions_upgrades_without_loss(tmp_path, moc
         assert [e["seq"] for e in completed["events"]] == [1, 2, 3, 4, 5]
 
         # The provider comes back: the queued runs are offered again, in order.
-        p = await Provider(funduq, identity=Identity.from_private_hex(
-            ids["provider_private_key"])).attach()
+        p = await Provider(
+            funduq, identity=Identity.from_private_hex(ids["provider_private_key"])
+        ).attach()
         await quiet()
         assert sorted(offered_runs(p.link)) == sorted([ids["queued"][0], ids["declined"]])
         for run_id in (ids["queued"][0], ids["declined"], ids["queued"][1]):
@@ -273,8 +284,9 @@ async def test_the_real_server_serves_an_upgraded_record(tmp_path):
         running = (await http.get(f"/runs/{ids['running']}")).json()
         assert running["status"] == "failed"
         assert running["metadata"]["failureReason"] == "orphaned_by_restart"
-        provider = SdkProvider(Identity.from_private_hex(ids["provider_private_key"]),
-                               info.provider_url)
+        provider = SdkProvider(
+            Identity.from_private_hex(ids["provider_private_key"]), info.provider_url
+        )
         provider.add_agent(echo, name="echo")
         async with trio.open_nursery() as nursery:
             await nursery.start(provider.run)

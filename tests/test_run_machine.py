@@ -65,60 +65,150 @@ ROWS = [
     (Phase.WAITING, Input.TURN, {}, Phase.WAITING, []),
     (Phase.WAITING, Input.WAKE, {}, Phase.WAITING, []),
     (Phase.WAITING, Input.PLACE_FOUND, {}, Phase.RESERVED, [Move(Status.OFFERING)]),
-    (Phase.WAITING, Input.CANCEL, {}, Phase.SETTLED,
-     [NoteCancel(), Settle(CANCELLED), AnswerCancel(applied=True)]),
+    (
+        Phase.WAITING,
+        Input.CANCEL,
+        {},
+        Phase.SETTLED,
+        [NoteCancel(), Settle(CANCELLED), AnswerCancel(applied=True)],
+    ),
     (Phase.WAITING, Input.ARRIVED_UNSERVED, {}, Phase.SETTLED, [failed(reasons.AGENT_OFFLINE)]),
-    (Phase.WAITING, Input.UNSERVED_WINDOW_OVER, {}, Phase.SETTLED,
-     [failed(reasons.NO_PROVIDER_TOOK_IT)]),
+    (
+        Phase.WAITING,
+        Input.UNSERVED_WINDOW_OVER,
+        {},
+        Phase.SETTLED,
+        [failed(reasons.NO_PROVIDER_TOOK_IT)],
+    ),
     (Phase.WAITING, Input.REPORT, {}, Phase.WAITING, []),
     (Phase.WAITING, Input.FINISH, {}, Phase.WAITING, []),
     (Phase.WAITING, Input.LINK_GONE, {}, Phase.WAITING, []),
     (Phase.WAITING, Input.RESTARTED, {}, Phase.WAITING, []),
     (Phase.WAITING, Input.FAULT, {}, Phase.SETTLED, [failed(reasons.FUNDUQ_ERROR)]),
     (Phase.RESERVED, Input.OFFER_READY, {}, Phase.OFFERED, [SendOffer()]),
-    (Phase.RESERVED, Input.CANCEL, {}, Phase.SETTLED,
-     [ReleasePlace(), NoteCancel(), Settle(CANCELLED), AnswerCancel(applied=True)]),
-    (Phase.RESERVED, Input.FAULT, {}, Phase.SETTLED,
-     [ReleasePlace(), failed(reasons.FUNDUQ_ERROR)]),
-    (Phase.OFFERED, Input.ACCEPTED, {}, Phase.HELD,
-     [Move(Status.RUNNING, "started_at", soon=True), LeaveQueue()]),
-    (Phase.OFFERED, Input.DECLINED, {}, Phase.WAITING,
-     [Move(Status.QUEUED), ReleasePlace(wake=False), Count("misdeclared")]),
-    (Phase.OFFERED, Input.REFUSED, {"reason": "not today"}, Phase.SETTLED,
-     [ReleasePlace(), failed("not today")]),
-    (Phase.OFFERED, Input.UNANSWERED, {}, Phase.WAITING,
-     [Withdraw(), Move(Status.QUEUED), ReleasePlace(), Count("unanswered")]),
+    (
+        Phase.RESERVED,
+        Input.CANCEL,
+        {},
+        Phase.SETTLED,
+        [ReleasePlace(), NoteCancel(), Settle(CANCELLED), AnswerCancel(applied=True)],
+    ),
+    (
+        Phase.RESERVED,
+        Input.FAULT,
+        {},
+        Phase.SETTLED,
+        [ReleasePlace(), failed(reasons.FUNDUQ_ERROR)],
+    ),
+    (
+        Phase.OFFERED,
+        Input.ACCEPTED,
+        {},
+        Phase.HELD,
+        [Move(Status.RUNNING, "started_at", soon=True), LeaveQueue()],
+    ),
+    (
+        Phase.OFFERED,
+        Input.DECLINED,
+        {},
+        Phase.WAITING,
+        [Move(Status.QUEUED), ReleasePlace(wake=False), Count("misdeclared")],
+    ),
+    (
+        Phase.OFFERED,
+        Input.REFUSED,
+        {"reason": "not today"},
+        Phase.SETTLED,
+        [ReleasePlace(), failed("not today")],
+    ),
+    (
+        Phase.OFFERED,
+        Input.UNANSWERED,
+        {},
+        Phase.WAITING,
+        [Withdraw(), Move(Status.QUEUED), ReleasePlace(), Count("unanswered")],
+    ),
     (Phase.OFFERED, Input.LINK_GONE, {}, Phase.WAITING, [Move(Status.QUEUED), ReleasePlace()]),
-    (Phase.OFFERED, Input.OFFER_NOT_ENCODABLE, {}, Phase.SETTLED,
-     [Withdraw(), ReleasePlace(), failed(reasons.OFFER_NOT_ENCODABLE)]),
+    (
+        Phase.OFFERED,
+        Input.OFFER_NOT_ENCODABLE,
+        {},
+        Phase.SETTLED,
+        [Withdraw(), ReleasePlace(), failed(reasons.OFFER_NOT_ENCODABLE)],
+    ),
     (Phase.OFFERED, Input.CANCEL, {}, Phase.OFFERED, []),
-    (Phase.OFFERED, Input.FAULT, {}, Phase.SETTLED,
-     [Withdraw(), ReleasePlace(), failed(reasons.FUNDUQ_ERROR)]),
+    (
+        Phase.OFFERED,
+        Input.FAULT,
+        {},
+        Phase.SETTLED,
+        [Withdraw(), ReleasePlace(), failed(reasons.FUNDUQ_ERROR)],
+    ),
     (Phase.OFFERED, Input.RESTARTED, {}, Phase.SETTLED, [failed(reasons.ORPHANED_BY_RESTART)]),
     (Phase.HELD, Input.REPORT, {}, Phase.HELD, [Relay()]),
-    (Phase.HELD, Input.MALFORMED, {"reason": "bad"}, Phase.SETTLED,
-     [Relay(), AskToStop(), ReleasePlace(), failed("bad")]),
-    (Phase.HELD, Input.CANCEL, {}, Phase.STOPPING,
-     [NoteCancel(), Move(Status.CANCELLING), AskToStop(), AnswerCancel(applied=True)]),
-    (Phase.HELD, Input.LINK_GONE, {}, Phase.SETTLED,
-     [ReleasePlace(), failed(reasons.PROVIDER_LEFT_HOLDING_IT), Count("abandoned")]),
+    (
+        Phase.HELD,
+        Input.MALFORMED,
+        {"reason": "bad"},
+        Phase.SETTLED,
+        [Relay(), AskToStop(), ReleasePlace(), failed("bad")],
+    ),
+    (
+        Phase.HELD,
+        Input.CANCEL,
+        {},
+        Phase.STOPPING,
+        [NoteCancel(), Move(Status.CANCELLING), AskToStop(), AnswerCancel(applied=True)],
+    ),
+    (
+        Phase.HELD,
+        Input.LINK_GONE,
+        {},
+        Phase.SETTLED,
+        [ReleasePlace(), failed(reasons.PROVIDER_LEFT_HOLDING_IT), Count("abandoned")],
+    ),
     (Phase.HELD, Input.UNDELIVERED_WINDOW_OVER, {}, Phase.HELD, [Count("undelivered")]),
-    (Phase.HELD, Input.FAULT, {}, Phase.SETTLED,
-     [AskToStop(), ReleasePlace(), failed(reasons.FUNDUQ_ERROR)]),
+    (
+        Phase.HELD,
+        Input.FAULT,
+        {},
+        Phase.SETTLED,
+        [AskToStop(), ReleasePlace(), failed(reasons.FUNDUQ_ERROR)],
+    ),
     (Phase.HELD, Input.RESTARTED, {}, Phase.SETTLED, [failed(reasons.ORPHANED_BY_RESTART)]),
-    (Phase.HELD, Input.FINISH, {}, Phase.SETTLED,
-     [ReleasePlace(), failed(reasons.STREAM_ENDED_WITHOUT_FINISHING)]),
+    (
+        Phase.HELD,
+        Input.FINISH,
+        {},
+        Phase.SETTLED,
+        [ReleasePlace(), failed(reasons.STREAM_ENDED_WITHOUT_FINISHING)],
+    ),
     (Phase.STOPPING, Input.CANCEL, {}, Phase.STOPPING, [AnswerCancel(applied=True)]),
     (Phase.STOPPING, Input.REPORT, {}, Phase.STOPPING, [Relay()]),
-    (Phase.STOPPING, Input.MALFORMED, {"reason": "bad"}, Phase.SETTLED,
-     [Relay(), AskToStop(), ReleasePlace(), failed("bad")]),
+    (
+        Phase.STOPPING,
+        Input.MALFORMED,
+        {"reason": "bad"},
+        Phase.SETTLED,
+        [Relay(), AskToStop(), ReleasePlace(), failed("bad")],
+    ),
     (Phase.STOPPING, Input.UNDELIVERED_WINDOW_OVER, {}, Phase.STOPPING, [Count("undelivered")]),
     (Phase.STOPPING, Input.RESTARTED, {}, Phase.SETTLED, [failed(reasons.ORPHANED_BY_RESTART)]),
-    (Phase.STOPPING, Input.LINK_GONE, {}, Phase.SETTLED,
-     [ReleasePlace(), failed(reasons.PROVIDER_LEFT_HOLDING_IT), Count("abandoned")]),
+    (
+        Phase.STOPPING,
+        Input.LINK_GONE,
+        {},
+        Phase.SETTLED,
+        [ReleasePlace(), failed(reasons.PROVIDER_LEFT_HOLDING_IT), Count("abandoned")],
+    ),
     (Phase.STOPPING, Input.FINISH, {}, Phase.SETTLED, [ReleasePlace(), Settle(CANCELLED)]),
-    (Phase.STOPPING, Input.FAULT, {}, Phase.SETTLED,
-     [AskToStop(), ReleasePlace(), failed(reasons.FUNDUQ_ERROR)]),
+    (
+        Phase.STOPPING,
+        Input.FAULT,
+        {},
+        Phase.SETTLED,
+        [AskToStop(), ReleasePlace(), failed(reasons.FUNDUQ_ERROR)],
+    ),
     (Phase.PAUSED, Input.PAUSE_ANSWERED, {}, Phase.WAITING, [Move(Status.QUEUED)]),
     (Phase.PAUSED, Input.CANCEL, {}, Phase.PAUSED, [AnswerCancel(applied=False)]),
     (Phase.PAUSED, Input.FAULT, {}, Phase.PAUSED, []),
@@ -127,8 +217,11 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize(("phase", "what", "facts", "after", "actions"), ROWS,
-                         ids=[f"{r[0].value}-{r[1].value}" for r in ROWS])
+@pytest.mark.parametrize(
+    ("phase", "what", "facts", "after", "actions"),
+    ROWS,
+    ids=[f"{r[0].value}-{r[1].value}" for r in ROWS],
+)
 def test_row(phase, what, facts, after, actions):
     m = machine_in(phase)
     assert m.handle(what, **facts) == actions
@@ -141,8 +234,9 @@ def test_every_row_of_the_table_is_specified_here():
     assert loose - specified == set()
 
 
-@pytest.mark.parametrize(("phase", "what"), [
-    (p, i) for p, i in itertools.product(Phase, Input) if (p, i) not in TABLE])
+@pytest.mark.parametrize(
+    ("phase", "what"), [(p, i) for p, i in itertools.product(Phase, Input) if (p, i) not in TABLE]
+)
 def test_an_input_with_no_row_raises(phase, what):
     m = machine_in(phase)
     with pytest.raises(RunProtocolError):
@@ -156,8 +250,13 @@ def test_every_status_a_row_writes_is_a_legal_move(phase, what):
     m = machine_in(phase)
     status = m.status
     for action in m.handle(what, reason="r"):
-        to = (action.to if isinstance(action, (Move, Settle))
-              else Status.INPUT_REQUIRED if isinstance(action, Pause) else None)
+        to = (
+            action.to
+            if isinstance(action, (Move, Settle))
+            else Status.INPUT_REQUIRED
+            if isinstance(action, Pause)
+            else None
+        )
         if to is not None:
             assert status in st.MOVES[to], (status, to)
             status = to
@@ -199,8 +298,11 @@ def test_a_reported_run_error_is_not_synthesized_again():
 # -- offer x cancel x answer -------------------------------------------------------------
 
 ANSWERS = {
-    "accepted": Input.ACCEPTED, "declined": Input.DECLINED, "refused": Input.REFUSED,
-    "unanswered": Input.UNANSWERED, "link gone": Input.LINK_GONE,
+    "accepted": Input.ACCEPTED,
+    "declined": Input.DECLINED,
+    "refused": Input.REFUSED,
+    "unanswered": Input.UNANSWERED,
+    "link gone": Input.LINK_GONE,
 }
 #: With no cancel: (phase after the answer, recorded status).
 NO_CANCEL = {
@@ -225,8 +327,12 @@ def offered(cancel_at: str | None) -> tuple[RunMachine, list[rm.Action]]:
     m = RunMachine()
     actions = m.handle(Input.TURN)
     for step in (Input.PLACE_FOUND, Input.OFFER_READY):
-        if cancel_at == "waiting" and step is Input.PLACE_FOUND \
-                or cancel_at == "reserved" and step is Input.OFFER_READY:
+        if (
+            cancel_at == "waiting"
+            and step is Input.PLACE_FOUND
+            or cancel_at == "reserved"
+            and step is Input.OFFER_READY
+        ):
             actions += m.handle(Input.CANCEL)
             return m, actions
         actions += m.handle(step)

@@ -13,21 +13,33 @@ from test_cli import cli_env
 
 
 async def cli(*argv: str, env: dict[str, str] | None = None) -> trio.CompletedProcess:
-    return await trio.run_process([sys.executable, "-m", "funduq_trio", *argv],
-                                  capture_stdout=True, capture_stderr=True, check=False,
-                                  env=env or cli_env())
+    return await trio.run_process(
+        [sys.executable, "-m", "funduq_trio", *argv],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env=env or cli_env(),
+    )
 
 
 async def test_runs_lists_as_the_operator_and_show_prints_a_run(tmp_path):
-    async with running_server(tmp_path) as info, http_client(info) as http, \
-            sdk_provider(info) as provider:
+    async with (
+        running_server(tmp_path) as info,
+        http_client(info) as http,
+        sdk_provider(info) as provider,
+    ):
         url = info.agui_url(provider.identity.fingerprint, "echo")
         first, _ = await post_sse(http, url, user_input("one", thread_id="t1"))
         second, _ = await post_sse(http, url, user_input("two", thread_id="t2"))
         assert first.status_code == second.status_code == 200
-        run_ids = [r["runId"] for r in (await http.get(
-            "/runs", headers={"Authorization": f"Bearer {info.funduq.operator_token}"}
-        )).json()["runs"]]
+        run_ids = [
+            r["runId"]
+            for r in (
+                await http.get(
+                    "/runs", headers={"Authorization": f"Bearer {info.funduq.operator_token}"}
+                )
+            ).json()["runs"]
+        ]
         assert len(run_ids) == 2
 
         # The operator: the token read from the data directory's operator.token.
@@ -44,8 +56,16 @@ async def test_runs_lists_as_the_operator_and_show_prints_a_run(tmp_path):
         stranger = await cli("runs", "--url", info.url, "--data-dir", str(tmp_path / "none"))
         assert stranger.returncode == 0 and stranger.stdout == b""
         thread = (await http.get(f"/runs/{run_ids[1]}")).json()["threadId"]
-        named = await cli("runs", "--url", info.url, "--data-dir", str(tmp_path / "none"),
-                          "--thread", thread, "--json")
+        named = await cli(
+            "runs",
+            "--url",
+            info.url,
+            "--data-dir",
+            str(tmp_path / "none"),
+            "--thread",
+            thread,
+            "--json",
+        )
         assert [r["runId"] for r in json.loads(named.stdout)["runs"]] == [run_ids[1]]
 
         shown = await cli("show", run_ids[1], "--url", info.url, "--data-dir", str(tmp_path))

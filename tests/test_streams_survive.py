@@ -88,8 +88,7 @@ def finished(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunks(message_id: str, *deltas: str) -> list[dict[str, Any]]:
-    return [{"type": "TEXT_MESSAGE_CONTENT", "messageId": message_id, "delta": d}
-            for d in deltas]
+    return [{"type": "TEXT_MESSAGE_CONTENT", "messageId": message_id, "delta": d} for d in deltas]
 
 
 def text_start(message_id: str) -> dict[str, Any]:
@@ -97,8 +96,14 @@ def text_start(message_id: str) -> dict[str, Any]:
 
 
 def v1_message(text: str, **extra: Any) -> dict[str, Any]:
-    return {"message": {"messageId": f"m-{text}", "role": "ROLE_USER",
-                        "parts": [{"text": text}], **extra}}
+    return {
+        "message": {
+            "messageId": f"m-{text}",
+            "role": "ROLE_USER",
+            "parts": [{"text": text}],
+            **extra,
+        }
+    }
 
 
 def rpc(method: str, params: Any) -> dict[str, Any]:
@@ -107,7 +112,7 @@ def rpc(method: str, params: Any) -> dict[str, Any]:
 
 def payload(frame: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A 1.0 StreamResponse frame's (kind, body): task, statusUpdate or artifactUpdate."""
-    (kind, body), = frame["result"].items()
+    ((kind, body),) = frame["result"].items()
     return kind, body
 
 
@@ -147,8 +152,9 @@ async def test_agui_reattach_from_the_last_id_misses_and_repeats_nothing(tmp_pat
         await recorded(http, run_id, 5)
 
         cursor = str(first[-1][0])
-        async with http.stream("GET", f"/agui/runs/{run_id}/events",
-                               headers={"Last-Event-ID": cursor}) as response:
+        async with http.stream(
+            "GET", f"/agui/runs/{run_id}/events", headers={"Last-Event-ID": cursor}
+        ) as response:
             assert response.status_code == 200
             items = sse_items(response)
             second = [await anext(items), await anext(items)]  # replayed from the record
@@ -257,9 +263,11 @@ async def test_a2a_subscribe_from_the_last_id_misses_and_repeats_nothing(tmp_pat
     assert kinds[0] == "task"  # only the first connection opens with the snapshot
     assert kinds[-1] == "statusUpdate"
     assert payload(frames[-1][1])[1]["status"]["state"] == "TASK_STATE_COMPLETED"
-    text = "".join(body["artifact"]["parts"][0]["text"]
-                   for kind, body in map(payload, (f for _, f in frames))
-                   if kind == "artifactUpdate")
+    text = "".join(
+        body["artifact"]["parts"][0]["text"]
+        for kind, body in map(payload, (f for _, f in frames))
+        if kind == "artifactUpdate"
+    )
     assert text == "abcdefgh"  # every chunk exactly once
 
 
@@ -273,15 +281,21 @@ async def test_a2a_cursor_is_checked(tmp_path) -> None:
             for bad in ("x", "999"):
                 answer = (await http.post(url, json=body, headers={"Last-Event-ID": bad})).json()
                 assert answer["error"]["code"] == -32602, bad
-            answer = (await http.post(url, json=rpc("SubscribeToTask", {"id": "run_nope"}),
-                                      headers={"Last-Event-ID": "1"})).json()
+            answer = (
+                await http.post(
+                    url,
+                    json=rpc("SubscribeToTask", {"id": "run_nope"}),
+                    headers={"Last-Event-ID": "1"},
+                )
+            ).json()
             assert answer["error"]["code"] == -32001  # TaskNotFoundError
             # Without a cursor an ended task is refused, as A2A says; with one, the
             # caller that missed the end gets it.
             answer = (await http.post(url, json=body)).json()
             assert answer["error"]["code"] == -32004
-            async with http.stream("POST", url, json=body,
-                                   headers={"Last-Event-ID": "3"}) as response:
+            async with http.stream(
+                "POST", url, json=body, headers={"Last-Event-ID": "3"}
+            ) as response:
                 frames = await events_of(response)
             record = (await http.get(f"{info.url}/runs/{task.id}")).json()
             last = record["events"][-1]["seq"]
@@ -291,8 +305,12 @@ async def test_a2a_cursor_is_checked(tmp_path) -> None:
         # The 0.3 name honours the cursor the same way.
         async with (
             httpx.AsyncClient(timeout=30) as http,
-            http.stream("POST", url, json=rpc("tasks/resubscribe", {"id": task.id}),
-                        headers={"Last-Event-ID": "3"}) as response,
+            http.stream(
+                "POST",
+                url,
+                json=rpc("tasks/resubscribe", {"id": task.id}),
+                headers={"Last-Event-ID": "3"},
+            ) as response,
         ):
             old = await events_of(response)
         assert [i for i, _ in old] == [i for i, _ in frames]
@@ -333,19 +351,23 @@ async def test_reattach_after_a_restart_replays_from_the_record(tmp_path) -> Non
 
     run_id = run["runId"]
     async with running_server(tmp_path) as info, http_client(info) as http:
-        async with http.stream("GET", f"/agui/runs/{run_id}/events",
-                               headers={"Last-Event-ID": "2"}) as response:
+        async with http.stream(
+            "GET", f"/agui/runs/{run_id}/events", headers={"Last-Event-ID": "2"}
+        ) as response:
             rest = await events_of(response)
         assert [(i, e["type"]) for i, e in rest] == [(3, "TEXT_MESSAGE_CONTENT"), (4, "RUN_ERROR")]
         assert rest[0][1]["delta"] == "unseen"
 
         url = info.a2a_url(identity.fingerprint, "echo")
         body = rpc("SubscribeToTask", {"id": run_id})
-        async with http.stream("POST", url, json=body,
-                               headers={**V1, "Last-Event-ID": "2"}) as response:
+        async with http.stream(
+            "POST", url, json=body, headers={**V1, "Last-Event-ID": "2"}
+        ) as response:
             frames = await events_of(response)
-        assert [(i, payload(f)[0]) for i, f in frames] == [(3, "artifactUpdate"),
-                                                          (4, "statusUpdate")]
+        assert [(i, payload(f)[0]) for i, f in frames] == [
+            (3, "artifactUpdate"),
+            (4, "statusUpdate"),
+        ]
         final = payload(frames[-1][1])[1]
         assert final["status"]["state"] == "TASK_STATE_FAILED"
 
@@ -371,11 +393,14 @@ async def test_a_message_naming_a_task_that_is_not_paused_is_refused(tmp_path) -
             async with contextlib.aclosing(info.funduq.follow(working.id)) as bursts:
                 await anext(bursts)
 
-            cases = ((echo, ended, "is in terminal state: TASK_STATE_COMPLETED"),
-                     (slow, working, "is not waiting for input (TASK_STATE_WORKING)"))
+            cases = (
+                (echo, ended, "is in terminal state: TASK_STATE_COMPLETED"),
+                (slow, working, "is not waiting for input (TASK_STATE_WORKING)"),
+            )
             for client, task, why in cases:
-                again = pb.SendMessageRequest(message=user_message(
-                    "more", task_id=task.id, context_id=task.context_id))
+                again = pb.SendMessageRequest(
+                    message=user_message("more", task_id=task.id, context_id=task.context_id)
+                )
                 with pytest.raises(UnsupportedOperationError) as err:
                     await send_blocking(client, again)
                 assert f"Task {task.id} {why}" in err.value.message
@@ -407,16 +432,26 @@ async def test_a_subscription_to_a_paused_task_stays_open_through_the_answer(tmp
                 nursery.start_soon(subscribe)
                 await attached.wait()
                 assert seen[0].task.status.state == S.TASK_STATE_INPUT_REQUIRED
-                answer = pb.SendMessageRequest(message=pb.Message(
-                    message_id="answer-1", role=pb.Role.ROLE_USER, task_id=paused.id,
-                    context_id=paused.context_id, parts=[pb.Part(text="yes")]))
+                answer = pb.SendMessageRequest(
+                    message=pb.Message(
+                        message_id="answer-1",
+                        role=pb.Role.ROLE_USER,
+                        task_id=paused.id,
+                        context_id=paused.context_id,
+                        parts=[pb.Part(text="yes")],
+                    )
+                )
                 done = await send_blocking(plain, answer)
                 assert done.status.state == S.TASK_STATE_COMPLETED
 
             # The subscriber saw the answered turn and the task's real end.
             assert seen[-1].status_update.status.state == S.TASK_STATE_COMPLETED
-            texts = "".join(part.text for e in seen if e.HasField("artifact_update")
-                            for part in e.artifact_update.artifact.parts)
+            texts = "".join(
+                part.text
+                for e in seen
+                if e.HasField("artifact_update")
+                for part in e.artifact_update.artifact.parts
+            )
             assert texts.startswith("resumed with")
 
 
@@ -432,17 +467,23 @@ async def test_a_subscription_from_a_cursor_at_the_pause_waits_for_the_answer(tm
                 record = (await http.get(f"{info.url}/runs/{paused.id}")).json()
                 at_pause = str(record["events"][-1]["seq"])
                 body = rpc("SubscribeToTask", {"id": paused.id})
-                async with http.stream("POST", url, json=body,
-                                       headers={"Last-Event-ID": at_pause}) as response:
+                async with http.stream(
+                    "POST", url, json=body, headers={"Last-Event-ID": at_pause}
+                ) as response:
                     items = sse_items(response)
                     assert await anext(items) == {"comment": "keepalive"}  # still waiting
-                    answer = pb.SendMessageRequest(message=pb.Message(
-                        message_id="answer-2", role=pb.Role.ROLE_USER, task_id=paused.id,
-                        parts=[pb.Part(text="ok")]))
-                    assert (await send_blocking(plain, answer)).status.state == \
-                        S.TASK_STATE_COMPLETED
-                    frames = [(int(i["id"]), i["data"]) async for i in items
-                              if "comment" not in i]
+                    answer = pb.SendMessageRequest(
+                        message=pb.Message(
+                            message_id="answer-2",
+                            role=pb.Role.ROLE_USER,
+                            task_id=paused.id,
+                            parts=[pb.Part(text="ok")],
+                        )
+                    )
+                    assert (
+                        await send_blocking(plain, answer)
+                    ).status.state == S.TASK_STATE_COMPLETED
+                    frames = [(int(i["id"]), i["data"]) async for i in items if "comment" not in i]
         ids = [i for i, _ in frames]
         assert ids == sorted(ids) and ids[0] > int(at_pause)  # only what followed the pause
         assert payload(frames[-1][1])[1]["status"]["state"] == "TASK_STATE_COMPLETED"
@@ -469,8 +510,9 @@ async def test_a_subscription_at_a_pause_closes_when_the_task_pauses_again(tmp_p
         task = sent["result"]["task"]
         assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
 
-        async with http.stream("POST", url, json=rpc("SubscribeToTask", {"id": task["id"]})
-                               ) as response:
+        async with http.stream(
+            "POST", url, json=rpc("SubscribeToTask", {"id": task["id"]})
+        ) as response:
             items = sse_items(response)
             opening = await anext(items)
             assert payload(opening["data"])[1]["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
@@ -481,7 +523,9 @@ async def test_a_subscription_at_a_pause_closes_when_the_task_pauses_again(tmp_p
         nursery.cancel_scope.cancel()
     # The second turn's RUN_STARTED (seq 3), then its pause (seq 4) as the end.
     assert [(i, payload(f)[1]["status"]["state"]) for i, f in rest] == [
-        (3, "TASK_STATE_WORKING"), (4, "TASK_STATE_INPUT_REQUIRED")]
+        (3, "TASK_STATE_WORKING"),
+        (4, "TASK_STATE_INPUT_REQUIRED"),
+    ]
 
 
 # ------------------------------------------------------------------ keepalive
@@ -519,8 +563,14 @@ async def test_a_silent_stream_gets_keepalive_comments(autojump_clock) -> None:
                 break
         await stream.aclose()
         await source_closed.wait()
-    assert got == [(b"one", 0), (KEEPALIVE, 15), (KEEPALIVE, 30), (b"two", 40),
-                   (KEEPALIVE, 55), (KEEPALIVE, 70)]
+    assert got == [
+        (b"one", 0),
+        (KEEPALIVE, 15),
+        (KEEPALIVE, 30),
+        (b"two", 40),
+        (KEEPALIVE, 55),
+        (KEEPALIVE, 70),
+    ]
 
 
 async def test_with_keepalive_raises_what_the_source_raises(autojump_clock) -> None:
@@ -573,8 +623,10 @@ async def test_a_queued_run_stream_is_kept_alive_over_the_real_server(tmp_path) 
             await provider.answer(run, "accepted")
             await provider.play(run, [started(run), finished(run)])
             rest = [item async for item in items if "comment" not in item]
-        assert [(i["id"], i["data"]["type"]) for i in rest] == [("1", "RUN_STARTED"),
-                                                                ("2", "RUN_FINISHED")]
+        assert [(i["id"], i["data"]["type"]) for i in rest] == [
+            ("1", "RUN_STARTED"),
+            ("2", "RUN_FINISHED"),
+        ]
 
 
 def test_keepalive_setting_and_cursor_parsing() -> None:

@@ -29,10 +29,12 @@ async def test_healthz_and_readyz(tmp_path):
 
 async def test_unknown_ids_and_routes_are_json_404s(tmp_path):
     async with running_server(tmp_path) as info, http_client(info) as http:
-        assert_json_error(await http.get("/runs/run_000000000000000000000000"), 404,
-                          "run_not_found")
-        assert_json_error(await http.get("/threads/thread_000000000000000000000000"), 404,
-                          "thread_not_found")
+        assert_json_error(
+            await http.get("/runs/run_000000000000000000000000"), 404, "run_not_found"
+        )
+        assert_json_error(
+            await http.get("/threads/thread_000000000000000000000000"), 404, "thread_not_found"
+        )
         assert_json_error(await http.get("/no/such/route"), 404, "not_found")
         assert_json_error(await http.post("/agents"), 405, "method_not_allowed")
 
@@ -95,22 +97,33 @@ async def test_run_and_thread_records_have_the_design_shapes(tmp_path):
             nursery.start_soon(caller)
             run = await provider.next_offer()
             await provider.answer(run, "accepted")
-            await provider.play(run, [
-                {"type": "RUN_STARTED", "threadId": run["threadId"], "runId": run["runId"]},
-                {"type": "RUN_FINISHED", "threadId": run["threadId"], "runId": run["runId"]},
-            ])
+            await provider.play(
+                run,
+                [
+                    {"type": "RUN_STARTED", "threadId": run["threadId"], "runId": run["runId"]},
+                    {"type": "RUN_FINISHED", "threadId": run["threadId"], "runId": run["runId"]},
+                ],
+            )
 
         record = (await http.get(f"/runs/{run['runId']}")).json()
-        assert set(record) == {"runId", "threadId", "agent", "status", "metadata",
-                               "createdAt", "startedAt", "completedAt", "events"}
+        assert set(record) == {
+            "runId",
+            "threadId",
+            "agent",
+            "status",
+            "metadata",
+            "createdAt",
+            "startedAt",
+            "completedAt",
+            "events",
+        }
         assert record["runId"] == run["runId"]
         assert record["threadId"] == run["threadId"]
         assert record["agent"]["name"] == "echo"
         assert record["agent"]["provider"] in (provider.key, provider.fingerprint)
         assert record["status"] == "completed"
         assert [e["seq"] for e in record["events"]] == [1, 2]
-        assert [e["event"]["type"] for e in record["events"]] == ["RUN_STARTED",
-                                                                   "RUN_FINISHED"]
+        assert [e["event"]["type"] for e in record["events"]] == ["RUN_STARTED", "RUN_FINISHED"]
         assert record["createdAt"] and record["startedAt"] and record["completedAt"]
 
         thread = (await http.get(f"/threads/{run['threadId']}")).json()
@@ -119,4 +132,3 @@ async def test_run_and_thread_records_have_the_design_shapes(tmp_path):
         assert thread["segmentHead"] is None
         assert thread["runs"] == [{"runId": run["runId"], "status": "completed"}]
         assert [m["content"] for m in thread["messages"] if m["role"] == "user"] == ["hello"]
-

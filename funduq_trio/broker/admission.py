@@ -33,8 +33,14 @@ class _Charge:
 class WaitingRuns:
     """The bounded count (and input bytes) of runs waiting in funduq."""
 
-    def __init__(self, *, max_runs: int, max_runs_per_agent: int, max_bytes: int,
-                 still_waiting: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        *,
+        max_runs: int,
+        max_runs_per_agent: int,
+        max_bytes: int,
+        still_waiting: Callable[[str], bool],
+    ) -> None:
         self.max_runs = max_runs
         self.max_runs_per_agent = max_runs_per_agent
         self.max_bytes = max_bytes
@@ -59,17 +65,22 @@ class WaitingRuns:
             if self.runs + 1 > self.max_runs:
                 raise QueuedRunsLimit(
                     f"funduq already holds {self.runs} waiting runs (FUNDUQ_MAX_QUEUED_RUNS="
-                    f"{self.max_runs}); retry once some are taken", limit=self.max_runs)
+                    f"{self.max_runs}); retry once some are taken",
+                    limit=self.max_runs,
+                )
             if self.of_agent(agent) + 1 > self.max_runs_per_agent:
                 raise AgentQueuedRunsLimit(
                     f"agent {agent[1]!r} already has {self.of_agent(agent)} waiting runs "
                     f"(FUNDUQ_MAX_QUEUED_RUNS_PER_AGENT={self.max_runs_per_agent}); retry once "
-                    "some are taken", limit=self.max_runs_per_agent)
+                    "some are taken",
+                    limit=self.max_runs_per_agent,
+                )
             if self.bytes + size > self.max_bytes:
                 raise QueuedInputLimit(
                     f"the input of waiting runs would pass FUNDUQ_MAX_QUEUED_INPUT_BYTES="
                     f"{self.max_bytes} (this run's is {size} bytes); retry once some are taken",
-                    limit=self.max_bytes)
+                    limit=self.max_bytes,
+                )
         self.release(run_id)  # a run is charged once (a reopened run's old charge goes)
         self._charges[run_id] = _Charge(agent, size)
         self._per_agent[agent] = self._per_agent.get(agent, 0) + 1
@@ -88,9 +99,11 @@ class WaitingRuns:
         self.bytes -= charge.size
 
     def _over(self, agent: Agent, size: int) -> bool:
-        return (self.runs + 1 > self.max_runs
-                or self.of_agent(agent) + 1 > self.max_runs_per_agent
-                or self.bytes + size > self.max_bytes)
+        return (
+            self.runs + 1 > self.max_runs
+            or self.of_agent(agent) + 1 > self.max_runs_per_agent
+            or self.bytes + size > self.max_bytes
+        )
 
     def _drop_moved_on(self) -> None:
         for run_id in [r for r in self._charges if not self._still_waiting(r)]:

@@ -98,8 +98,9 @@ class SpentProofs:
     any key (listings, presenters) is for, see `Funduq.spent_by_anyone`.
     """
 
-    def __init__(self, capacity: int, window: float = SIGNATURE_WINDOW_SECONDS,
-                 per_key: int | None = None) -> None:
+    def __init__(
+        self, capacity: int, window: float = SIGNATURE_WINDOW_SECONDS, per_key: int | None = None
+    ) -> None:
         self.capacity = capacity
         self.window = window
         self.per_key = per_key if per_key is not None else max(1, int(2 * window))
@@ -130,11 +131,13 @@ class SpentProofs:
         if len(self._expiry) >= self.capacity:
             raise ProofsBusy(
                 f"funduq holds {self.capacity} fresh proofs already (FUNDUQ_MAX_SPENT_PROOFS); "
-                "retry in a few seconds")
+                "retry in a few seconds"
+            )
         if self._of_key.get(key, 0) >= self.per_key:
             raise ProofsBusy(
                 f"funduq holds {self.per_key} fresh proofs by this key already; "
-                "retry in a few seconds")
+                "retry in a few seconds"
+            )
         expires = timestamp + self.window
         self._expiry[entry] = expires
         self._of_key[key] = self._of_key.get(key, 0) + 1
@@ -199,8 +202,7 @@ def _check_with(
     spent: SpentProofs | None,
 ) -> str:
     _, timestamp, _ = _proof_fields(proof)
-    return check_signed_request(proof, build(run_id, timestamp), allowed_keys, now, window,
-                                spent)
+    return check_signed_request(proof, build(run_id, timestamp), allowed_keys, now, window, spent)
 
 
 def check_cancel(
@@ -266,8 +268,9 @@ def check_listing(
     `funduq-read::{timestamp}` (the read payload with an empty thread id) by
     any key; returns that key, whose threads the listing may show."""
     proof = read_proof_fields(header)
-    return check_signed_request(proof, read_payload("", proof["timestamp"]), None, now,
-                                window, spent)
+    return check_signed_request(
+        proof, read_payload("", proof["timestamp"]), None, now, window, spent
+    )
 
 
 def segment_head_of(actor_chain: object, max_hops: int | None = None) -> str:

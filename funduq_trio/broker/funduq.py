@@ -58,6 +58,7 @@ THREAD_CACHE = 16384
 #: forwarded to providers.
 PROOF_KEYS = ("cancel", "resolution", "presenter")
 
+
 def _check_carriable(metadata: Any, thread_id: Any = None) -> None:
     """Refuse request metadata (or a thread id) the provider link could not
     carry -- the doors refuse it first; this keeps any other way in honest."""
@@ -125,7 +126,9 @@ class Funduq:
         self.waiting = WaitingRuns(
             max_runs=settings.max_queued_runs,
             max_runs_per_agent=settings.max_queued_runs_per_agent,
-            max_bytes=settings.max_queued_input_bytes, still_waiting=self._still_waiting)
+            max_bytes=settings.max_queued_input_bytes,
+            still_waiting=self._still_waiting,
+        )
         #: Proofs accepted while fresh: each works once (DESIGN §8).
         self.spent = authority.SpentProofs(settings.max_spent_proofs)
         # Listing and presenter proofs are accepted from any key, so anyone
@@ -160,14 +163,22 @@ class Funduq:
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
             secret = await trio.to_thread.run_sync(self._load_kyok_secret)
             self.record = await self._stack.enter_async_context(open_store(self.settings))
-            self.providers = Providers(self.record, self.settings.quality_allowance,
-                                       self._provider_thread_messages, self.metrics,
-                                       max_agents=self.settings.max_agents_per_provider,
-                                       max_roster_bytes=self.settings.max_frame_bytes)
+            self.providers = Providers(
+                self.record,
+                self.settings.quality_allowance,
+                self._provider_thread_messages,
+                self.metrics,
+                max_agents=self.settings.max_agents_per_provider,
+                max_roster_bytes=self.settings.max_frame_bytes,
+            )
             await self.providers.load()
-            self.kyok = Kyok(self.record, secret, self.metrics,
-                             max_spent_calls=self.settings.max_spent_proofs,
-                             completions_per_run=self.settings.kyok_completions_per_run)
+            self.kyok = Kyok(
+                self.record,
+                secret,
+                self.metrics,
+                max_spent_calls=self.settings.max_spent_proofs,
+                completions_per_run=self.settings.kyok_completions_per_run,
+            )
             await self.kyok.load()
             if self.settings.public_url:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
@@ -203,8 +214,9 @@ class Funduq:
                 raise ValueError("it must hold one operator token")
             return text
 
-        return load_or_create(self.settings.data_dir / "operator.token",
-                              lambda: secrets.token_urlsafe(32), read)
+        return load_or_create(
+            self.settings.data_dir / "operator.token", lambda: secrets.token_urlsafe(32), read
+        )
 
     def _load_kyok_secret(self) -> bytes:
         if self.settings.kyok_secret:
@@ -222,7 +234,8 @@ class Funduq:
         ``orphaned_by_restart``; queued runs queue again in arrival order;
         paused runs stay answerable."""
         self._arrival, orphans, queued = await self.record.restore_reads(
-            tuple(st.ORPHANED_BY_RESTART))
+            tuple(st.ORPHANED_BY_RESTART)
+        )
         for run_id, status, metadata, last_seq, reported in orphans:
             machine = RunMachine(status)
             machine.reported_error = bool(reported)
@@ -231,8 +244,9 @@ class Funduq:
                 await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
         for found in queued:
             row = _run_row(found)
-            self.waiting.charge(row["id"], (row["provider_key"], row["agent_name"]),
-                                _input_size(row), force=True)
+            self.waiting.charge(
+                row["id"], (row["provider_key"], row["agent_name"]), _input_size(row), force=True
+            )
             await self._thread(row["thread_id"])  # its history, for the replies it will add
             self._start_lane(row, arriving=False)
         if orphans or queued:
@@ -264,14 +278,17 @@ class Funduq:
             reopen[0].set()
         return lane
 
-    async def _settle_unlaned(self, run_id: str, metadata: dict[str, Any], next_seq: int,
-                              settle: Settle) -> None:
+    async def _settle_unlaned(
+        self, run_id: str, metadata: dict[str, Any], next_seq: int, settle: Settle
+    ) -> None:
         """Carry out a machine's Settle for a run no lane owns (restart, arrival)."""
         metadata["failureReason"] = settle.reason
-        events = [(next_seq, agui.run_error(settle.reason or "failed"))] \
-            if settle.error_event else []
-        await self.record.move(run_id, settle.to, metadata=metadata, events=events,
-                               stamp=("completed_at", time.time()))
+        events = (
+            [(next_seq, agui.run_error(settle.reason or "failed"))] if settle.error_event else []
+        )
+        await self.record.move(
+            run_id, settle.to, metadata=metadata, events=events, stamp=("completed_at", time.time())
+        )
         self.metrics.run_ended(settle.to)
 
     # -- the port lanes use (lanes.LaneHost) -----------------------------------------
@@ -286,9 +303,14 @@ class Funduq:
         self._lane_ended(lane)
 
     def _lane_ended(self, lane: Lane) -> None:
-        log.debug("run %s ended %s%s", lane.run_id, lane.status,
-                  f" ({lane.metadata['failureReason']})"
-                  if "failureReason" in (lane.metadata or {}) else "")
+        log.debug(
+            "run %s ended %s%s",
+            lane.run_id,
+            lane.status,
+            f" ({lane.metadata['failureReason']})"
+            if "failureReason" in (lane.metadata or {})
+            else "",
+        )
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
             self.waiting.release(lane.run_id)
@@ -306,8 +328,7 @@ class Funduq:
         for tid in list(self._thread_info):
             if len(self._thread_info) <= keep:
                 return
-            if tid not in self.threads and tid not in self._reserved \
-                    and tid not in self._answering:
+            if tid not in self.threads and tid not in self._reserved and tid not in self._answering:
                 del self._thread_info[tid]
 
     def _offer_payload(self, lane: Lane) -> dict[str, Any]:
@@ -332,13 +353,16 @@ class Funduq:
             if isinstance(opt_in, dict):
                 forwarded["kyok"] = self.kyok.grant(lane.run_id, lane.key, lane.agent)
             run_input = {**run_input, "forwardedProps": forwarded}
-        metadata = {k: v for k, v in caller_metadata.items()
-                    if k not in PROOF_KEYS and k != "kyok"}
-        return {"runId": lane.run_id, "threadId": lane.thread_id, "agentName": lane.agent,
-                "runInput": run_input, "metadata": metadata}
+        metadata = {k: v for k, v in caller_metadata.items() if k not in PROOF_KEYS and k != "kyok"}
+        return {
+            "runId": lane.run_id,
+            "threadId": lane.thread_id,
+            "agentName": lane.agent,
+            "runInput": run_input,
+            "metadata": metadata,
+        }
 
-    def _dispatched_chain(self, lane: Lane, caller_metadata: dict[str, Any]
-                          ) -> list[Any] | None:
+    def _dispatched_chain(self, lane: Lane, caller_metadata: dict[str, Any]) -> list[Any] | None:
         """The run's actor chain as funduq dispatched it (None: it has none):
         the caller's hops verbatim plus one hop of funduq's naming where it went."""
         chain = caller_metadata.get("actorChain")
@@ -349,8 +373,9 @@ class Funduq:
 
     # -- providers (the port the link plugs into) -----------------------------------
 
-    def attach_provider(self, public_key: str, max_concurrent_runs: int | None,
-                        link: ProviderLink) -> ProviderSession:
+    def attach_provider(
+        self, public_key: str, max_concurrent_runs: int | None, link: ProviderLink
+    ) -> ProviderSession:
         return self.providers.attach(public_key, max_concurrent_runs, link)
 
     def find_agent(self, provider: str, agent: str) -> AgentView | None:
@@ -364,13 +389,20 @@ class Funduq:
         """Every provider funduq has met: online or not, its quality counters
         and the allowance they are withdrawn at (the operator's view)."""
         providers = self.providers
-        return [{"provider": key, "fingerprint": fingerprint_of(key),
-                 "online": key in providers.sessions and providers.sessions[key].live,
-                 "counters": dict(counts), "allowance": providers.allowance}
-                for key, counts in sorted(providers.counters.items())]
+        return [
+            {
+                "provider": key,
+                "fingerprint": fingerprint_of(key),
+                "online": key in providers.sessions and providers.sessions[key].live,
+                "counters": dict(counts),
+                "allowance": providers.allowance,
+            }
+            for key, counts in sorted(providers.counters.items())
+        ]
 
-    async def _provider_thread_messages(self, key: str, thread_id: str,
-                                        limit: int | None) -> list[dict[str, Any]]:
+    async def _provider_thread_messages(
+        self, key: str, thread_id: str, limit: int | None
+    ) -> list[dict[str, Any]]:
         info = await self._thread(thread_id)
         if info is None or info.key != key:
             raise UnknownThread(thread_id)
@@ -379,8 +411,14 @@ class Funduq:
     # -- callers ---------------------------------------------------------------------
 
     async def start_run(
-        self, provider: str, agent: str, run_input: Any, *, thread_id: str | None = None,
-        metadata: dict[str, Any] | None = None, create_unknown_thread: bool = False,
+        self,
+        provider: str,
+        agent: str,
+        run_input: Any,
+        *,
+        thread_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        create_unknown_thread: bool = False,
     ) -> RunTicket:
         view = self.find_agent(provider, agent)
         if view is None:
@@ -394,8 +432,7 @@ class Funduq:
         if "kyok" in metadata:
             # Refused here, before anything is recorded, when it names no offering.
             metadata["kyok"] = self.kyok.read_opt_in(metadata["kyok"])
-            run_metadata = {"funduq": {"kyok": {
-                "llmProvider": metadata["kyok"]["llmProvider"]}}}
+            run_metadata = {"funduq": {"kyok": {"llmProvider": metadata["kyok"]["llmProvider"]}}}
         # The chain's check comes before the thread's lookup, so the answer to
         # a forged chain is the same whether or not the thread exists.
         head = self._presented_head(metadata, run_input, key, agent)
@@ -423,10 +460,19 @@ class Funduq:
             # text (read again only for the offer): a waiting run holds one
             # string each, not a tree of dicts.
             row: dict[str, Any]
-            row = {"id": run_id, "thread_id": tid, "provider_key": key, "agent_name": agent,
-                   "status": st.QUEUED, "input": dumps(run_input),
-                   "caller_metadata": dumps(metadata), "metadata": run_metadata, "next_seq": 1,
-                   "arrival": self._arrival, "created_at": time.time()}
+            row = {
+                "id": run_id,
+                "thread_id": tid,
+                "provider_key": key,
+                "agent_name": agent,
+                "status": st.QUEUED,
+                "input": dumps(run_input),
+                "caller_metadata": dumps(metadata),
+                "metadata": run_metadata,
+                "next_seq": 1,
+                "arrival": self._arrival,
+                "created_at": time.time(),
+            }
             try:
                 self.waiting.charge(run_id, (key, agent), _input_size(row))
             except QueueLimitReached:
@@ -489,8 +535,9 @@ class Funduq:
         if self.record.failing and not await self.record.probe():
             raise RecordUnavailable("the record cannot take writes right now; retry later")
 
-    def _presented_head(self, metadata: dict[str, Any], run_input: dict[str, Any], key: str,
-                        agent: str) -> str | None:
+    def _presented_head(
+        self, metadata: dict[str, Any], run_input: dict[str, Any], key: str, agent: str
+    ) -> str | None:
         """The head of the request's actor chain (None: no chain). A chain must
         verify and be presented by its last hop to this agent with this
         request's last message, whether or not the thread is bound, so the
@@ -501,9 +548,15 @@ class Funduq:
         messages = run_input.get("messages") or []
         message_id = messages[-1].get("id") if messages else ""
         return authority.check_presented(
-            chain, metadata.get("presenter"), key, agent,
-            message_id if isinstance(message_id, str) else "", time.time(),
-            max_hops=self.settings.max_chain_hops, spent=self.spent_by_anyone)
+            chain,
+            metadata.get("presenter"),
+            key,
+            agent,
+            message_id if isinstance(message_id, str) else "",
+            time.time(),
+            max_hops=self.settings.max_chain_hops,
+            spent=self.spent_by_anyone,
+        )
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -513,11 +566,13 @@ class Funduq:
         if pending >= self.settings.thread_queue_limit:
             raise ThreadQueueFull(
                 f"thread {thread_id} already holds {pending} pending runs "
-                f"(limit {self.settings.thread_queue_limit}); retry once one is taken")
+                f"(limit {self.settings.thread_queue_limit}); retry once one is taken"
+            )
         self._reserved[thread_id] = self._reserved.get(thread_id, 0) + 1
 
-    def _new_messages(self, info: ThreadInfo, run_input: dict[str, Any],
-                      run_id: str) -> list[tuple[Any, ...]]:
+    def _new_messages(
+        self, info: ThreadInfo, run_input: dict[str, Any], run_id: str
+    ) -> list[tuple[Any, ...]]:
         """Messages the thread has not seen yet. Earlier messages the thread
         holds are history a caller re-sent; the last one is always the new
         utterance, and keeps its caller's id unless the thread already holds it."""
@@ -551,8 +606,9 @@ class Funduq:
             info.message_count += 1
         return rows
 
-    async def follow(self, run_id: str, after_seq: int = 0
-                     ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
+    async def follow(
+        self, run_id: str, after_seq: int = 0
+    ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
         """The run's events after ``after_seq`` as (seq, event), in order, each
         durable before it is yielded; ends once the run settles or pauses.
 
@@ -634,11 +690,15 @@ class Funduq:
     def gauges(self) -> dict[str, tuple[str, float]]:
         """The current values `GET /metrics` shows beside the counters."""
         return {
-            "funduq_runs_live": ("Runs with a lane: queued, offering, running, cancelling.",
-                                 len(self.lanes)),
+            "funduq_runs_live": (
+                "Runs with a lane: queued, offering, running, cancelling.",
+                len(self.lanes),
+            ),
             "funduq_threads_live": ("Threads with a live run.", len(self.threads)),
-            "funduq_providers_attached": ("Provider links attached.",
-                                          sum(s.live for s in self.providers.sessions.values())),
+            "funduq_providers_attached": (
+                "Provider links attached.",
+                sum(s.live for s in self.providers.sessions.values()),
+            ),
             **(self.pushes.gauges() if self.pushes is not None else {}),
         }
 
@@ -671,8 +731,9 @@ class Funduq:
         segment_head, key = facts
         by = None
         if segment_head is not None:
-            by = authority.check_cancel(proof, run_id, (segment_head, key), time.time(),
-                                        spent=self.spent)
+            by = authority.check_cancel(
+                proof, run_id, (segment_head, key), time.time(), spent=self.spent
+            )
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
@@ -710,34 +771,49 @@ class Funduq:
         # Cancel-requested first: a cancel accepted while the offer awaits its
         # answer is already the reason, though the run is not held yet.
         if grant.run_id in self.kyok.cancel_requested or (
-                lane is not None and lane.status == st.CANCELLING):
-            raise KyokRefusal(403, "run_cancel_requested",
-                              f"run {grant.run_id} is cancel-requested: funduq funds no more "
-                              "of its completions")
+            lane is not None and lane.status == st.CANCELLING
+        ):
+            raise KyokRefusal(
+                403,
+                "run_cancel_requested",
+                f"run {grant.run_id} is cancel-requested: funduq funds no more of its completions",
+            )
         session = self.providers.sessions.get(lane.key) if lane is not None else None
         held = session is not None and grant.run_id in session.held
         if lane is None or not (held or lane.status in st.HELD):
-            raise KyokRefusal(403, "run_not_active",
-                              f"run {grant.run_id} is not being worked on by its agent")
+            raise KyokRefusal(
+                403, "run_not_active", f"run {grant.run_id} is not being worked on by its agent"
+            )
         if grant.agent != f"{lane.key}/{lane.agent}":
-            raise KyokRefusal(403, "not_this_agents_run",
-                              f"run {grant.run_id} is not this token's agent's run")
+            raise KyokRefusal(
+                403, "not_this_agents_run", f"run {grant.run_id} is not this token's agent's run"
+            )
         caller = json.loads(lane.caller_metadata_json)
         opt_in = caller.get("kyok")
         if not isinstance(opt_in, dict):
             raise KyokRefusal(403, "no_kyok_grant", f"run {grant.run_id} opted into no KYOK")
         provider = opt_in["llmProvider"]
         chain = self._dispatched_chain(lane, caller)
-        return KyokRun(grant.run_id, lane.key, lane.agent,
-                       (provider["providerKey"], provider["name"]),
-                       opt_in.get("context"), chain)
+        return KyokRun(
+            grant.run_id,
+            lane.key,
+            lane.agent,
+            (provider["providerKey"], provider["name"]),
+            opt_in.get("context"),
+            chain,
+        )
 
     async def paused_run(self, thread_id: str) -> str | None:
         return await self.record.paused_run(thread_id, st.INPUT_REQUIRED)
 
-    async def answer_pause(self, run_id: str, run_input: Any, *,
-                           metadata: dict[str, Any] | None = None,
-                           thread_id: str | None = None) -> RunTicket:
+    async def answer_pause(
+        self,
+        run_id: str,
+        run_input: Any,
+        *,
+        metadata: dict[str, Any] | None = None,
+        thread_id: str | None = None,
+    ) -> RunTicket:
         """Answer a paused run: the same run id is queued again, offered in its
         thread's order, its event log continuing. `thread_id`, when the caller
         names one, must be the run's (checked after the authority check, so a
@@ -752,8 +828,9 @@ class Funduq:
         by = None
         if segment_head is not None:
             resolution = metadata.get("resolution") if isinstance(metadata, dict) else None
-            by = authority.check_resolution(resolution, run_id,
-                                            (segment_head, key), time.time(), spent=self.spent)
+            by = authority.check_resolution(
+                resolution, run_id, (segment_head, key), time.time(), spent=self.spent
+            )
         _check_carriable(metadata)
         metadata = dict(metadata or {})
         if "kyok" in metadata:
@@ -781,15 +858,18 @@ class Funduq:
         if "kyok" in metadata:
             marks["kyok"] = {"llmProvider": metadata["kyok"]["llmProvider"]}
         marks.pop("cancelRequestedBy", None)  # the new turn is nobody's to stop yet
-        caller = dumps({**json.loads(row["caller_metadata"]),
-                        **{k: v for k, v in metadata.items() if k not in PROOF_KEYS}})
+        caller = dumps(
+            {
+                **json.loads(row["caller_metadata"]),
+                **{k: v for k, v in metadata.items() if k not in PROOF_KEYS},
+            }
+        )
         tid = row["thread_id"]
         info = await self._thread(tid)
         messages = self._new_messages(info, run_input, run_id) if info else []
         row["input"], row["caller_metadata"] = dumps(run_input), caller
         try:
-            self.waiting.charge(run_id, (row["provider_key"], row["agent_name"]),
-                                _input_size(row))
+            self.waiting.charge(run_id, (row["provider_key"], row["agent_name"]), _input_size(row))
         except QueueLimitReached:
             if info:
                 self._unsee(info, messages, new=False)
@@ -803,9 +883,15 @@ class Funduq:
             assert isinstance(move, Move), move
             try:
                 moved = await self.record.move(
-                    run_id, move.to, metadata=row["metadata"], run_input=run_input,
-                    caller_metadata=caller, arrival=arrival, stamp=("completed_at", None),
-                    messages=messages)
+                    run_id,
+                    move.to,
+                    metadata=row["metadata"],
+                    run_input=run_input,
+                    caller_metadata=caller,
+                    arrival=arrival,
+                    stamp=("completed_at", None),
+                    messages=messages,
+                )
             except BaseException as exc:
                 if info:
                     self._unsee(info, messages, new=False)  # not recorded
@@ -841,11 +927,17 @@ class Funduq:
         row, events = found
         return {**_run_json(row), "events": [{"seq": s, "event": json.loads(e)} for s, e in events]}
 
-    async def list_runs(self, *, thread_id: str | None = None, provider: str | None = None,
-                        agent: str | None = None, limit: int = 100,
-                        status: str | Collection[str] | None = None,
-                        before: str | None = None,
-                        bound_to: str | None = None) -> list[dict[str, Any]]:
+    async def list_runs(
+        self,
+        *,
+        thread_id: str | None = None,
+        provider: str | None = None,
+        agent: str | None = None,
+        limit: int = 100,
+        status: str | Collection[str] | None = None,
+        before: str | None = None,
+        bound_to: str | None = None,
+    ) -> list[dict[str, Any]]:
         """Run summaries (no events), newest first, filtered and paged in SQL.
 
         Unscoped: who may see them is the caller's question (`run_page` asks
@@ -854,9 +946,15 @@ class Funduq:
         segment head is that key."""
         key = None if provider is None else self.providers.resolve_key(provider) or provider
         wanted = None if status is None else [status] if isinstance(status, str) else list(status)
-        rows = await self.record.list_runs(thread_id=thread_id, provider_key=key, agent=agent,
-                                           limit=limit, status=wanted, before=before,
-                                           bound_to=bound_to)
+        rows = await self.record.list_runs(
+            thread_id=thread_id,
+            provider_key=key,
+            agent=agent,
+            limit=limit,
+            status=wanted,
+            before=before,
+            bound_to=bound_to,
+        )
         return [_run_json(r) for r in rows]
 
     # -- who may read what (DESIGN §8); the doors call these, never authority.py
@@ -873,8 +971,9 @@ class Funduq:
         if info.segment_head is None or reader.operator:
             return True
         try:
-            authority.check_read(reader.proof, thread_id, (info.segment_head, info.key),
-                                 time.time(), self.spent)
+            authority.check_read(
+                reader.proof, thread_id, (info.segment_head, info.key), time.time(), self.spent
+            )
         except NotAuthorized:
             return False
         return True
@@ -892,8 +991,9 @@ class Funduq:
             return None
         return await self.get_thread(thread_id)
 
-    async def listing_scope(self, reader: Reader, thread_id: str | None = None
-                            ) -> dict[str, Any] | None:
+    async def listing_scope(
+        self, reader: Reader, thread_id: str | None = None
+    ) -> dict[str, Any] | None:
         """What a listing by `reader` may show, as `list_runs` filters; None:
         nothing (an empty listing). A named thread it may read; else the
         operator's everything; else, with a listing proof (`Funduq-Proof`
@@ -911,27 +1011,42 @@ class Funduq:
             return None
         return {"bound_to": key}
 
-    async def run_page(self, reader: Reader, *, thread_id: str | None = None,
-                       provider: str | None = None, agent: str | None = None,
-                       status: str | Collection[str] | None = None, limit: int = 100,
-                       cursor: str | None = None) -> dict[str, Any]:
+    async def run_page(
+        self,
+        reader: Reader,
+        *,
+        thread_id: str | None = None,
+        provider: str | None = None,
+        agent: str | None = None,
+        status: str | Collection[str] | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
         """`GET /runs`: `{"runs": [summaries, newest first], "nextCursor"}` as
         `reader` may see them (see listing_scope); the cursor is the last
         run's id, null on the last page."""
         scope = await self.listing_scope(reader, thread_id)
         if scope is None:
             return {"runs": [], "nextCursor": None}
-        runs = await self.list_runs(provider=provider, agent=agent, status=status,
-                                    limit=limit + 1, before=cursor, **scope)
+        runs = await self.list_runs(
+            provider=provider, agent=agent, status=status, limit=limit + 1, before=cursor, **scope
+        )
         more = len(runs) > limit
         runs = runs[:limit]
         return {"runs": runs, "nextCursor": runs[-1]["runId"] if more else None}
 
-    async def task_page(self, provider_key: str, agent: str, reader: Reader, *,
-                        thread_id: str | None = None, status: Collection[str] | None = None,
-                        status_after: float | None = None, page_size: int = 50,
-                        after_run: str | None = None
-                        ) -> tuple[list[dict[str, Any]], int, bool]:
+    async def task_page(
+        self,
+        provider_key: str,
+        agent: str,
+        reader: Reader,
+        *,
+        thread_id: str | None = None,
+        status: Collection[str] | None = None,
+        status_after: float | None = None,
+        page_size: int = 50,
+        after_run: str | None = None,
+    ) -> tuple[list[dict[str, Any]], int, bool]:
         """One page of an agent's tasks (A2A ListTasks) as `reader` may see
         them: (full run records, how many match in all, whether more follow).
         Newest status time first, ties by id descending; `after_run` is the
@@ -941,9 +1056,15 @@ class Funduq:
         if scope is None:
             return [], 0, False
         total, ids = await self.record.task_ids(
-            provider_key, agent, thread_id=scope.get("thread_id"),
-            bound_to=scope.get("bound_to"), status=None if status is None else list(status),
-            status_after=status_after, limit=page_size + 1, after_run=after_run)
+            provider_key,
+            agent,
+            thread_id=scope.get("thread_id"),
+            bound_to=scope.get("bound_to"),
+            status=None if status is None else list(status),
+            status_after=status_after,
+            limit=page_size + 1,
+            after_run=after_run,
+        )
         records = []
         for run_id in ids[:page_size]:
             record = await self.get_run(run_id)
@@ -957,9 +1078,13 @@ class Funduq:
             return None
 
         runs = await self.record.thread_runs(thread_id)
-        return {"threadId": thread_id, "agent": {"provider": info.key, "name": info.agent},
-                "segmentHead": info.segment_head, "messages": await self._messages(thread_id),
-                "runs": [{"runId": r, "status": s} for r, s in runs]}
+        return {
+            "threadId": thread_id,
+            "agent": {"provider": info.key, "name": info.agent},
+            "segmentHead": info.segment_head,
+            "messages": await self._messages(thread_id),
+            "runs": [{"runId": r, "status": s} for r, s in runs],
+        }
 
     async def ready(self) -> bool:
         """Readiness: the broker runs and the record answers."""
@@ -985,16 +1110,20 @@ class Funduq:
             return None
         (key, agent, head), ids = found
         info = self._thread_info.setdefault(
-            thread_id, ThreadInfo(thread_id, key, agent, head, set(ids), len(ids)))
+            thread_id, ThreadInfo(thread_id, key, agent, head, set(ids), len(ids))
+        )
         return info
 
     async def _messages(self, thread_id: str, limit: int | None = None) -> list[dict[str, Any]]:
         return [json.loads(m) for m in await self.record.messages(thread_id, limit)]
 
-    async def _events(self, run_id: str, after: int, before: int | None = None, *,
-                      limit: int | None = None) -> list[tuple[int, dict[str, Any]]]:
-        return [(s, json.loads(e))
-                for s, e in await self.record.events_after(run_id, after, before, limit)]
+    async def _events(
+        self, run_id: str, after: int, before: int | None = None, *, limit: int | None = None
+    ) -> list[tuple[int, dict[str, Any]]]:
+        return [
+            (s, json.loads(e))
+            for s, e in await self.record.events_after(run_id, after, before, limit)
+        ]
 
     async def _run_thread(self, run_id: str) -> str | None:
         lane = self.lanes.get(run_id)
@@ -1019,13 +1148,34 @@ class Funduq:
 
 def _run_row(row: Any) -> dict[str, Any]:
     """A run's row; its input and caller metadata stay JSON text."""
-    rid, tid, key, agent, status, run_input, caller, metadata, arrival, created, started, \
-        next_seq = row
-    return {"id": rid, "thread_id": tid, "provider_key": key, "agent_name": agent,
-            "created_at": created, "started_at": started,
-            "status": status, "input": run_input,
-            "caller_metadata": caller, "metadata": json.loads(metadata),
-            "arrival": arrival, "next_seq": next_seq}
+    (
+        rid,
+        tid,
+        key,
+        agent,
+        status,
+        run_input,
+        caller,
+        metadata,
+        arrival,
+        created,
+        started,
+        next_seq,
+    ) = row
+    return {
+        "id": rid,
+        "thread_id": tid,
+        "provider_key": key,
+        "agent_name": agent,
+        "created_at": created,
+        "started_at": started,
+        "status": status,
+        "input": run_input,
+        "caller_metadata": caller,
+        "metadata": json.loads(metadata),
+        "arrival": arrival,
+        "next_seq": next_seq,
+    }
 
 
 def _input_size(row: dict[str, Any]) -> int:
@@ -1036,9 +1186,16 @@ def _input_size(row: dict[str, Any]) -> int:
 
 def _run_json(row: Any) -> dict[str, Any]:
     rid, tid, key, agent, status, metadata, created, started, completed = row
-    return {"runId": rid, "threadId": tid, "agent": {"provider": key, "name": agent},
-            "status": status, "metadata": json.loads(metadata), "createdAt": iso(created),
-            "startedAt": iso(started), "completedAt": iso(completed)}
+    return {
+        "runId": rid,
+        "threadId": tid,
+        "agent": {"provider": key, "name": agent},
+        "status": status,
+        "metadata": json.loads(metadata),
+        "createdAt": iso(created),
+        "startedAt": iso(started),
+        "completedAt": iso(completed),
+    }
 
 
 def _read_run_input(raw: Any) -> dict[str, Any]:
@@ -1051,8 +1208,10 @@ def _read_run_input(raw: Any) -> dict[str, Any]:
     for message in run_input.get("messages") or ():
         mid = message.get("id") if isinstance(message, dict) else None
         if isinstance(mid, str) and not keepable(mid):
-            raise InvalidRunInput("messages: a message id holds a character funduq cannot "
-                                  "record (NUL or a lone surrogate)")
+            raise InvalidRunInput(
+                "messages: a message id holds a character funduq cannot "
+                "record (NUL or a lone surrogate)"
+            )
     return run_input
 
 

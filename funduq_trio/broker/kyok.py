@@ -84,14 +84,19 @@ _B64URL = re.compile(r"[A-Za-z0-9_-]+")
 class KyokRefusal(Exception):  # noqa: N818 -- a refusal, answered with its status
     """A completion call refused: `status` and `code` are what the caller reads."""
 
-    def __init__(self, status: int, code: str, message: str,
-                 refusal: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, refusal: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.refusal = status, code, message, refusal
 
     def body(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"status": self.status, "code": self.code, "type": self.code,
-                                 "message": self.message}
+        error: dict[str, Any] = {
+            "status": self.status,
+            "code": self.code,
+            "type": self.code,
+            "message": self.message,
+        }
         if self.refusal is not None:
             error["refusal"] = self.refusal
         return {"error": error}
@@ -135,44 +140,69 @@ def read_token(secret: bytes, token: object, now: float) -> Grant:
     if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN_CHARS:
         raise _unauthorized("no KYOK token: send Authorization: Bearer {token}")
     first, dot, mac = token.partition(".")
-    if not dot or not _B64URL.fullmatch(first) or not hmac.compare_digest(
-            mac.encode("ascii", "replace"), _mac(secret, first).encode("ascii")):
+    if (
+        not dot
+        or not _B64URL.fullmatch(first)
+        or not hmac.compare_digest(
+            mac.encode("ascii", "replace"), _mac(secret, first).encode("ascii")
+        )
+    ):
         raise _unauthorized("KYOK token does not verify")
     try:
         claims = json.loads(base64.urlsafe_b64decode(first + "=" * (-len(first) % 4)))
     except ValueError:
         raise _unauthorized("KYOK token does not verify") from None
-    run_id, agent, exp = (claims.get(k) if isinstance(claims, dict) else None
-                          for k in ("runId", "agent", "exp"))
-    if not isinstance(run_id, str) or not isinstance(agent, str) \
-            or not isinstance(exp, int) or isinstance(exp, bool):
+    run_id, agent, exp = (
+        claims.get(k) if isinstance(claims, dict) else None for k in ("runId", "agent", "exp")
+    )
+    if (
+        not isinstance(run_id, str)
+        or not isinstance(agent, str)
+        or not isinstance(exp, int)
+        or isinstance(exp, bool)
+    ):
         raise _unauthorized("KYOK token does not verify")
     if not now < exp:
         raise _unauthorized("KYOK token has expired")
     return Grant(token, run_id, agent, exp)
 
 
-def check_call_signature(public_key: str, token: str, timestamp: str | None,
-                         signature: str | None, body: bytes, now: float,
-                         window: float = SIGNATURE_WINDOW_SECONDS,
-                         spent: SpentProofs | None = None) -> None:
+def check_call_signature(
+    public_key: str,
+    token: str,
+    timestamp: str | None,
+    signature: str | None,
+    body: bytes,
+    now: float,
+    window: float = SIGNATURE_WINDOW_SECONDS,
+    spent: SpentProofs | None = None,
+) -> None:
     """The call is signed by the agent's provider key over
     `funduq-kyok-call:{token}:{timestamp}:{sha256hex(body)}`, within `window`
     seconds of `now`, and (when `spent` keeps count) not used before: a
     captured call does not replay. Else KyokRefusal 401 (503 while `spent`
     is full)."""
-    bad = KyokRefusal(401, "invalid_signature",
-                      "Funduq-Signature must be the agent's provider key's signature over "
-                      "funduq-kyok-call:{token}:{Funduq-Timestamp}:{sha256hex(body)}, "
-                      f"timestamped within {window:g} s")
-    if timestamp is None or signature is None or not timestamp.isascii() \
-            or not timestamp.isdigit() or len(timestamp) > 12:
+    bad = KyokRefusal(
+        401,
+        "invalid_signature",
+        "Funduq-Signature must be the agent's provider key's signature over "
+        "funduq-kyok-call:{token}:{Funduq-Timestamp}:{sha256hex(body)}, "
+        f"timestamped within {window:g} s",
+    )
+    if (
+        timestamp is None
+        or signature is None
+        or not timestamp.isascii()
+        or not timestamp.isdigit()
+        or len(timestamp) > 12
+    ):
         raise bad
     stamp = int(timestamp)
     proof = {"publicKey": public_key, "timestamp": stamp, "signature": signature}
     try:
-        check_signed_request(proof, kyok_call_payload(token, stamp, body),
-                             (public_key,), now, window, spent)
+        check_signed_request(
+            proof, kyok_call_payload(token, stamp, body), (public_key,), now, window, spent
+        )
     except NotAuthorized:  # a bad, stale or spent signature: one answer
         raise bad from None
     except ProofsBusy as exc:
@@ -229,15 +259,23 @@ class Completion:
         try:
             data.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: no reader could be handed it
-            self.stop(KyokRefusal(502, "llm_bad_chunk",
-                                  "the LLM provider sent a chunk that is not valid Unicode"))
+            self.stop(
+                KyokRefusal(
+                    502, "llm_bad_chunk", "the LLM provider sent a chunk that is not valid Unicode"
+                )
+            )
             return
         try:
             self._send.send_nowait(data)
         except trio.WouldBlock:
-            self.stop(KyokRefusal(502, "reader_too_slow",
-                                  f"the completion outran its reader by more than "
-                                  f"{COMPLETION_BUFFER_CHUNKS} chunks"))
+            self.stop(
+                KyokRefusal(
+                    502,
+                    "reader_too_slow",
+                    f"the completion outran its reader by more than "
+                    f"{COMPLETION_BUFFER_CHUNKS} chunks",
+                )
+            )
 
     def completed(self) -> None:
         if self.outcome is None:
@@ -261,9 +299,15 @@ class Completion:
 
     def lost(self) -> None:
         """The LLM provider's link went: nothing to abandon."""
-        self._end(("stopped", KyokRefusal(502, "llm_provider_left",
-                                          "the LLM provider left during the completion")),
-                  "lost")
+        self._end(
+            (
+                "stopped",
+                KyokRefusal(
+                    502, "llm_provider_left", "the LLM provider left during the completion"
+                ),
+            ),
+            "lost",
+        )
 
 
 class LlmSession:
@@ -315,9 +359,16 @@ class Kyok:
     """The relay's state: LLM providers, offerings, counters, completions in
     flight, and the runs a cancel was accepted for."""
 
-    def __init__(self, record: Store, secret: bytes, metrics: Metrics, *,
-                 clock: Callable[[], float] = time.time,
-                 max_spent_calls: int = 100_000, completions_per_run: int = 4) -> None:
+    def __init__(
+        self,
+        record: Store,
+        secret: bytes,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_spent_calls: int = 100_000,
+        completions_per_run: int = 4,
+    ) -> None:
         self.record = record
         #: Completions one run may have in flight (FUNDUQ_KYOK_COMPLETIONS_PER_RUN).
         self.completions_per_run = completions_per_run
@@ -343,8 +394,10 @@ class Kyok:
         for key, *counts in providers:
             self.counters[key] = dict(zip(COUNTERS, map(int, counts), strict=True))
         for key, name, description, metadata in offerings:
-            self.offerings[(key, name)] = {"description": description,
-                                           "metadata": json.loads(metadata)}
+            self.offerings[(key, name)] = {
+                "description": description,
+                "metadata": json.loads(metadata),
+            }
 
     # -- LLM providers --
 
@@ -359,13 +412,17 @@ class Kyok:
         return session
 
     async def _record_offerings(self, key: str, offerings: list[dict[str, Any]]) -> None:
-        rows = [(key, o["name"], o.get("description") or "", dumps(o.get("metadata") or {}))
-                for o in offerings]
+        rows = [
+            (key, o["name"], o.get("description") or "", dumps(o.get("metadata") or {}))
+            for o in offerings
+        ]
         await self.record.record_offerings(key, rows)
         self.counters.setdefault(key, dict.fromkeys(COUNTERS, 0))
         for o in offerings:
-            self.offerings[(key, o["name"])] = {"description": o.get("description") or "",
-                                                "metadata": o.get("metadata") or {}}
+            self.offerings[(key, o["name"])] = {
+                "description": o.get("description") or "",
+                "metadata": o.get("metadata") or {},
+            }
 
     def attached(self, key: str, name: str) -> LlmSession | None:
         session = self.sessions.get(key)
@@ -374,11 +431,18 @@ class Kyok:
         return None
 
     def roster(self) -> list[dict[str, Any]]:
-        return [{"provider": key, "fingerprint": fingerprint_of(key), "name": name,
-                 "description": spec["description"], "metadata": spec["metadata"],
-                 "online": self.attached(key, name) is not None,
-                 "counters": dict(self.counters.get(key) or dict.fromkeys(COUNTERS, 0))}
-                for (key, name), spec in sorted(self.offerings.items())]
+        return [
+            {
+                "provider": key,
+                "fingerprint": fingerprint_of(key),
+                "name": name,
+                "description": spec["description"],
+                "metadata": spec["metadata"],
+                "online": self.attached(key, name) is not None,
+                "counters": dict(self.counters.get(key) or dict.fromkeys(COUNTERS, 0)),
+            }
+            for (key, name), spec in sorted(self.offerings.items())
+        ]
 
     def _resolve(self, provider: str) -> str | None:
         provider = provider.lower()
@@ -400,35 +464,43 @@ class Kyok:
         """The caller's `kyok = {llmProvider: {providerKey, name}, context}`,
         normalized (the full provider key), or InvalidKyokOptIn."""
         if not isinstance(value, dict):
-            raise InvalidKyokOptIn("kyok must be an object {llmProvider: {providerKey, name}, "
-                                   "context}")
+            raise InvalidKyokOptIn(
+                "kyok must be an object {llmProvider: {providerKey, name}, context}"
+            )
         provider = value.get("llmProvider")
         context = value.get("context")
-        if not isinstance(provider, dict) or not isinstance(provider.get("providerKey"), str) \
-                or not isinstance(provider.get("name"), str):
+        if (
+            not isinstance(provider, dict)
+            or not isinstance(provider.get("providerKey"), str)
+            or not isinstance(provider.get("name"), str)
+        ):
             raise InvalidKyokOptIn("kyok.llmProvider must be {providerKey, name}")
         if context is not None and not isinstance(context, dict):
             raise InvalidKyokOptIn("kyok.context must be an object")
         key = self._resolve(provider["providerKey"])
         name = provider["name"]
         if key is None or (key, name) not in self.offerings:
-            raise InvalidKyokOptIn(f"kyok.llmProvider names no LLM offering known to this "
-                                   f"funduq: {provider['providerKey']!r}/{name!r} (see GET /llms)")
+            raise InvalidKyokOptIn(
+                f"kyok.llmProvider names no LLM offering known to this "
+                f"funduq: {provider['providerKey']!r}/{name!r} (see GET /llms)"
+            )
         return {"llmProvider": {"providerKey": key, "name": name}, "context": context}
 
     def grant(self, run_id: str, key: str, agent: str) -> dict[str, Any]:
         """What the offer carries in `runInput.forwardedProps.kyok`."""
         exp = int(self.clock()) + TOKEN_SECONDS
-        return {"token": mint_token(self.secret, run_id, f"{key}/{agent}", exp),
-                "baseUrl": self.base_url}
+        return {
+            "token": mint_token(self.secret, run_id, f"{key}/{agent}", exp),
+            "baseUrl": self.base_url,
+        }
 
     def read_token(self, token: object) -> Grant:
         return read_token(self.secret, token, self.clock())
 
-    def check_signature(self, key: str, token: str, timestamp: str | None,
-                        signature: str | None, body: bytes) -> None:
-        check_call_signature(key, token, timestamp, signature, body, self.clock(),
-                             spent=self.spent)
+    def check_signature(
+        self, key: str, token: str, timestamp: str | None, signature: str | None, body: bytes
+    ) -> None:
+        check_call_signature(key, token, timestamp, signature, body, self.clock(), spent=self.spent)
 
     # -- runs --
 
@@ -436,9 +508,14 @@ class Kyok:
         """A cancel was accepted: refuse the run's calls from now on, and end
         the ones in flight. Needs nobody's cooperation."""
         self.cancel_requested.add(run_id)
-        self._stop_run(run_id, KyokRefusal(403, "run_cancel_requested",
-                                           f"run {run_id} is cancel-requested: funduq funds "
-                                           "no more of its completions"))
+        self._stop_run(
+            run_id,
+            KyokRefusal(
+                403,
+                "run_cancel_requested",
+                f"run {run_id} is cancel-requested: funduq funds no more of its completions",
+            ),
+        )
 
     def run_ended(self, run_id: str) -> None:
         """The run settled or paused: nothing is spent on it any more."""
@@ -449,8 +526,7 @@ class Kyok:
         for completion in list(self.by_run.get(run_id, {}).values()):
             completion.stop(why)
 
-    def start(self, run_id: str, offering: tuple[str, str],
-              request: dict[str, Any]) -> Completion:
+    def start(self, run_id: str, offering: tuple[str, str], request: dict[str, Any]) -> Completion:
         """Ask the offering for a completion (KyokRefusal 503 when it is not
         attached). Never awaits: the checks before it and this start are one
         step, so no cancel can fall between them."""
@@ -458,14 +534,20 @@ class Kyok:
         if in_flight >= self.completions_per_run:
             # Each holds a buffer of chunks and the LLM provider's attention;
             # an agent gets a bounded share, not whatever it asks for.
-            raise KyokRefusal(429, "too_many_completions",
-                              f"run {run_id} already has {in_flight} completions in flight "
-                              "(FUNDUQ_KYOK_COMPLETIONS_PER_RUN); retry once one ends")
+            raise KyokRefusal(
+                429,
+                "too_many_completions",
+                f"run {run_id} already has {in_flight} completions in flight "
+                "(FUNDUQ_KYOK_COMPLETIONS_PER_RUN); retry once one ends",
+            )
         session = self.attached(*offering)
         if session is None:
-            raise KyokRefusal(503, "llm_provider_unavailable",
-                              f"the LLM offering {offering[1]!r} of provider "
-                              f"{fingerprint_of(offering[0])} is not attached right now")
+            raise KyokRefusal(
+                503,
+                "llm_provider_unavailable",
+                f"the LLM offering {offering[1]!r} of provider "
+                f"{fingerprint_of(offering[0])} is not attached right now",
+            )
         completion = Completion("cmpl_" + secrets.token_hex(12), run_id, offering, session, self)
         session.completions[completion.id] = completion
         self.by_run.setdefault(run_id, {})[completion.id] = completion

@@ -215,13 +215,41 @@ class Lane:
     """The shell of one run's machine, from queued until it settles or pauses."""
 
     # Slots: a broker holding ten thousand waiting runs holds ten thousand of these.
-    __slots__ = ("f", "run_id", "thread_id", "key", "agent", "machine", "run_input_json",
-                 "caller_metadata_json", "metadata", "next_seq", "stamps", "arriving", "feed",
-                 "thread", "_send", "_inbox", "_finished", "_cancels", "_texts", "_text_room",
-                 "_place", "_offer", "_backlog", "awaiting_answer", "cancel_pending", "_baton",
-                 "_burst",
-                 "_unconfirmed", "_undelivered_at", "unread_reports", "_room", "_recorded",
-                 "_faulted")
+    __slots__ = (
+        "f",
+        "run_id",
+        "thread_id",
+        "key",
+        "agent",
+        "machine",
+        "run_input_json",
+        "caller_metadata_json",
+        "metadata",
+        "next_seq",
+        "stamps",
+        "arriving",
+        "feed",
+        "thread",
+        "_send",
+        "_inbox",
+        "_finished",
+        "_cancels",
+        "_texts",
+        "_text_room",
+        "_place",
+        "_offer",
+        "_backlog",
+        "awaiting_answer",
+        "cancel_pending",
+        "_baton",
+        "_burst",
+        "_unconfirmed",
+        "_undelivered_at",
+        "unread_reports",
+        "_room",
+        "_recorded",
+        "_faulted",
+    )
 
     def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
         self.f = host
@@ -240,7 +268,8 @@ class Lane:
         self.metadata: dict[str, Any] = row["metadata"]
         self.next_seq: int = row["next_seq"]
         self.stamps: dict[str, float | None] = {
-            k: row.get(k) for k in ("created_at", "started_at", "completed_at")}
+            k: row.get(k) for k in ("created_at", "started_at", "completed_at")
+        }
         self.arriving = arriving
         self.feed = Feed(self.next_seq)
         self.thread: ThreadLanes | None = None
@@ -364,8 +393,7 @@ class Lane:
         except Exception:
             # A bug in one run must not end every other conversation, nor
             # leave this one wedged: it fails alone.
-            log.exception("run %s: lane failed; the run fails (%s)", self.run_id,
-                          "funduq_error")
+            log.exception("run %s: lane failed; the run fails (%s)", self.run_id, "funduq_error")
             await self._fault()
         finally:
             # What is still unread gets its due: a cancel an answer, a baton
@@ -459,8 +487,11 @@ class Lane:
             except agui.MalformedEvent as exc:
                 log.info("run %s: malformed event from provider: %s", self.run_id, exc)
                 self._burst = events
-                await self._do(self.machine.handle(Input.MALFORMED, reason=agui.MALFORMED,
-                                                   finished=finished, errored=errored))
+                await self._do(
+                    self.machine.handle(
+                        Input.MALFORMED, reason=agui.MALFORMED, finished=finished, errored=errored
+                    )
+                )
                 return
             kind = event["type"]
             if kind == agui.RUN_FINISHED:
@@ -523,8 +554,11 @@ class Lane:
             with trio.move_on_at(deadline):
                 await offer.answered.wait()
                 return
-            if not session.live or deadline >= bound \
-                    or max(sent, session.last_heard) + timeout <= deadline:
+            if (
+                not session.live
+                or deadline >= bound
+                or max(sent, session.last_heard) + timeout <= deadline
+            ):
                 return
 
     async def _offer_to(self, session: ProviderSession) -> None:
@@ -553,11 +587,13 @@ class Lane:
         finally:
             self.awaiting_answer = self.cancel_pending = False
         if offer.verdict is not None:
-            await self._do(m.handle(Input(Verdict(offer.verdict).value),
-                                    reason=offer.reason or "refused"))
+            await self._do(
+                m.handle(Input(Verdict(offer.verdict).value), reason=offer.reason or "refused")
+            )
             if m.phase in (Phase.HELD, Phase.STOPPING):
-                self._undelivered_at = (trio.current_time()
-                                        + self.f.settings.undelivered_window_seconds)
+                self._undelivered_at = (
+                    trio.current_time() + self.f.settings.undelivered_window_seconds
+                )
         elif offer.answered.is_set():  # resolved with no verdict: the link went away
             await self._do(m.handle(Input.LINK_GONE))
         else:
@@ -573,8 +609,11 @@ class Lane:
                 await self._settle(action)
             elif isinstance(action, rm.Pause):
                 self.metadata["interrupts"] = agui.interrupts_of(self._finished or {})
-                await self._move(Status.INPUT_REQUIRED, stamp="completed_at",
-                                 messages=self.f.reply_messages(self))
+                await self._move(
+                    Status.INPUT_REQUIRED,
+                    stamp="completed_at",
+                    messages=self.f.reply_messages(self),
+                )
             elif isinstance(action, rm.SendOffer):
                 await self._send_offer()
             elif isinstance(action, rm.Withdraw):
@@ -594,8 +633,9 @@ class Lane:
                 except Exception as exc:
                     if not record_trouble(exc):
                         raise
-                    log.warning("run %s: could not record a %s strike: %s", self.run_id,
-                                action.counter, exc)
+                    log.warning(
+                        "run %s: could not record a %s strike: %s", self.run_id, action.counter, exc
+                    )
             elif isinstance(action, rm.NoteCancel):
                 by = self._cancels[0].by if self._cancels else None
                 self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by
@@ -618,8 +658,9 @@ class Lane:
             # What the link cannot carry (the doors refuse such input now; an
             # older record may still hold it) is found here, before anything
             # is sent: the frame itself is encoded later, by the link's writer.
-            problem = (carriable.problem(payload["runInput"])
-                       or carriable.problem(payload["metadata"]))
+            problem = carriable.problem(payload["runInput"]) or carriable.problem(
+                payload["metadata"]
+            )
             if problem is not None:
                 raise ValueError(problem)
             session.send(offer, payload)
@@ -652,8 +693,9 @@ class Lane:
             except Exception as exc:
                 if not record_trouble(exc):
                     raise
-                log.warning("run %s: record write failed (%s); retrying in %.1fs",
-                            self.run_id, exc, pause)
+                log.warning(
+                    "run %s: record write failed (%s); retrying in %.1fs", self.run_id, exc, pause
+                )
             await trio.sleep(pause)
             pause = min(pause * 2, RETRY_MAX_SECONDS)
 
@@ -668,9 +710,14 @@ class Lane:
         except Exception as exc:
             if not record_trouble(exc):
                 raise
-            moved = await self._retrying(lambda: self.f.record.move(
-                self.run_id, Status.RUNNING, metadata=self.metadata,
-                stamp=("started_at", self.stamps.get("started_at") or time.time())))
+            moved = await self._retrying(
+                lambda: self.f.record.move(
+                    self.run_id,
+                    Status.RUNNING,
+                    metadata=self.metadata,
+                    stamp=("started_at", self.stamps.get("started_at") or time.time()),
+                )
+            )
         if not moved:
             raise MoveRefused(f"run {self.run_id}: the record refused the move to running")
 
@@ -685,10 +732,15 @@ class Lane:
         for seq, event in numbered:
             self.feed.publish(seq, event)
 
-    async def _move(self, to: Status, *, stamp: str | None = None,
-                    events: list[tuple[int, dict[str, Any]]] | None = None,
-                    messages: list[tuple[Any, ...]] | None = None,
-                    soon: bool = False) -> None:
+    async def _move(
+        self,
+        to: Status,
+        *,
+        stamp: str | None = None,
+        events: list[tuple[int, dict[str, Any]]] | None = None,
+        messages: list[tuple[Any, ...]] | None = None,
+        soon: bool = False,
+    ) -> None:
         await self._confirm()
         when = time.time()
         record = self.f.record
@@ -696,11 +748,19 @@ class Lane:
             # Not awaited: the record's writer is first-in first-out, so every
             # event persisted (and relayed) later lands after this status; its
             # verdict is read before the next write (_confirm).
-            self._unconfirmed = record.move_soon(self.run_id, to, metadata=self.metadata,
-                                                 stamp=(stamp, when) if stamp else None)
-        elif not await self._retrying(lambda: record.move(
-                self.run_id, to, metadata=self.metadata, events=events or (),
-                stamp=(stamp, when) if stamp else None, messages=messages)):
+            self._unconfirmed = record.move_soon(
+                self.run_id, to, metadata=self.metadata, stamp=(stamp, when) if stamp else None
+            )
+        elif not await self._retrying(
+            lambda: record.move(
+                self.run_id,
+                to,
+                metadata=self.metadata,
+                events=events or (),
+                stamp=(stamp, when) if stamp else None,
+                messages=messages,
+            )
+        ):
             raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
         self._recorded = to
         if stamp:
@@ -715,12 +775,17 @@ class Lane:
         ``Funduq.get_run``."""
         if self.feed.first_seq != 1:
             return None
-        return {"runId": self.run_id, "threadId": self.thread_id,
-                "agent": {"provider": self.key, "name": self.agent}, "status": self.status,
-                "metadata": self.metadata, "createdAt": iso(self.stamps.get("created_at")),
-                "startedAt": iso(self.stamps.get("started_at")),
-                "completedAt": iso(self.stamps.get("completed_at")),
-                "events": [{"seq": seq, "event": event} for seq, event in self.feed.events]}
+        return {
+            "runId": self.run_id,
+            "threadId": self.thread_id,
+            "agent": {"provider": self.key, "name": self.agent},
+            "status": self.status,
+            "metadata": self.metadata,
+            "createdAt": iso(self.stamps.get("created_at")),
+            "startedAt": iso(self.stamps.get("started_at")),
+            "completedAt": iso(self.stamps.get("completed_at")),
+            "events": [{"seq": seq, "event": event} for seq, event in self.feed.events],
+        }
 
     async def _settle(self, settle: rm.Settle) -> None:
         """Write a terminal status; a failure nobody reported gets a RUN_ERROR."""
@@ -759,8 +824,11 @@ class Lane:
         cost = len(delta) + (0 if known is not None else len(mid) + len(role))
         if cost > self._text_room:
             if self._text_room >= 0:
-                log.info("run %s: reply text past %d characters is kept in the record only",
-                         self.run_id, self.f.settings.max_body_bytes)
+                log.info(
+                    "run %s: reply text past %d characters is kept in the record only",
+                    self.run_id,
+                    self.f.settings.max_body_bytes,
+                )
                 self._text_room = -1  # said once
             return
         self._text_room -= cost
@@ -770,5 +838,7 @@ class Lane:
             known[1].append(delta)
 
     def replies(self) -> list[dict[str, Any]]:
-        return [{"id": mid, "role": role, "content": "".join(parts)}
-                for mid, (role, parts) in self._texts.items()]
+        return [
+            {"id": mid, "role": role, "content": "".join(parts)}
+            for mid, (role, parts) in self._texts.items()
+        ]

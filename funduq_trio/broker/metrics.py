@@ -20,8 +20,24 @@ __all__ = ["OFFER_ROUND_TRIP_BUCKETS", "Histogram", "Metrics"]
 
 #: Upper bounds (seconds) of the offer round trip histogram's buckets.
 OFFER_ROUND_TRIP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
-    0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
 )
 
 
@@ -83,27 +99,52 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
             lines.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
 
-        family("funduq_runs_started_total", "counter", "Runs that arrived at a door.",
-               [("", self.runs_started)])
-        family("funduq_runs_ended_total", "counter",
-               "Runs that settled or paused, by the status they reached.",
-               [(f'{{status="{s}"}}', n) for s, n in sorted(self.runs_ended.items())])
-        family("funduq_events_recorded_total", "counter",
-               "AG-UI events recorded (a provider's and funduq's own RUN_ERRORs).",
-               [("", self.events_recorded)])
-        family("funduq_offers_answered_total", "counter", "Offers a provider answered, by verdict.",
-               [(f'{{verdict="{v}"}}', n) for v, n in sorted(self.offers_answered.items())])
+        family(
+            "funduq_runs_started_total",
+            "counter",
+            "Runs that arrived at a door.",
+            [("", self.runs_started)],
+        )
+        family(
+            "funduq_runs_ended_total",
+            "counter",
+            "Runs that settled or paused, by the status they reached.",
+            [(f'{{status="{s}"}}', n) for s, n in sorted(self.runs_ended.items())],
+        )
+        family(
+            "funduq_events_recorded_total",
+            "counter",
+            "AG-UI events recorded (a provider's and funduq's own RUN_ERRORs).",
+            [("", self.events_recorded)],
+        )
+        family(
+            "funduq_offers_answered_total",
+            "counter",
+            "Offers a provider answered, by verdict.",
+            [(f'{{verdict="{v}"}}', n) for v, n in sorted(self.offers_answered.items())],
+        )
         hist = self.offer_round_trip
         # A histogram's samples: name + suffix (+ labels), as the format has them.
-        family("funduq_offer_round_trip_seconds", "histogram",
-               "From funduq handing an offer to the provider's link to reading its answer.",
-               [*((f'_bucket{{le="{le}"}}', n) for le, n in hist.cumulative()),
-                ("_sum", hist.sum), ("_count", hist.count)])
-        family("funduq_kyok_completions_total", "counter",
-               "KYOK completions relayed, by LLM offering and outcome (completed, refused, "
-               "failed, abandoned by funduq, lost with the LLM provider's link).",
-               [(f'{{offering="{o}",outcome="{r}"}}', n)
-                for (o, r), n in sorted(self.completions.items())])
+        family(
+            "funduq_offer_round_trip_seconds",
+            "histogram",
+            "From funduq handing an offer to the provider's link to reading its answer.",
+            [
+                *((f'_bucket{{le="{le}"}}', n) for le, n in hist.cumulative()),
+                ("_sum", hist.sum),
+                ("_count", hist.count),
+            ],
+        )
+        family(
+            "funduq_kyok_completions_total",
+            "counter",
+            "KYOK completions relayed, by LLM offering and outcome (completed, refused, "
+            "failed, abandoned by funduq, lost with the LLM provider's link).",
+            [
+                (f'{{offering="{o}",outcome="{r}"}}', n)
+                for (o, r), n in sorted(self.completions.items())
+            ],
+        )
         for name, (help_text, value) in gauges.items():
             family(name, "gauge", help_text, [("", value)])
         return "\n".join(lines) + "\n"

@@ -85,15 +85,21 @@ class AgentView:
     online: bool
 
     def as_json(self) -> dict[str, Any]:
-        return {"provider": self.key, "fingerprint": self.fingerprint, "name": self.name,
-                "description": self.description, "online": self.online}
+        return {
+            "provider": self.key,
+            "fingerprint": self.fingerprint,
+            "name": self.name,
+            "description": self.description,
+            "online": self.online,
+        }
 
 
 class ProviderSession:
     """One attached provider link, as the broker sees it."""
 
-    def __init__(self, registry: Providers, key: str, max_concurrent: int | None,
-                 link: ProviderLink) -> None:
+    def __init__(
+        self, registry: Providers, key: str, max_concurrent: int | None, link: ProviderLink
+    ) -> None:
         self.registry = registry
         self.key = key
         self.fingerprint = fingerprint_of(key)
@@ -173,7 +179,8 @@ class ProviderSession:
         if len(published) > self.registry.max_agents:
             raise TooManyAgents(
                 f"a provider may publish at most {self.registry.max_agents} agents "
-                f"(FUNDUQ_MAX_AGENTS_PER_PROVIDER); this register lists {len(published)}")
+                f"(FUNDUQ_MAX_AGENTS_PER_PROVIDER); this register lists {len(published)}"
+            )
         await self.registry.record_agents(self.key, list(published.values()))
         if not self.live:
             return
@@ -185,8 +192,11 @@ class ProviderSession:
         self.last_heard = trio.current_time()
         offer = self.offers.pop(offer_id, None)
         if offer is None:
-            log.info("provider %s answered offer %s after funduq stopped waiting",
-                     self.fingerprint, offer_id)
+            log.info(
+                "provider %s answered offer %s after funduq stopped waiting",
+                self.fingerprint,
+                offer_id,
+            )
             run_id = self.expired.pop(offer_id, None)
             if verdict == ACCEPTED and run_id is not None and run_id not in self.held:
                 if self.offered(run_id):
@@ -271,10 +281,16 @@ class ProviderSession:
 class Providers:
     """The registry of providers, their agents, places and counters."""
 
-    def __init__(self, record: Store, allowance: int,
-                 messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]],
-                 metrics: Metrics, *, max_agents: int = 100,
-                 max_roster_bytes: int = 1024 * 1024) -> None:
+    def __init__(
+        self,
+        record: Store,
+        allowance: int,
+        messages_of: Callable[[str, str, int | None], Awaitable[list[dict[str, Any]]]],
+        metrics: Metrics,
+        *,
+        max_agents: int = 100,
+        max_roster_bytes: int = 1024 * 1024,
+    ) -> None:
         #: A key's recorded roster: at most this many agents, and agents it no
         #: longer serves are kept only within max_roster_bytes (docs/limits.md).
         self.max_agents = max_agents
@@ -301,8 +317,12 @@ class Providers:
             self.counters[key] = dict(zip(COUNTERS, map(int, counts), strict=True))
             self.by_fingerprint[fp] = key
         for key, name, description, card, metadata in agents:
-            self.agents[(key, name)] = {"name": name, "description": description,
-                                        "card": json.loads(card), "metadata": json.loads(metadata)}
+            self.agents[(key, name)] = {
+                "name": name,
+                "description": description,
+                "card": json.loads(card),
+                "metadata": json.loads(metadata),
+            }
         self.started_at = trio.current_time()
 
     # -- lookups -------------------------------------------------------------
@@ -326,9 +346,15 @@ class Providers:
         agent = self.agents.get((key, name))
         if agent is None:
             return None
-        return AgentView(key, fingerprint_of(key), name, agent.get("description") or "",
-                         agent.get("card") or {}, agent.get("metadata") or {},
-                         self.serving(key, name) is not None)
+        return AgentView(
+            key,
+            fingerprint_of(key),
+            name,
+            agent.get("description") or "",
+            agent.get("card") or {},
+            agent.get("metadata") or {},
+            self.serving(key, name) is not None,
+        )
 
     def roster(self) -> list[AgentView]:
         return [v for k in sorted(self.agents) if (v := self.view(*k)) is not None]
@@ -349,20 +375,33 @@ class Providers:
 
     async def record_agents(self, key: str, agents: list[dict[str, Any]]) -> None:
         fp = fingerprint_of(key)
-        rows = [(key, a["name"], a.get("description") or "", dumps(a.get("card") or {}),
-                 dumps(a.get("metadata") or {})) for a in agents]
+        rows = [
+            (
+                key,
+                a["name"],
+                a.get("description") or "",
+                dumps(a.get("card") or {}),
+                dumps(a.get("metadata") or {}),
+            )
+            for a in agents
+        ]
         listed = {row[1]: sum(map(len, row[1:])) for row in rows}
 
         forgotten = await self.record.record_agents(
-            key, fp, rows,
-            lambda recorded: agents_to_forget(recorded, listed, self.max_agents,
-                                              self.max_roster_bytes))
+            key,
+            fp,
+            rows,
+            lambda recorded: agents_to_forget(
+                recorded, listed, self.max_agents, self.max_roster_bytes
+            ),
+        )
         for name in forgotten:
             self.agents.pop((key, name), None)
             self.unserved.pop((key, name), None)
         for a in agents:
-            self.agents[(key, a["name"])] = {k: a.get(k) for k in
-                                             ("name", "description", "card", "metadata")}
+            self.agents[(key, a["name"])] = {
+                k: a.get(k) for k in ("name", "description", "card", "metadata")
+            }
 
     def served_changed(self, key: str, dropped: set[str]) -> None:
         now = trio.current_time()
@@ -435,14 +474,15 @@ class Providers:
             session.link.close(f"withdrawn: {why}")
             session.detach()
 
-    async def thread_messages(self, key: str, thread_id: str,
-                              limit: int | None) -> list[dict[str, Any]]:
+    async def thread_messages(
+        self, key: str, thread_id: str, limit: int | None
+    ) -> list[dict[str, Any]]:
         return await self.messages_of(key, thread_id, limit)
 
 
-
-def agents_to_forget(recorded: list[tuple[str, int]], listed: dict[str, int],
-                     max_agents: int, max_bytes: int) -> list[str]:
+def agents_to_forget(
+    recorded: list[tuple[str, int]], listed: dict[str, int], max_agents: int, max_bytes: int
+) -> list[str]:
     """Which of a key's recorded agents (``(name, size)``, oldest first) a
     register listing ``listed`` ({name: size}) makes funduq forget. The listed
     ones are all kept (there are at most ``max_agents``, in one frame); of the

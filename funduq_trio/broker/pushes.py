@@ -107,8 +107,12 @@ class _VettedConnects(httpcore.AsyncNetworkBackend):
         self._trio = httpcore.TrioBackend()
 
     async def connect_tcp(
-        self, host: str, port: int, timeout: float | None = None,
-        local_address: str | None = None, socket_options: Any = None,
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
         try:
             addresses = await self._vouch(host, port)
@@ -118,13 +122,17 @@ class _VettedConnects(httpcore.AsyncNetworkBackend):
         for address in addresses:
             try:
                 return await self._trio.connect_tcp(
-                    address, port, timeout, local_address, socket_options)
+                    address, port, timeout, local_address, socket_options
+                )
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
                 failure = exc
         raise failure
 
     async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Any = None,
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
         raise httpcore.ConnectError("push targets are TCP hosts only")
 
@@ -192,10 +200,15 @@ class Pushes:
         # The table is the record's (schema migration 4 on either store).
         rows = await self.record.push_configs_delivering()
         timeout = httpx.Timeout(self.settings.push_timeout_seconds)
-        async with httpx.AsyncClient(
-            timeout=timeout, follow_redirects=False, trust_env=False,
-            transport=_pinned_transport(self._addresses),
-        ) as http, trio.open_nursery() as nursery:
+        async with (
+            httpx.AsyncClient(
+                timeout=timeout,
+                follow_redirects=False,
+                trust_env=False,
+                transport=_pinned_transport(self._addresses),
+            ) as http,
+            trio.open_nursery() as nursery,
+        ):
             self._http = http
             self._nursery = nursery
             for row in rows:
@@ -211,7 +224,9 @@ class Pushes:
         # config (a deliverer outlives it; see Funduq._start_lane).
         self.funduq._context.run(
             functools.partial(self._nursery.start_soon, name=f"push {config.task_id}/{config.id}"),
-            self._deliverer, config, scope,
+            self._deliverer,
+            config,
+            scope,
         )
 
     def resumed(self, task_id: str) -> None:
@@ -222,12 +237,18 @@ class Pushes:
 
     def gauges(self) -> dict[str, tuple[str, float]]:
         return {
-            "funduq_push_delivered": ("Push notifications a receiver acknowledged.",
-                                      self.delivered),
-            "funduq_push_failed_attempts": ("Push notification attempts that failed.",
-                                            self.failed_attempts),
-            "funduq_push_given_up": ("Push configs given up after the last attempt.",
-                                     self.given_up),
+            "funduq_push_delivered": (
+                "Push notifications a receiver acknowledged.",
+                self.delivered,
+            ),
+            "funduq_push_failed_attempts": (
+                "Push notification attempts that failed.",
+                self.failed_attempts,
+            ),
+            "funduq_push_given_up": (
+                "Push configs given up after the last attempt.",
+                self.given_up,
+            ),
             "funduq_push_delivering": ("Push configs with a deliverer.", len(self._scopes)),
         }
 
@@ -286,8 +307,9 @@ class Pushes:
         if task_id is not None and config.id not in await self._config_ids(task_id):
             held = len(await self._config_ids(task_id))
             if held >= self.settings.push_configs_per_task:
-                raise PushRefused(f"task has {held} push configs already "
-                                  "(FUNDUQ_PUSH_CONFIGS_PER_TASK)")
+                raise PushRefused(
+                    f"task has {held} push configs already (FUNDUQ_PUSH_CONFIGS_PER_TASK)"
+                )
         return PushSlot(self)
 
     async def _config_ids(self, task_id: str) -> set[str]:
@@ -316,7 +338,11 @@ class Pushes:
             )
 
     async def create(
-        self, task_id: str, config: pb.TaskPushNotificationConfig, *, from_start: bool,
+        self,
+        task_id: str,
+        config: pb.TaskPushNotificationConfig,
+        *,
+        from_start: bool,
         slot: PushSlot | None = None,
     ) -> pb.TaskPushNotificationConfig:
         """Record a config for the task and start delivering to it. A config
@@ -330,8 +356,10 @@ class Pushes:
         config_id = config.id or secrets.token_hex(8)
         auth: dict[str, str] = {}
         if config.HasField("authentication"):
-            auth = {"scheme": config.authentication.scheme,
-                    "credentials": config.authentication.credentials}
+            auth = {
+                "scheme": config.authentication.scheme,
+                "credentials": config.authentication.credentials,
+            }
         if from_start:
             cursor = (0, -1)
         else:
@@ -342,19 +370,27 @@ class Pushes:
         try:
             # With a slot the room is held already: the store checks none.
             refused = await self.record.put_push_config(
-                task_id, config_id, row.url, row.token, json.dumps(auth), cursor,
+                task_id,
+                config_id,
+                row.url,
+                row.token,
+                json.dumps(auth),
+                cursor,
                 per_task=None if slot is not None else self.settings.push_configs_per_task,
-                active=None if slot is not None else self.settings.push_max_active)
+                active=None if slot is not None else self.settings.push_max_active,
+            )
             if refused is not None:
                 why, count = refused
-                raise PushRefused({
-                    "per_task": f"task has {count} push configs already "
-                                "(FUNDUQ_PUSH_CONFIGS_PER_TASK)",
-                    "active": "funduq delivers to as many push configs as it may "
-                              "(FUNDUQ_PUSH_MAX_ACTIVE)",
-                    "unrecordable": "push config holds a character funduq cannot record "
-                                    "(NUL or a lone surrogate)",
-                }[why])
+                raise PushRefused(
+                    {
+                        "per_task": f"task has {count} push configs already "
+                        "(FUNDUQ_PUSH_CONFIGS_PER_TASK)",
+                        "active": "funduq delivers to as many push configs as it may "
+                        "(FUNDUQ_PUSH_MAX_ACTIVE)",
+                        "unrecordable": "push config holds a character funduq cannot record "
+                        "(NUL or a lone surrogate)",
+                    }[why]
+                )
             old = self._scopes.pop((task_id, config_id), None)
             if old is not None:  # replaced: the old deliverer stops
                 old.cancel()
@@ -425,8 +461,10 @@ class Pushes:
                             # interrupt followed by anything else, e.g.
                             # funduq's RUN_ERROR, was no pause.)
                             at, finished = interrupted
-                            paused = {"status": statuses.INPUT_REQUIRED,
-                                      "metadata": {"interrupts": agui.interrupts_of(finished)}}
+                            paused = {
+                                "status": statuses.INPUT_REQUIRED,
+                                "metadata": {"interrupts": agui.interrupts_of(finished)},
+                            }
                             await self._send(config, (at, SETTLE), projection.settle(paused))
                         interrupted = (
                             (seq, event)
@@ -455,8 +493,10 @@ class Pushes:
                 current = await self.funduq.get_run(task_id)
                 if current is None or current.get("status") != statuses.INPUT_REQUIRED:
                     break
-                if max((e["seq"] for e in current.get("events") or ()),
-                       default=0) > projection.last_seq:
+                if (
+                    max((e["seq"] for e in current.get("events") or ()), default=0)
+                    > projection.last_seq
+                ):
                     break
                 await resumed.wait()
                 resumed = self._resumed.setdefault(task_id, trio.Event())
@@ -480,8 +520,9 @@ class Pushes:
             failures += 1
             self.failed_attempts += 1
             self._note()
-            log.info("push to %s for %s failed (%d): %s", config.url, config.task_id,
-                     failures, error)
+            log.info(
+                "push to %s for %s failed (%d): %s", config.url, config.task_id, failures, error
+            )
             if failures >= self.settings.push_max_attempts:
                 self.given_up += 1
                 await self._finish(config, GIVEN_UP, error)
@@ -499,18 +540,27 @@ class Pushes:
         # The host is vetted again by the connect itself (DNS may have
         # changed since the config was made): see `_VettedConnects`.
         identity = self.funduq.identity
-        claims = push.delivery_claims(issuer=identity.fingerprint, task_id=config.task_id,
-                                      config_id=config.id, key=key, body=body, now=time.time())
+        claims = push.delivery_claims(
+            issuer=identity.fingerprint,
+            task_id=config.task_id,
+            config_id=config.id,
+            key=key,
+            body=body,
+            now=time.time(),
+        )
         token = jose.compact_jws(identity, json.dumps(claims, separators=(",", ":")).encode())
         # The receiver's own credentials take `Authorization` when the config
         # names them (A2A §4.3.2, the TCK's PUSH-DELIVER-001); the signature
         # is always in its own header, and in `Authorization` otherwise.
         authorization = push.authorization_of(
             str(config.authentication.get("scheme") or ""),
-            str(config.authentication.get("credentials") or ""))
-        headers = {"Content-Type": "application/json",
-                   "Authorization": authorization or f"Bearer {token}",
-                   push.SIGNATURE_HEADER: token}
+            str(config.authentication.get("credentials") or ""),
+        )
+        headers = {
+            "Content-Type": "application/json",
+            "Authorization": authorization or f"Bearer {token}",
+            push.SIGNATURE_HEADER: token,
+        }
         if config.token:
             headers["X-A2A-Notification-Token"] = config.token
         status = None
@@ -518,8 +568,9 @@ class Pushes:
         with trio.move_on_after(self.settings.push_timeout_seconds):
             try:
                 # Streamed and never read: a receiver's answer is its status alone.
-                async with self._http.stream("POST", config.url, content=body,
-                                             headers=headers) as response:
+                async with self._http.stream(
+                    "POST", config.url, content=body, headers=headers
+                ) as response:
                     status = response.status_code
             except (httpx.HTTPError, OSError) as exc:
                 return f"{type(exc).__name__}: {exc}"

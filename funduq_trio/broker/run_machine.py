@@ -173,18 +173,18 @@ PHASE_OF: Final[dict[Status, Phase]] = {
 
 
 class Input(enum.Enum):
-    TURN = "turn"                          # the run heads its thread's queue
-    WAKE = "wake"                          # something changed for its agent: look again
-    PLACE_FOUND = "place found"            # the shell spent a serving provider's place
-    OFFER_READY = "offer ready"            # the offering write is made, no cancel came
+    TURN = "turn"  # the run heads its thread's queue
+    WAKE = "wake"  # something changed for its agent: look again
+    PLACE_FOUND = "place found"  # the shell spent a serving provider's place
+    OFFER_READY = "offer ready"  # the offering write is made, no cancel came
     OFFER_NOT_ENCODABLE = "offer not encodable"
     ACCEPTED = "accepted"
     DECLINED = "declined"
     REFUSED = "refused"
-    UNANSWERED = "unanswered"              # the delivery timeout passed
+    UNANSWERED = "unanswered"  # the delivery timeout passed
     CANCEL = "cancel"
-    REPORT = "report"                      # a burst of valid events
-    MALFORMED = "malformed"                # a burst ending in an invalid event
+    REPORT = "report"  # a burst of valid events
+    MALFORMED = "malformed"  # a burst ending in an invalid event
     FINISH = "finish"
     LINK_GONE = "link gone"
     ARRIVED_UNSERVED = "arrived unserved"  # nobody serves its agent as it arrives
@@ -275,8 +275,20 @@ class LeaveQueue:
     """The run left its thread's pending queue: the next one may go."""
 
 
-Action = (Move | Settle | Pause | SendOffer | Withdraw | ReleasePlace | Relay | AskToStop
-          | Count | NoteCancel | AnswerCancel | LeaveQueue)
+Action = (
+    Move
+    | Settle
+    | Pause
+    | SendOffer
+    | Withdraw
+    | ReleasePlace
+    | Relay
+    | AskToStop
+    | Count
+    | NoteCancel
+    | AnswerCancel
+    | LeaveQueue
+)
 
 #: Placeholders a row fills from the input or the machine's facts.
 FROM_INPUT: Final = "<the input's reason>"
@@ -300,11 +312,11 @@ _STAY = Row(None)
 _REFUSE_CANCEL = Row(None, (AnswerCancel(applied=False),))
 _HELD_ROWS: dict[Input, Row] = {
     _I.REPORT: Row(None, (Relay(),)),
-    _I.MALFORMED: Row(_S.SETTLED, (Relay(), AskToStop(), ReleasePlace(),
-                                   _settle(FROM_INPUT))),
+    _I.MALFORMED: Row(_S.SETTLED, (Relay(), AskToStop(), ReleasePlace(), _settle(FROM_INPUT))),
     _I.FINISH: Row(None, (ReleasePlace(),), funnel=True),
-    _I.LINK_GONE: Row(_S.SETTLED, (ReleasePlace(), _settle(reasons.PROVIDER_LEFT_HOLDING_IT),
-                                   Count("abandoned"))),
+    _I.LINK_GONE: Row(
+        _S.SETTLED, (ReleasePlace(), _settle(reasons.PROVIDER_LEFT_HOLDING_IT), Count("abandoned"))
+    ),
     _I.UNDELIVERED_WINDOW_OVER: Row(None, (Count("undelivered"),)),
     _I.FAULT: Row(_S.SETTLED, (AskToStop(), ReleasePlace(), _settle(reasons.FUNDUQ_ERROR))),
     _I.RESTARTED: Row(_S.SETTLED, (_settle(reasons.ORPHANED_BY_RESTART),)),
@@ -317,48 +329,52 @@ TABLE: Final[dict[tuple[Phase, Input], Row]] = {
     (_S.WAITING, _I.TURN): _STAY,
     (_S.WAITING, _I.WAKE): _STAY,
     (_S.WAITING, _I.PLACE_FOUND): Row(_S.RESERVED, (Move(Status.OFFERING),)),
-    (_S.WAITING, _I.CANCEL): Row(_S.SETTLED, (NoteCancel(), _settle(None, Status.CANCELLED),
-                                              AnswerCancel(applied=True))),
+    (_S.WAITING, _I.CANCEL): Row(
+        _S.SETTLED, (NoteCancel(), _settle(None, Status.CANCELLED), AnswerCancel(applied=True))
+    ),
     (_S.WAITING, _I.ARRIVED_UNSERVED): Row(_S.SETTLED, (_settle(reasons.AGENT_OFFLINE),)),
-    (_S.WAITING, _I.UNSERVED_WINDOW_OVER): Row(_S.SETTLED,
-                                               (_settle(reasons.NO_PROVIDER_TOOK_IT),)),
+    (_S.WAITING, _I.UNSERVED_WINDOW_OVER): Row(_S.SETTLED, (_settle(reasons.NO_PROVIDER_TOOK_IT),)),
     (_S.WAITING, _I.REPORT): _STAY,
     (_S.WAITING, _I.FINISH): _STAY,
     (_S.WAITING, _I.LINK_GONE): _STAY,
     (_S.WAITING, _I.FAULT): Row(_S.SETTLED, (_settle(reasons.FUNDUQ_ERROR),)),
     (_S.WAITING, _I.RESTARTED): _STAY,
-
     (_S.RESERVED, _I.TURN): _STAY,
     (_S.RESERVED, _I.WAKE): _STAY,
     (_S.RESERVED, _I.OFFER_READY): Row(_S.OFFERED, (SendOffer(),)),
-    (_S.RESERVED, _I.CANCEL): Row(_S.SETTLED, (ReleasePlace(), NoteCancel(),
-                                               _settle(None, Status.CANCELLED),
-                                               AnswerCancel(applied=True))),
+    (_S.RESERVED, _I.CANCEL): Row(
+        _S.SETTLED,
+        (ReleasePlace(), NoteCancel(), _settle(None, Status.CANCELLED), AnswerCancel(applied=True)),
+    ),
     (_S.RESERVED, _I.FAULT): Row(_S.SETTLED, (ReleasePlace(), _settle(reasons.FUNDUQ_ERROR))),
-
     (_S.OFFERED, _I.TURN): _STAY,
     (_S.OFFERED, _I.WAKE): _STAY,
-    (_S.OFFERED, _I.OFFER_NOT_ENCODABLE): Row(_S.SETTLED, (
-        Withdraw(), ReleasePlace(), _settle(reasons.OFFER_NOT_ENCODABLE))),
-    (_S.OFFERED, _I.ACCEPTED): Row(_S.HELD, (Move(Status.RUNNING, "started_at", soon=True),
-                                             LeaveQueue())),
-    (_S.OFFERED, _I.DECLINED): Row(_S.WAITING, (Move(Status.QUEUED), ReleasePlace(wake=False),
-                                                Count("misdeclared"))),
+    (_S.OFFERED, _I.OFFER_NOT_ENCODABLE): Row(
+        _S.SETTLED, (Withdraw(), ReleasePlace(), _settle(reasons.OFFER_NOT_ENCODABLE))
+    ),
+    (_S.OFFERED, _I.ACCEPTED): Row(
+        _S.HELD, (Move(Status.RUNNING, "started_at", soon=True), LeaveQueue())
+    ),
+    (_S.OFFERED, _I.DECLINED): Row(
+        _S.WAITING, (Move(Status.QUEUED), ReleasePlace(wake=False), Count("misdeclared"))
+    ),
     (_S.OFFERED, _I.REFUSED): Row(_S.SETTLED, (ReleasePlace(), _settle(FROM_INPUT))),
-    (_S.OFFERED, _I.UNANSWERED): Row(_S.WAITING, (Withdraw(), Move(Status.QUEUED),
-                                                  ReleasePlace(), Count("unanswered"))),
+    (_S.OFFERED, _I.UNANSWERED): Row(
+        _S.WAITING, (Withdraw(), Move(Status.QUEUED), ReleasePlace(), Count("unanswered"))
+    ),
     (_S.OFFERED, _I.LINK_GONE): Row(_S.WAITING, (Move(Status.QUEUED), ReleasePlace())),
     (_S.OFFERED, _I.CANCEL): _STAY,  # deferred: see RunMachine.handle
-    (_S.OFFERED, _I.FAULT): Row(_S.SETTLED, (Withdraw(), ReleasePlace(),
-                                             _settle(reasons.FUNDUQ_ERROR))),
+    (_S.OFFERED, _I.FAULT): Row(
+        _S.SETTLED, (Withdraw(), ReleasePlace(), _settle(reasons.FUNDUQ_ERROR))
+    ),
     (_S.OFFERED, _I.RESTARTED): Row(_S.SETTLED, (_settle(reasons.ORPHANED_BY_RESTART),)),
-
     **{(_S.HELD, i): row for i, row in _HELD_ROWS.items()},
-    (_S.HELD, _I.CANCEL): Row(_S.STOPPING, (NoteCancel(), Move(Status.CANCELLING), AskToStop(),
-                                            AnswerCancel(applied=True))),
+    (_S.HELD, _I.CANCEL): Row(
+        _S.STOPPING,
+        (NoteCancel(), Move(Status.CANCELLING), AskToStop(), AnswerCancel(applied=True)),
+    ),
     **{(_S.STOPPING, i): row for i, row in _HELD_ROWS.items()},
     (_S.STOPPING, _I.CANCEL): Row(None, (AnswerCancel(applied=True),)),
-
     (_S.PAUSED, _I.PAUSE_ANSWERED): Row(_S.WAITING, (Move(Status.QUEUED),)),
     (_S.PAUSED, _I.CANCEL): _REFUSE_CANCEL,
     (_S.PAUSED, _I.FAULT): _STAY,
@@ -391,8 +407,16 @@ FUNNEL: Final[tuple[tuple[str | None, bool | None, Phase, Action], ...]] = (
 class RunMachine:
     """One run's state. ``handle(input)`` -> the actions to carry out, in order."""
 
-    __slots__ = ("phase", "status", "head", "declined", "deferred_cancels", "cancel_requested",
-                 "reported_error", "outcome")
+    __slots__ = (
+        "phase",
+        "status",
+        "head",
+        "declined",
+        "deferred_cancels",
+        "cancel_requested",
+        "reported_error",
+        "outcome",
+    )
 
     def __init__(self, status: Status | str = Status.QUEUED) -> None:
         self.status = Status(status)
@@ -415,15 +439,22 @@ class RunMachine:
         """Queued and heading its thread: it should be offered when it can."""
         return self.phase is Phase.WAITING and self.head
 
-    def handle(self, what: Input, *, reason: str | None = None, finished: str | None = None,
-               errored: bool = False) -> list[Action]:
+    def handle(
+        self,
+        what: Input,
+        *,
+        reason: str | None = None,
+        finished: str | None = None,
+        errored: bool = False,
+    ) -> list[Action]:
         """Apply one input. ``reason``: a refusal's or a malformed event's;
         ``finished`` / ``errored``: what a relayed burst carried (a
         RUN_FINISHED's outcome, a RUN_ERROR)."""
         row = TABLE.get((self.phase, what))
         if row is None:
-            raise RunProtocolError(f"{what.value!r} cannot happen to a run in phase "
-                                   f"{self.phase.value!r}")
+            raise RunProtocolError(
+                f"{what.value!r} cannot happen to a run in phase {self.phase.value!r}"
+            )
         # Facts first: the rows' actions read them.
         if what is Input.TURN:
             self.head = True
@@ -431,8 +462,11 @@ class RunMachine:
             self.declined = False
         elif what is Input.DECLINED:
             self.declined = True
-        elif what is Input.CANCEL and self.phase is not Phase.SETTLED \
-                and self.phase is not Phase.PAUSED:
+        elif (
+            what is Input.CANCEL
+            and self.phase is not Phase.SETTLED
+            and self.phase is not Phase.PAUSED
+        ):
             self.cancel_requested = True
             if self.phase is Phase.OFFERED:
                 self.deferred_cancels += 1

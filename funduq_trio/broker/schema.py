@@ -37,7 +37,10 @@ class Migration:
 
 
 MIGRATIONS: tuple[Migration, ...] = (
-    Migration(1, "the record as first released (commit d2191a5)", """
+    Migration(
+        1,
+        "the record as first released (commit d2191a5)",
+        """
 CREATE TABLE IF NOT EXISTS providers (
     key TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,
@@ -92,15 +95,23 @@ CREATE TABLE IF NOT EXISTS messages (
     message TEXT NOT NULL,
     PRIMARY KEY (thread_id, idx)
 ) WITHOUT ROWID;
-"""),
-    Migration(2, "listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs) "
-              "and by status time (A2A ListTasks), and the threads bound to one key", """
+""",
+    ),
+    Migration(
+        2,
+        "listings page in SQL (DESIGN §8): an agent's runs by arrival (GET /runs) "
+        "and by status time (A2A ListTasks), and the threads bound to one key",
+        """
 CREATE INDEX IF NOT EXISTS threads_segment_head ON threads (segment_head);
 CREATE INDEX IF NOT EXISTS runs_agent ON runs (provider_key, agent_name, arrival);
 CREATE INDEX IF NOT EXISTS runs_agent_status_time ON runs
     (provider_key, agent_name, COALESCE(completed_at, started_at, created_at), id);
-"""),
-    Migration(3, "KYOK (DESIGN §9): LLM providers' counters and their offerings", """
+""",
+    ),
+    Migration(
+        3,
+        "KYOK (DESIGN §9): LLM providers' counters and their offerings",
+        """
 CREATE TABLE IF NOT EXISTS llm_providers (
     key TEXT PRIMARY KEY,
     completions INTEGER NOT NULL DEFAULT 0,
@@ -114,9 +125,13 @@ CREATE TABLE IF NOT EXISTS llm_offerings (
     metadata TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY (provider_key, name)
 );
-"""),
+""",
+    ),
     # IF NOT EXISTS: builds of main before this step made the table at start.
-    Migration(4, "push notifications (DESIGN §10): each push config and its delivery cursor", """
+    Migration(
+        4,
+        "push notifications (DESIGN §10): each push config and its delivery cursor",
+        """
 CREATE TABLE IF NOT EXISTS push_configs (
     task_id TEXT NOT NULL,
     id TEXT NOT NULL,
@@ -132,7 +147,8 @@ CREATE TABLE IF NOT EXISTS push_configs (
     PRIMARY KEY (task_id, id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS push_configs_state ON push_configs (state);
-"""),
+""",
+    ),
     # Next: Migration(5, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
@@ -163,7 +179,8 @@ def plan(current: int, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[M
         raise SchemaTooNew(
             f"schema version {current}, newer than this build of funduq-trio knows "
             f"(up to {len(migrations)}); refusing to open it: run a build at least as "
-            "new as the one that wrote it")
+            "new as the one that wrote it"
+        )
     return list(migrations[current:])
 
 
@@ -184,8 +201,10 @@ def _version_of(conn: sqlite3.Connection) -> int:
 
 def _marks(conn: sqlite3.Connection) -> tuple[int, bool]:
     user_version = conn.execute("PRAGMA user_version").fetchone()[0]
-    has_tables = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='runs'").fetchone() is not None
+    has_tables = (
+        conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='runs'").fetchone()
+        is not None
+    )
     return user_version, has_tables
 
 
@@ -203,9 +222,12 @@ def _mark_unversioned(conn: sqlite3.Connection, where: str) -> None:
         raise
 
 
-def upgrade(conn: sqlite3.Connection, where: str = "the record",
-            migrations: tuple[Migration, ...] = MIGRATIONS,
-            before_step: Callable[[Migration], None] | None = None) -> list[int]:
+def upgrade(
+    conn: sqlite3.Connection,
+    where: str = "the record",
+    migrations: tuple[Migration, ...] = MIGRATIONS,
+    before_step: Callable[[Migration], None] | None = None,
+) -> list[int]:
     """Bring the file on ``conn`` (autocommit mode) to the latest version, one
     transaction per step, and return the versions applied. Each step takes the
     write lock first and reads the version again under it, so two processes
@@ -229,16 +251,20 @@ def upgrade(conn: sqlite3.Connection, where: str = "the record",
             if now >= step.version:
                 conn.execute("ROLLBACK")
                 if now > len(migrations):  # someone made it newer meanwhile
-                    raise SchemaTooNew(f"{where}: schema version {now}, newer than this "
-                                       f"build of funduq-trio knows (up to {len(migrations)})")
+                    raise SchemaTooNew(
+                        f"{where}: schema version {now}, newer than this "
+                        f"build of funduq-trio knows (up to {len(migrations)})"
+                    )
                 continue
             # Statement by statement: executescript() would commit first.
             for statement in statements(step.sql):
                 try:
                     conn.execute(statement)
                 except sqlite3.Error as exc:
-                    exc.add_note(f"{where}: schema migration {step.version} ({step.why}) "
-                                 f"failed at: {statement}")
+                    exc.add_note(
+                        f"{where}: schema migration {step.version} ({step.why}) "
+                        f"failed at: {statement}"
+                    )
                     raise
             conn.execute(f"PRAGMA user_version={step.version:d}")
             conn.execute("COMMIT")

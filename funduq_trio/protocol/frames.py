@@ -437,19 +437,38 @@ KINDS: frozenset[str] = frozenset(
 )
 #: KYOK's kinds (DESIGN §9), each way.
 KYOK_FROM_PROVIDER: frozenset[str] = frozenset(
-    {"register.llm", "chunk", "completion.end", "completion.failed"})
+    {"register.llm", "chunk", "completion.end", "completion.failed"}
+)
 KYOK_FROM_FUNDUQ: frozenset[str] = frozenset({"complete", "abandon"})
 #: The kinds a provider may send.
 FROM_PROVIDER: frozenset[str] = frozenset(
-    {"connect", "register", "ok", "err", "report", "finish", "query.threadMessages", "batch",
-     *KYOK_FROM_PROVIDER}
+    {
+        "connect",
+        "register",
+        "ok",
+        "err",
+        "report",
+        "finish",
+        "query.threadMessages",
+        "batch",
+        *KYOK_FROM_PROVIDER,
+    }
 )
 #: The kinds a provider's `batch` may carry.
 IN_BATCH: frozenset[str] = FROM_PROVIDER - {"connect", "batch"}
 #: The kinds funduq may send.
 FROM_FUNDUQ: frozenset[str] = frozenset(
-    {"hello", "connect.ok", "connect.err", "offer", "ok", "err", "cancel", "batch",
-     *KYOK_FROM_FUNDUQ}
+    {
+        "hello",
+        "connect.ok",
+        "connect.err",
+        "offer",
+        "ok",
+        "err",
+        "cancel",
+        "batch",
+        *KYOK_FROM_FUNDUQ,
+    }
 )
 #: The kinds funduq's `batch` may carry.
 IN_FUNDUQ_BATCH: frozenset[str] = frozenset({"offer", "ok", "err", "cancel", *KYOK_FROM_FUNDUQ})

@@ -260,8 +260,21 @@ class Close:
     code: int = CLOSE_POLICY
 
 
-Action = (Send | Attach | Register | Answer | Report | Finish | QueryThreadMessages | Detach
-          | Close | RegisterLlm | Chunk | CompletionEnd | CompletionFailed)
+Action = (
+    Send
+    | Attach
+    | Register
+    | Answer
+    | Report
+    | Finish
+    | QueryThreadMessages
+    | Detach
+    | Close
+    | RegisterLlm
+    | Chunk
+    | CompletionEnd
+    | CompletionFailed
+)
 
 
 class Signer(Protocol):
@@ -336,8 +349,9 @@ class LinkMachine:
         self.close_reason = reason
         return [Close(reason, code), *self._detach()]
 
-    def _reject_connect(self, reason: str, code: int = CLOSE_POLICY,
-                        event: str = "connect rejected") -> list[Action]:
+    def _reject_connect(
+        self, reason: str, code: int = CLOSE_POLICY, event: str = "connect rejected"
+    ) -> list[Action]:
         self._move(event)
         self.close_reason = reason
         return [Send(f.ConnectErr(reason=reason)), Close(reason, code)]
@@ -374,9 +388,14 @@ class LinkMachine:
         if self.state is State.AWAIT_CONNECT:
             return self._receive_connect(text)
         return f.read_message(
-            text, accept=f.FROM_PROVIDER, in_batch=f.IN_BATCH, on_frame=self._receive_attached,
-            answer_err=lambda err: [Send(err)], violation=self._violation,
-            closed=lambda: self.state is State.CLOSED)
+            text,
+            accept=f.FROM_PROVIDER,
+            in_batch=f.IN_BATCH,
+            on_frame=self._receive_attached,
+            answer_err=lambda err: [Send(err)],
+            violation=self._violation,
+            closed=lambda: self.state is State.CLOSED,
+        )
 
     def _receive_connect(self, text: str | bytes) -> list[Action]:
         try:
@@ -459,7 +478,8 @@ class LinkMachine:
         if frame.id in self._ended_set:
             return []  # crossed an abandon, or after the end: nobody reads it
         return self._violation(
-            f"{frame.kind} for {frame.id!r}, a completion funduq never asked for on this link")
+            f"{frame.kind} for {frame.id!r}, a completion funduq never asked for on this link"
+        )
 
     def _end_completion(self, completion_id: str) -> None:
         self._completions.discard(completion_id)
@@ -560,7 +580,8 @@ class LinkMachine:
             return []
         return self._reject_connect(
             f"no 'connect' within {seconds:g} s of the hello (FUNDUQ_HANDSHAKE_TIMEOUT_SECONDS)",
-            event="handshake timed out")
+            event="handshake timed out",
+        )
 
     def no_room_to_wait(self, limit: int) -> list[Action]:
         """Refuse a new link at once: `limit` links already wait for `connect`."""
@@ -568,7 +589,10 @@ class LinkMachine:
             return []
         return self._reject_connect(
             f"{limit} links already wait for 'connect' (FUNDUQ_MAX_UNAUTHENTICATED_LINKS); "
-            "retry later", CLOSE_TRY_LATER, event="no room to wait for connect")
+            "retry later",
+            CLOSE_TRY_LATER,
+            event="no room to wait for connect",
+        )
 
     def connection_lost(self) -> list[Action]:
         """The socket is gone (either side closed it, or it broke)."""
@@ -589,4 +613,4 @@ def _newest_that_fit(messages: list[dict[str, Any]], room: int) -> list[dict[str
             break
         room -= size
         kept += 1
-    return messages[len(messages) - kept:]
+    return messages[len(messages) - kept :]

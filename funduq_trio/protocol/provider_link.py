@@ -219,8 +219,18 @@ class End:
     fault: Fault | None = None
 
 
-Action = (Send | Attached | OfferArrived | CancelArrived | CompletionRequested
-          | CompletionAbandoned | Registered | QueryAnswered | Notice | End)
+Action = (
+    Send
+    | Attached
+    | OfferArrived
+    | CancelArrived
+    | CompletionRequested
+    | CompletionAbandoned
+    | Registered
+    | QueryAnswered
+    | Notice
+    | End
+)
 
 
 def _send(frame: Any, *, flow: bool = False) -> Send:
@@ -300,9 +310,14 @@ class ProviderLinkMachine:
                 return self._receive_hello(frame)
             return self._receive_connect_reply(frame)
         return f.read_message(
-            text, accept=f.FROM_FUNDUQ, in_batch=f.IN_FUNDUQ_BATCH, on_frame=self._receive_attached,
-            answer_err=lambda err: [_send(err)], violation=self._violation,
-            closed=lambda: self.state is State.CLOSED)
+            text,
+            accept=f.FROM_FUNDUQ,
+            in_batch=f.IN_FUNDUQ_BATCH,
+            on_frame=self._receive_attached,
+            answer_err=lambda err: [_send(err)],
+            violation=self._violation,
+            closed=lambda: self.state is State.CLOSED,
+        )
 
     def _receive_hello(self, frame: Any) -> list[Action]:
         if not isinstance(frame, f.Hello):
@@ -311,18 +326,24 @@ class ProviderLinkMachine:
             return self._end(
                 "key mismatch",
                 f"funduq presents key {frame.funduq_key}, not the pinned {self.funduq_key}",
-                Fault.KEY_MISMATCH)
+                Fault.KEY_MISMATCH,
+            )
         self._move("hello")
         self._hello = frame
         proof = self._identity.sign(
-            _identity.provider_connect_payload(frame.funduq_key, frame.nonce, self.nonce))
-        return [_send(f.Connect(
-            public_key=self._identity.public_key_hex,
-            nonce=self.nonce,
-            proof=proof,
-            max_concurrent_runs=self._max_runs,
-            extensions=list(f.EXTENSIONS),
-        ))]
+            _identity.provider_connect_payload(frame.funduq_key, frame.nonce, self.nonce)
+        )
+        return [
+            _send(
+                f.Connect(
+                    public_key=self._identity.public_key_hex,
+                    nonce=self.nonce,
+                    proof=proof,
+                    max_concurrent_runs=self._max_runs,
+                    extensions=list(f.EXTENSIONS),
+                )
+            )
+        ]
 
     def _receive_connect_reply(self, frame: Any) -> list[Action]:
         hello = self._hello
@@ -334,14 +355,21 @@ class ProviderLinkMachine:
         if frame.answer is None:
             # An unpinned provider takes an answerless funduq at its hello's word.
             if self.funduq_key is not None:
-                return self._end("key mismatch", "funduq sent no answer to prove its pinned key",
-                                 Fault.KEY_MISMATCH)
-        elif not _identity.verify(hello.funduq_key,
-                                  _identity.funduq_connect_payload(hello.nonce, self.nonce),
-                                  frame.answer):
-            return self._end("key mismatch",
-                             "funduq's connect.ok answer does not verify under its key",
-                             Fault.KEY_MISMATCH)
+                return self._end(
+                    "key mismatch",
+                    "funduq sent no answer to prove its pinned key",
+                    Fault.KEY_MISMATCH,
+                )
+        elif not _identity.verify(
+            hello.funduq_key,
+            _identity.funduq_connect_payload(hello.nonce, self.nonce),
+            frame.answer,
+        ):
+            return self._end(
+                "key mismatch",
+                "funduq's connect.ok answer does not verify under its key",
+                Fault.KEY_MISMATCH,
+            )
         self._move("connect.ok")
         return [Attached("batch" in (hello.extensions or ()))]
 
@@ -398,19 +426,25 @@ class ProviderLinkMachine:
 
     def register(self, agents: list[f.AgentSpec]) -> tuple[str, list[Action]]:
         """Publish the agents this link serves; funduq's `ok` -> Registered."""
-        return self._request(Request.REGISTER, "register",
-                             lambda rid: f.Register(id=rid, agents=agents))
+        return self._request(
+            Request.REGISTER, "register", lambda rid: f.Register(id=rid, agents=agents)
+        )
 
     def register_llm(self, offerings: list[f.LlmOffering]) -> tuple[str, list[Action]]:
         """KYOK: publish the offerings (before `register`, so its ok says both are in)."""
-        return self._request(Request.REGISTER_LLM, "register.llm",
-                             lambda rid: f.RegisterLlm(id=rid, offerings=offerings))
+        return self._request(
+            Request.REGISTER_LLM,
+            "register.llm",
+            lambda rid: f.RegisterLlm(id=rid, offerings=offerings),
+        )
 
-    def query_thread_messages(self, thread_id: str,
-                              limit: int | None) -> tuple[str, list[Action]]:
+    def query_thread_messages(self, thread_id: str, limit: int | None) -> tuple[str, list[Action]]:
         """Ask for a thread's messages; the answer comes as QueryAnswered."""
-        return self._request(Request.QUERY, "query", lambda rid: f.QueryThreadMessages(
-            id=rid, thread_id=thread_id, limit=limit))
+        return self._request(
+            Request.QUERY,
+            "query",
+            lambda rid: f.QueryThreadMessages(id=rid, thread_id=thread_id, limit=limit),
+        )
 
     def answer(self, offer_id: str, verdict: str, reason: str | None = None) -> list[Action]:
         """Answer an outstanding offer (exactly once)."""
@@ -426,8 +460,10 @@ class ProviderLinkMachine:
         send = _send(frame, flow=True)
         size = f.wire_bytes(send.text)
         if size > self.max_frame_bytes:
-            raise ValueError(f"{what} is {size} bytes on the wire, over the link's frame "
-                             f"limit of {self.max_frame_bytes}")
+            raise ValueError(
+                f"{what} is {size} bytes on the wire, over the link's frame "
+                f"limit of {self.max_frame_bytes}"
+            )
         return [send] if self.state is State.ATTACHED else []
 
     def report(self, run_id: str, event: Any, seq: int) -> list[Action]:
@@ -455,8 +491,9 @@ class ProviderLinkMachine:
             return []
         return [_send(f.CompletionEnd(id=completion_id))]
 
-    def completion_failed(self, completion_id: str, message: str,
-                          refusal: dict[str, Any] | None = None) -> list[Action]:
+    def completion_failed(
+        self, completion_id: str, message: str, refusal: dict[str, Any] | None = None
+    ) -> list[Action]:
         if self.state is not State.ATTACHED:
             return []
         return [_send(f.CompletionFailed(id=completion_id, message=message, refusal=refusal))]

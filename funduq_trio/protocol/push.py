@@ -71,6 +71,7 @@ def auth_problem(scheme: str, credentials: str) -> str | None:
         return "push authentication credentials must be printable ASCII"
     return None
 
+
 #: A delivery's place in the task's update order is (event seq, index among
 #: the updates that event became); the status update closing a turn (the run
 #: settled or paused) comes after every update of its last event.

@@ -93,7 +93,7 @@ def link_url_problem(url: str) -> str | None:
     except ValueError as exc:
         return f"--url {url}: {exc}"
     if parts.scheme in ("http", "https"):
-        ws = "ws" + url[len("http"):]
+        ws = "ws" + url[len("http") :]
         return f"--url {url}: the provider link is a WebSocket URL (try {ws})"
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
         return f"--url {url}: expected ws://HOST:PORT/ws/provider (or wss://)"

@@ -66,11 +66,17 @@ __all__ = [
 
 def kyok_grant(run_input: RunAgentInput | dict[str, Any]) -> dict[str, str] | None:
     """The run's `{token, baseUrl}`, or None when its caller opted into no KYOK."""
-    props = (run_input.get("forwardedProps") if isinstance(run_input, dict)
-             else run_input.forwarded_props)
+    props = (
+        run_input.get("forwardedProps")
+        if isinstance(run_input, dict)
+        else run_input.forwarded_props
+    )
     grant = props.get("kyok") if isinstance(props, dict) else None
-    if isinstance(grant, dict) and isinstance(grant.get("token"), str) \
-            and isinstance(grant.get("baseUrl"), str):
+    if (
+        isinstance(grant, dict)
+        and isinstance(grant.get("token"), str)
+        and isinstance(grant.get("baseUrl"), str)
+    ):
         return {"token": grant["token"], "baseUrl": grant["baseUrl"]}
     return None
 
@@ -96,18 +102,30 @@ def _signer(token: str, identity: Identity, clock: Callable[[], float]) -> Calla
     return sign
 
 
-def kyok_http_client(grant: dict[str, str], identity: Identity, *,
-                     clock: Callable[[], float] = time.time, **kwargs: Any) -> httpx.AsyncClient:
+def kyok_http_client(
+    grant: dict[str, str],
+    identity: Identity,
+    *,
+    clock: Callable[[], float] = time.time,
+    **kwargs: Any,
+) -> httpx.AsyncClient:
     """An httpx client whose every request carries the call signature."""
     hooks = kwargs.pop("event_hooks", {})
-    hooks = {**hooks, "request": [*hooks.get("request", ()), _signer(grant["token"], identity,
-                                                                     clock)]}
+    hooks = {
+        **hooks,
+        "request": [*hooks.get("request", ()), _signer(grant["token"], identity, clock)],
+    }
     kwargs.setdefault("timeout", httpx.Timeout(600.0, connect=30.0))
     return httpx.AsyncClient(event_hooks=hooks, **kwargs)
 
 
-def kyok_client(grant: dict[str, str], identity: Identity, *,
-                clock: Callable[[], float] = time.time, **kwargs: Any) -> Any:
+def kyok_client(
+    grant: dict[str, str],
+    identity: Identity,
+    *,
+    clock: Callable[[], float] = time.time,
+    **kwargs: Any,
+) -> Any:
     """An `openai.AsyncOpenAI` for the grant: base URL funduq's relay, the
     token as its API key, every call signed by `identity` (the agent's
     provider key). No retries of its own: a refused call is an answer."""
@@ -116,9 +134,12 @@ def kyok_client(grant: dict[str, str], identity: Identity, *,
     except ImportError as exc:  # pragma: no cover - the extra is documented
         raise ImportError("KYOK's client needs openai: pip install 'funduq-trio[kyok]'") from exc
     kwargs.setdefault("max_retries", 0)
-    return openai.AsyncOpenAI(api_key=grant["token"], base_url=grant["baseUrl"],
-                              http_client=kyok_http_client(grant, identity, clock=clock),
-                              **kwargs)
+    return openai.AsyncOpenAI(
+        api_key=grant["token"],
+        base_url=grant["baseUrl"],
+        http_client=kyok_http_client(grant, identity, clock=clock),
+        **kwargs,
+    )
 
 
 # -- the LLM-provider side ----------------------------------------------------------
@@ -152,8 +173,15 @@ class CompletionRequest:
 
     @classmethod
     def from_frame(cls, frame: f.Complete) -> CompletionRequest:
-        return cls(frame.id, frame.run_id, frame.agent.model_dump(by_alias=True), frame.llm,
-                   frame.body, frame.context, frame.actor_chain)
+        return cls(
+            frame.id,
+            frame.run_id,
+            frame.agent.model_dump(by_alias=True),
+            frame.llm,
+            frame.body,
+            frame.context,
+            frame.actor_chain,
+        )
 
 
 def chunk_text(item: Any) -> str:
@@ -186,19 +214,41 @@ async def fake_model(request: CompletionRequest) -> AsyncIterator[dict[str, Any]
     or whole as one `chat.completion`."""
     text = fake_answer(request.body)
     model = str(request.body.get("model") or "fake")
-    ident = "chatcmpl-" + hashlib.sha256(json.dumps(request.body, sort_keys=True)
-                                         .encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    ident = (
+        "chatcmpl-"
+        + hashlib.sha256(
+            json.dumps(request.body, sort_keys=True).encode("utf-8", "surrogatepass")
+        ).hexdigest()[:16]
+    )
     if not request.stream:
-        yield {"id": ident, "object": "chat.completion", "created": 0, "model": model,
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                            "finish_reason": "stop"}],
-               "usage": {"prompt_tokens": 0, "completion_tokens": len(text.split()),
-                         "total_tokens": len(text.split())}}
+        yield {
+            "id": ident,
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 0,
+                "completion_tokens": len(text.split()),
+                "total_tokens": len(text.split()),
+            },
+        }
         return
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"id": ident, "object": "chat.completion.chunk", "created": 0, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
 
     yield chunk({"role": "assistant", "content": ""})
     words = text.split(" ")
@@ -207,9 +257,14 @@ async def fake_model(request: CompletionRequest) -> AsyncIterator[dict[str, Any]
     yield chunk({}, "stop")
 
 
-def make_forwarder(url: str, api_key: str | None, *, model: str | None = None,
-                   transport: httpx.AsyncBaseTransport | None = None,
-                   timeout: float = 600.0) -> Callable[[CompletionRequest], AsyncIterator[str]]:
+def make_forwarder(
+    url: str,
+    api_key: str | None,
+    *,
+    model: str | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    timeout: float = 600.0,
+) -> Callable[[CompletionRequest], AsyncIterator[str]]:
     """An offering relaying each completion to the OpenAI-compatible endpoint
     at `url` (`{url}/chat/completions`) with `api_key` as its bearer. Streams
     relay each upstream `data:` event verbatim; a non-streaming answer is the
@@ -224,8 +279,10 @@ def make_forwarder(url: str, api_key: str | None, *, model: str | None = None,
             error = json.loads(raw).get("error")
         except (ValueError, AttributeError):
             error = raw.decode("utf-8", "replace")[:1000]
-        return Refusal(f"upstream answered {response.status_code}",
-                       {"upstreamStatus": response.status_code, "error": error})
+        return Refusal(
+            f"upstream answered {response.status_code}",
+            {"upstreamStatus": response.status_code, "error": error},
+        )
 
     async def forward(request: CompletionRequest) -> AsyncIterator[str]:
         body = dict(request.body)
@@ -278,12 +335,12 @@ async def kyok_chat(run_input: RunAgentInput, ctx: Any) -> AsyncIterator[Event]:
     yield TextMessageStartEvent(message_id=message_id, role="assistant")
     try:
         stream = await client.chat.completions.create(
-            model="kyok", messages=_chat_messages(run_input), stream=True)
+            model="kyok", messages=_chat_messages(run_input), stream=True
+        )
         async for chunk in stream:
             for choice in chunk.choices:
                 if choice.delta.content:
-                    yield TextMessageContentEvent(message_id=message_id,
-                                                  delta=choice.delta.content)
+                    yield TextMessageContentEvent(message_id=message_id, delta=choice.delta.content)
     finally:
         await client.close()
     yield TextMessageEndEvent(message_id=message_id)

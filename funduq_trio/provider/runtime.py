@@ -169,8 +169,9 @@ class RunContext:
         signed with the provider's key (needs the `kyok` extra)."""
         grant = self.kyok
         if grant is None:
-            raise LookupError(f"run {self.run_id} carries no KYOK grant: its caller opted "
-                              "into no LLM provider")
+            raise LookupError(
+                f"run {self.run_id} carries no KYOK grant: its caller opted into no LLM provider"
+            )
         if self._identity is None:
             raise LookupError("this run context has no provider identity to sign with")
         return llm.kyok_client(grant, self._identity, **kwargs)
@@ -625,8 +626,9 @@ class Provider:
         try:
             run_input = RunAgentInput.model_validate(run.run_input)
         except ValidationError as exc:
-            return "refused", ("input does not validate as RunAgentInput: "
-                               + describe_validation_error(exc))
+            return "refused", (
+                "input does not validate as RunAgentInput: " + describe_validation_error(exc)
+            )
         if run.run_id in link.runs:
             return "declined", None
         if self.max_concurrent_runs is not None and len(link.runs) >= self.max_concurrent_runs:
@@ -653,15 +655,20 @@ class Provider:
         """A KYOK completion: runs in its own task, never awaited here."""
         offering = self.offerings.get(frame.llm)
         if offering is None or frame.id in link.completions:
-            link.queue(link.machine.completion_failed(
-                frame.id, f"no offering {frame.llm!r} here", {"reason": "unknown offering"}))
+            link.queue(
+                link.machine.completion_failed(
+                    frame.id, f"no offering {frame.llm!r} here", {"reason": "unknown offering"}
+                )
+            )
             return
         scope = link.completions[frame.id] = trio.CancelScope()
-        link.nursery.start_soon(self._completion_task, link, offering, frame, scope,
-                                name=f"completion {frame.id}")
+        link.nursery.start_soon(
+            self._completion_task, link, offering, frame, scope, name=f"completion {frame.id}"
+        )
 
-    async def _completion_task(self, link: _Link, offering: _Offering, frame: f.Complete,
-                               scope: trio.CancelScope) -> None:
+    async def _completion_task(
+        self, link: _Link, offering: _Offering, frame: f.Complete, scope: trio.CancelScope
+    ) -> None:
         ended: list[P.Action] | None = None
         try:
             with scope:
@@ -675,8 +682,7 @@ class Provider:
                     ended = link.machine.completion_failed(frame.id, exc.message, exc.refusal)
                 except Exception as exc:
                     log.exception("offering %s failed on %s", offering.name, frame.id)
-                    ended = link.machine.completion_failed(
-                        frame.id, f"{type(exc).__name__}: {exc}")
+                    ended = link.machine.completion_failed(frame.id, f"{type(exc).__name__}: {exc}")
         finally:
             link.completions.pop(frame.id, None)
             if ended is not None:  # abandoned: funduq reads nothing more of it

@@ -110,16 +110,18 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
         if view is None:
             raise NotFound(f"no agent {agent!r} published by provider {provider!r}")
         rpc_url = f"{request.host_url.rstrip('/')}/a2a/{provider}/{agent}"
-        return await _cacheable_card(jsonify(
-            agent_card(
-                name=view.name,
-                description=view.description,
-                rpc_url=rpc_url,
-                rest_url=rpc_url,
-                published=view.card if isinstance(view.card, Mapping) else None,
-                identity=get_funduq().identity,
+        return await _cacheable_card(
+            jsonify(
+                agent_card(
+                    name=view.name,
+                    description=view.description,
+                    rpc_url=rpc_url,
+                    rest_url=rpc_url,
+                    published=view.card if isinstance(view.card, Mapping) else None,
+                    identity=get_funduq().identity,
+                )
             )
-        ))
+        )
 
     app.add_url_rule(f"/a2a/<provider>/<agent>{CARD_PATH}", "a2a_card", card, methods=["GET"])
 
@@ -172,14 +174,19 @@ class A2ADoor:
             body = await request.get_data()
         except RequestEntityTooLarge:
             # The body is left unread: the connection must close after the answer.
-            response = _json(error_response(None, InvalidRequestError(
-                message="Payload too large")))
+            response = _json(error_response(None, InvalidRequestError(message="Payload too large")))
             response.headers["Connection"] = "close"
             return response
         if not _declares_json(request.mimetype):
-            return _json(error_response(None, ContentTypeNotSupportedError(
-                message=f"Content-Type {request.mimetype!r} is not supported: "
-                "send the JSON-RPC request as application/json")))
+            return _json(
+                error_response(
+                    None,
+                    ContentTypeNotSupportedError(
+                        message=f"Content-Type {request.mimetype!r} is not supported: "
+                        "send the JSON-RPC request as application/json"
+                    ),
+                )
+            )
         try:
             call = parse_call(body, request.headers.get("A2A-Version"))
         except CallRejected as rejected:
@@ -298,13 +305,14 @@ class A2ADoor:
         return inline, await self.funduq.pushes.reserve(inline, task_id)
 
     async def _push_inline(
-        self, call: Call, slot: InlinePush | None,
+        self,
+        call: Call,
+        slot: InlinePush | None,
         run_id: str,
     ) -> None:
         if slot is not None:
             answered = bool(call.request.message.task_id)
-            await self.funduq.pushes.create(run_id, slot[0], from_start=not answered,
-                                            slot=slot[1])
+            await self.funduq.pushes.create(run_id, slot[0], from_start=not answered, slot=slot[1])
 
     async def deliver(self, call: Call) -> str:
         """Hand the call's message to the broker: the answer to the paused task
@@ -349,11 +357,12 @@ class A2ADoor:
         if record["status"] in statuses.TERMINAL:
             why = f"Task {task_id} is in terminal state: {state}"
         else:
-            why = (f"Task {task_id} is not waiting for input ({state}); "
-                   "only an input-required task takes a message")
+            why = (
+                f"Task {task_id} is not waiting for input ({state}); "
+                "only an input-required task takes a message"
+            )
         return UnsupportedOperationError(
-            message=f"{why}. Send the message without taskId (same contextId) "
-            "to start a new task."
+            message=f"{why}. Send the message without taskId (same contextId) to start a new task."
         )
 
     async def list_tasks(self, req: pb.ListTasksRequest) -> pb.ListTasksResponse:
@@ -417,8 +426,8 @@ class A2ADoor:
         if cursor is not None:
             if cursor > recorded:
                 raise InvalidParamsError(
-                    message=f"{LAST_EVENT_ID}: {cursor} is past the task's last event "
-                    f"({recorded})")
+                    message=f"{LAST_EVENT_ID}: {cursor} is past the task's last event ({recorded})"
+                )
             seen = [e for e in record.get("events") or () if e["seq"] <= cursor]
             record = {**record, "events": seen}
         projection = TaskProjection.from_record(record)
@@ -426,8 +435,11 @@ class A2ADoor:
             projection.last_seq = cursor
         # A subscriber that has seen the pause (the snapshot shows it, or its
         # cursor is past it) waits for the answer instead of closing at once.
-        at_pause = (call.op == SUBSCRIBE and record.get("status") == statuses.INPUT_REQUIRED
-                    and projection.last_seq >= recorded)
+        at_pause = (
+            call.op == SUBSCRIBE
+            and record.get("status") == statuses.INPUT_REQUIRED
+            and projection.last_seq >= recorded
+        )
         # A stream lasts as long as its run: it keeps what it frames with (the
         # call's id and dialect, the projection), not the parsed request or
         # the opening record.
@@ -435,7 +447,11 @@ class A2ADoor:
         return self.stream(call, projection, opening=cursor is None, at_pause=at_pause)
 
     async def stream(
-        self, call: Call, projection: TaskProjection, *, opening: bool = True,
+        self,
+        call: Call,
+        projection: TaskProjection,
+        *,
+        opening: bool = True,
         at_pause: bool = False,
     ) -> AsyncIterator[list[Any]]:
         """The stream's responses in bursts (one burst = one write). Each frame's

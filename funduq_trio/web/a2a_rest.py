@@ -82,10 +82,10 @@ def mount_a2a_rest(app: Any, get_funduq: Callable[[], Any]) -> None:
     route("/tasks", ["GET"], LIST, _list)
     route("/tasks/<task_id>/pushNotificationConfigs", ["POST"], PUSH_CREATE, _push_create)
     route("/tasks/<task_id>/pushNotificationConfigs", ["GET"], PUSH_LIST, _push_list)
-    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["GET"], PUSH_GET,
-          _push_get)
-    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["DELETE"], PUSH_DELETE,
-          _push_delete)
+    route("/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["GET"], PUSH_GET, _push_get)
+    route(
+        "/tasks/<task_id>/pushNotificationConfigs/<push_id>", ["DELETE"], PUSH_DELETE, _push_delete
+    )
     route("/extendedAgentCard", ["GET"], EXTENDED_CARD, _extended_card)
 
 
@@ -147,8 +147,10 @@ def _body(raw: bytes) -> dict[str, Any]:
     # What the JSON-RPC binding refuses in params, this one refuses in the body.
     problem = carriable.problem(body)
     if problem is not None:
-        raise InvalidParamsError(message=f"body cannot be carried to a provider: {problem}",
-                                 data={"reason": "not_carriable"})
+        raise InvalidParamsError(
+            message=f"body cannot be carried to a provider: {problem}",
+            data={"reason": "not_carriable"},
+        )
     return body
 
 

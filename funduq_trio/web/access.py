@@ -17,8 +17,15 @@ from typing import Any
 
 from ..broker.authority import PROOF_HEADER, Reader
 
-__all__ = ["OPERATOR_COOKIE", "bearer_of", "is_operator", "of_agent", "operator_token_of",
-           "reader_of", "remember_operator"]
+__all__ = [
+    "OPERATOR_COOKIE",
+    "bearer_of",
+    "is_operator",
+    "of_agent",
+    "operator_token_of",
+    "reader_of",
+    "remember_operator",
+]
 
 #: The cookie `?token=` sets (HttpOnly, SameSite=Strict, path /).
 OPERATOR_COOKIE = "funduq_operator"
@@ -56,7 +63,8 @@ def is_operator(funduq: Any, request: Any, *, from_query: bool = False) -> bool:
     presented = operator_token_of(request, from_query=from_query)
     expected = funduq.operator_token
     return bool(presented and expected) and hmac.compare_digest(
-        presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
+        presented.encode("utf-8", "surrogatepass"), expected.encode("utf-8")
+    )
 
 
 def reader_of(funduq: Any, request: Any) -> Reader:
@@ -67,6 +75,7 @@ def reader_of(funduq: Any, request: Any) -> Reader:
 
 def remember_operator(response: Any, funduq: Any) -> Any:
     """Set the cookie that lets the operator's page make its own requests."""
-    response.set_cookie(OPERATOR_COOKIE, funduq.operator_token, httponly=True,
-                        samesite="Strict", path="/")
+    response.set_cookie(
+        OPERATOR_COOKIE, funduq.operator_token, httponly=True, samesite="Strict", path="/"
+    )
     return response

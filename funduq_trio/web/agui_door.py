@@ -184,8 +184,9 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
         recorded = max((e["seq"] for e in record["events"]), default=0)
         if cursor is not None and cursor > recorded:
             raise InvalidCursor(f"cursor {cursor} is past the run's last event ({recorded})")
-        return sse_response(relay(funduq, record["threadId"], run_id, cursor or 0,
-                                  opening=cursor is None))
+        return sse_response(
+            relay(funduq, record["threadId"], run_id, cursor or 0, opening=cursor is None)
+        )
 
 
 async def relay(
@@ -201,7 +202,12 @@ async def relay(
             events = [Identified(seq, event) for seq, event in burst]
             if not started and burst[0][1].get("type") != EventType.RUN_STARTED.value:
                 opening_event = RunStartedEvent(thread_id=thread_id, run_id=run_id)
-                events.insert(0, Identified(after_seq, opening_event.model_dump(
-                    mode="json", by_alias=True, exclude_none=True)))
+                events.insert(
+                    0,
+                    Identified(
+                        after_seq,
+                        opening_event.model_dump(mode="json", by_alias=True, exclude_none=True),
+                    ),
+                )
             started = True
             yield events

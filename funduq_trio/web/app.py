@@ -38,9 +38,7 @@ from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 
 
-def error_body(
-    status: int, code: str, message: str, details: Any = None
-) -> dict[str, Any]:
+def error_body(status: int, code: str, message: str, details: Any = None) -> dict[str, Any]:
     error: dict[str, Any] = {"status": status, "code": code, "message": message}
     if details is not None:
         error["details"] = details
@@ -160,8 +158,7 @@ def create_app(funduq: Funduq) -> QuartTrio:
     async def broker_error(exc: Exception) -> Response:
         answer = door_answer(exc)
         message = str(exc) or (type(exc).__doc__ or answer.code).strip()
-        return json_error(answer.http_status, answer.code, message,
-                          getattr(exc, "details", None))
+        return json_error(answer.http_status, answer.code, message, getattr(exc, "details", None))
 
     mount_cors(app, settings.cors_origins)
     mount_reads(app, funduq)

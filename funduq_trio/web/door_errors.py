@@ -49,61 +49,133 @@ def _task(task_id: str | None) -> dict[str, str] | None:
 
 
 DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
-    e.AgentNotFound: DoorAnswer(404, "agent_not_found", lambda exc, _: InvalidRequestError(
-        message=str(exc) or "No such agent at this endpoint", data={"reason": "agent_not_found"})),
-    e.UnknownThread: DoorAnswer(404, "thread_not_found", lambda exc, _: InvalidParamsError(
-        message=str(exc) or "contextId names no conversation with this agent",
-        data={"reason": "unknown_context"})),
-    e.RunNotFound: DoorAnswer(404, "run_not_found",
-                              lambda _, task_id: TaskNotFoundError(data=_task(task_id))),
-    e.InvalidRunInput: DoorAnswer(400, "invalid_run_input", lambda exc, _: InvalidParamsError(
-        message=str(exc) or "invalid run input")),
-    e.InvalidKyokOptIn: DoorAnswer(400, "invalid_kyok_opt_in", lambda exc, _: InvalidParamsError(
-        message=str(exc) or "invalid kyok opt-in", data={"reason": "invalid_kyok_opt_in"})),
-    e.ThreadQueueFull: DoorAnswer(429, "thread_queue_full", lambda exc, _:
-                                  UnsupportedOperationError(
-        message=str(exc) or "This conversation already holds as many pending messages as it "
-        "may; send again once one has been taken up", data={"reason": "thread_queue_full"})),
+    e.AgentNotFound: DoorAnswer(
+        404,
+        "agent_not_found",
+        lambda exc, _: InvalidRequestError(
+            message=str(exc) or "No such agent at this endpoint", data={"reason": "agent_not_found"}
+        ),
+    ),
+    e.UnknownThread: DoorAnswer(
+        404,
+        "thread_not_found",
+        lambda exc, _: InvalidParamsError(
+            message=str(exc) or "contextId names no conversation with this agent",
+            data={"reason": "unknown_context"},
+        ),
+    ),
+    e.RunNotFound: DoorAnswer(
+        404, "run_not_found", lambda _, task_id: TaskNotFoundError(data=_task(task_id))
+    ),
+    e.InvalidRunInput: DoorAnswer(
+        400,
+        "invalid_run_input",
+        lambda exc, _: InvalidParamsError(message=str(exc) or "invalid run input"),
+    ),
+    e.InvalidKyokOptIn: DoorAnswer(
+        400,
+        "invalid_kyok_opt_in",
+        lambda exc, _: InvalidParamsError(
+            message=str(exc) or "invalid kyok opt-in", data={"reason": "invalid_kyok_opt_in"}
+        ),
+    ),
+    e.ThreadQueueFull: DoorAnswer(
+        429,
+        "thread_queue_full",
+        lambda exc, _: UnsupportedOperationError(
+            message=str(exc)
+            or "This conversation already holds as many pending messages as it "
+            "may; send again once one has been taken up",
+            data={"reason": "thread_queue_full"},
+        ),
+    ),
     # Deliberately the same answer whatever state the run is in.
-    e.NotAuthorized: DoorAnswer(403, "not_authorized", lambda _, __: InvalidParamsError(
-        message=NOT_AUTHORIZED_MESSAGE, data={"reason": "not_authorized"})),
-    InvalidActorChain: DoorAnswer(403, "invalid_actor_chain", lambda exc, _:
-                                  InvalidParamsError(
-        message=f"Invalid actorChain: {exc}" if str(exc) else "Invalid actorChain",
-        data={"reason": "invalid_actor_chain"})),
-    e.RunNotCancellable: DoorAnswer(409, "run_not_cancellable",
-                                    lambda _, task_id: TaskNotCancelableError(
-                                        data=_task(task_id))),
-    e.RunNotPaused: DoorAnswer(409, "run_not_paused", lambda exc, task_id: InvalidParamsError(
-        message=f"Task {task_id} is not waiting for input" if task_id else str(exc))),
-    e.RecordUnavailable: DoorAnswer(503, "record_unavailable", lambda exc, _: InternalError(
-        message=str(exc) or "funduq cannot record anything right now; retry later",
-        data={"reason": "record_unavailable"})),
+    e.NotAuthorized: DoorAnswer(
+        403,
+        "not_authorized",
+        lambda _, __: InvalidParamsError(
+            message=NOT_AUTHORIZED_MESSAGE, data={"reason": "not_authorized"}
+        ),
+    ),
+    InvalidActorChain: DoorAnswer(
+        403,
+        "invalid_actor_chain",
+        lambda exc, _: InvalidParamsError(
+            message=f"Invalid actorChain: {exc}" if str(exc) else "Invalid actorChain",
+            data={"reason": "invalid_actor_chain"},
+        ),
+    ),
+    e.RunNotCancellable: DoorAnswer(
+        409, "run_not_cancellable", lambda _, task_id: TaskNotCancelableError(data=_task(task_id))
+    ),
+    e.RunNotPaused: DoorAnswer(
+        409,
+        "run_not_paused",
+        lambda exc, task_id: InvalidParamsError(
+            message=f"Task {task_id} is not waiting for input" if task_id else str(exc)
+        ),
+    ),
+    e.RecordUnavailable: DoorAnswer(
+        503,
+        "record_unavailable",
+        lambda exc, _: InternalError(
+            message=str(exc) or "funduq cannot record anything right now; retry later",
+            data={"reason": "record_unavailable"},
+        ),
+    ),
     # funduq itself is full (docs/limits.md): like a full thread, "not now".
-    **{cls: DoorAnswer(503, cls.code, lambda exc, _: UnsupportedOperationError(
-        message=str(exc) or "funduq holds as many waiting tasks as it may; retry later",
-        data={"reason": getattr(exc, "code", "queue_limit_reached"),
-              **{k: str(v) for k, v in (getattr(exc, "details", None) or {}).items()}}))
-       for cls in (e.QueueLimitReached, e.QueuedRunsLimit, e.AgentQueuedRunsLimit,
-                   e.QueuedInputLimit)},
+    **{
+        cls: DoorAnswer(
+            503,
+            cls.code,
+            lambda exc, _: UnsupportedOperationError(
+                message=str(exc) or "funduq holds as many waiting tasks as it may; retry later",
+                data={
+                    "reason": getattr(exc, "code", "queue_limit_reached"),
+                    **{k: str(v) for k, v in (getattr(exc, "details", None) or {}).items()},
+                },
+            ),
+        )
+        for cls in (
+            e.QueueLimitReached,
+            e.QueuedRunsLimit,
+            e.AgentQueuedRunsLimit,
+            e.QueuedInputLimit,
+        )
+    },
     # Answered on the provider link (err), never at a door; here for completeness.
-    e.TooManyAgents: DoorAnswer(400, "too_many_agents", lambda exc, _: InvalidParamsError(
-        message=str(exc) or "too many agents")),
-    e.ProofsBusy: DoorAnswer(503, "proofs_busy", lambda exc, _: UnsupportedOperationError(
-        message=str(exc) or "funduq cannot accept another proof right now; retry later",
-        data={"reason": "proofs_busy"})),
+    e.TooManyAgents: DoorAnswer(
+        400,
+        "too_many_agents",
+        lambda exc, _: InvalidParamsError(message=str(exc) or "too many agents"),
+    ),
+    e.ProofsBusy: DoorAnswer(
+        503,
+        "proofs_busy",
+        lambda exc, _: UnsupportedOperationError(
+            message=str(exc) or "funduq cannot accept another proof right now; retry later",
+            data={"reason": "proofs_busy"},
+        ),
+    ),
     # The answers a2a-sdk's own server gives a refused or unknown push config.
-    e.PushRefused: DoorAnswer(400, "push_config_refused", lambda exc, _: InvalidParamsError(
-        message=f"Invalid push notification config: {exc}")),
-    e.PushConfigNotFound: DoorAnswer(404, "push_config_not_found", lambda exc, _:
-                                     TaskNotFoundError(
-        message="Push notification config not found")),
-    e.FunduqError: DoorAnswer(400, "bad_request", lambda exc, _: InternalError(
-        message=str(exc) or "bad request")),
+    e.PushRefused: DoorAnswer(
+        400,
+        "push_config_refused",
+        lambda exc, _: InvalidParamsError(message=f"Invalid push notification config: {exc}"),
+    ),
+    e.PushConfigNotFound: DoorAnswer(
+        404,
+        "push_config_not_found",
+        lambda exc, _: TaskNotFoundError(message="Push notification config not found"),
+    ),
+    e.FunduqError: DoorAnswer(
+        400, "bad_request", lambda exc, _: InternalError(message=str(exc) or "bad request")
+    ),
 }
 
-_UNKNOWN = DoorAnswer(500, "internal_error",
-                      lambda exc, _: InternalError(message=str(exc) or "internal error"))
+_UNKNOWN = DoorAnswer(
+    500, "internal_error", lambda exc, _: InternalError(message=str(exc) or "internal error")
+)
 
 
 def door_answer(exc: BaseException) -> DoorAnswer:

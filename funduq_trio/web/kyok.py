@@ -45,8 +45,9 @@ _DONE = b"data: [DONE]\n\n"
 
 
 def _answer(status: int, body: dict[str, Any]) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), status=status,
-                    content_type="application/json")
+    return Response(
+        json.dumps(body, separators=(",", ":")), status=status, content_type="application/json"
+    )
 
 
 def _refused(refusal: KyokRefusal) -> Response:
@@ -61,10 +62,14 @@ def _request_body(raw: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError):  # NotCarriable is a ValueError
         body = None
     if not isinstance(body, dict) or carriable.problem(body) is not None:
-        raise KyokRefusal(400, "invalid_body", "the body must be a JSON object (an OpenAI "
-                          "chat-completions request) the link can carry: no NaN or "
-                          "Infinity, no lone surrogate, nested at most "
-                          f"{carriable.MAX_NESTING} deep")
+        raise KyokRefusal(
+            400,
+            "invalid_body",
+            "the body must be a JSON object (an OpenAI "
+            "chat-completions request) the link can carry: no NaN or "
+            "Infinity, no lone surrogate, nested at most "
+            f"{carriable.MAX_NESTING} deep",
+        )
     return body
 
 
@@ -72,8 +77,7 @@ def _sse_data(data: str) -> bytes:
     """One SSE event carrying `data` verbatim (a line break in it becomes a
     second `data:` line, which a reader joins back with a newline)."""
     lines = _LINE_BREAK.split(data)
-    return b"".join(b"data: " + line.encode("utf-8") + b"\n"
-                    for line in lines) + b"\n"
+    return b"".join(b"data: " + line.encode("utf-8") + b"\n" for line in lines) + b"\n"
 
 
 async def _next_chunk(completion: Completion) -> str | None:
@@ -97,8 +101,9 @@ def _failure(completion: Completion) -> KyokRefusal:
         return outcome[1]
     if outcome[0] == "failed":
         _, message, refusal = outcome
-        error = KyokRefusal(502, "llm_refused" if refusal is not None else "llm_failed",
-                            message, refusal)
+        error = KyokRefusal(
+            502, "llm_refused" if refusal is not None else "llm_failed", message, refusal
+        )
         return error
     return KyokRefusal(502, "llm_no_response", "the LLM provider ended without a response")
 
@@ -125,13 +130,26 @@ def mount_kyok(app: Any, funduq: Funduq) -> None:
             raw = await request.get_data()
             # Nothing awaits from here until the completion is registered.
             run = funduq.kyok_run(grant)
-            kyok.check_signature(run.key, grant.token, request.headers.get("Funduq-Timestamp"),
-                                 request.headers.get("Funduq-Signature"), raw)
+            kyok.check_signature(
+                run.key,
+                grant.token,
+                request.headers.get("Funduq-Timestamp"),
+                request.headers.get("Funduq-Signature"),
+                raw,
+            )
             body = _request_body(raw)
-            completion = kyok.start(run.run_id, run.offering, {
-                "runId": run.run_id, "agent": {"providerKey": run.key, "name": run.agent},
-                "llm": run.offering[1], "body": body, "context": run.context,
-                "actorChain": run.actor_chain})
+            completion = kyok.start(
+                run.run_id,
+                run.offering,
+                {
+                    "runId": run.run_id,
+                    "agent": {"providerKey": run.key, "name": run.agent},
+                    "llm": run.offering[1],
+                    "body": body,
+                    "context": run.context,
+                    "actorChain": run.actor_chain,
+                },
+            )
         except KyokRefusal as refusal:
             return _refused(refusal)
         reader_gone = KyokRefusal(499, "reader_gone", "the agent stopped reading")
@@ -162,8 +180,7 @@ def _streaming(completion: Completion, first: str | None, reader_gone: KyokRefus
         finally:
             completion.stop(reader_gone)
 
-    response = Response(frames(), status=200, content_type=SSE_CONTENT_TYPE,
-                        headers=SSE_HEADERS)
+    response = Response(frames(), status=200, content_type=SSE_CONTENT_TYPE, headers=SSE_HEADERS)
     response.timeout = None
     return response
 
@@ -179,20 +196,31 @@ async def _whole(completion: Completion, first: str | None) -> Response:
     """`stream: false`: exactly one chunk, the whole response, as JSON."""
     if first is None:
         if completion.outcome == ("completed",):
-            return _answer(502, KyokRefusal(502, "llm_no_response",
-                                            "the LLM provider ended without a response").body())
+            return _answer(
+                502,
+                KyokRefusal(
+                    502, "llm_no_response", "the LLM provider ended without a response"
+                ).body(),
+            )
         return _answer(*_status_body(_failure(completion)))
     second = await _next_chunk(completion)
     if second is not None:
         completion.stop(KyokRefusal(502, "llm_bad_response", "more than one chunk"))
-        return _answer(502, KyokRefusal(
-            502, "llm_bad_response", "the LLM provider sent more than one chunk for a "
-            "non-streaming completion").body())
+        return _answer(
+            502,
+            KyokRefusal(
+                502,
+                "llm_bad_response",
+                "the LLM provider sent more than one chunk for a non-streaming completion",
+            ).body(),
+        )
     if completion.outcome != ("completed",):
         return _answer(*_status_body(_failure(completion)))
     try:
         json.loads(first)
     except ValueError:
-        return _answer(502, KyokRefusal(502, "llm_bad_response",
-                                        "the LLM provider's response is not JSON").body())
+        return _answer(
+            502,
+            KyokRefusal(502, "llm_bad_response", "the LLM provider's response is not JSON").body(),
+        )
     return Response(first, status=200, content_type="application/json")

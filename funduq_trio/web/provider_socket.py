@@ -152,9 +152,12 @@ class ProviderSocket:
                 self._session = self._funduq.attach_provider(
                     action.public_key, action.max_concurrent_runs, self
                 )
-                log.info("provider %s attached (key %s, max concurrent runs %s)",
-                         self._session.fingerprint, action.public_key,
-                         action.max_concurrent_runs or "unlimited")
+                log.info(
+                    "provider %s attached (key %s, max concurrent runs %s)",
+                    self._session.fingerprint,
+                    action.public_key,
+                    action.max_concurrent_runs or "unlimited",
+                )
             elif isinstance(action, L.Chunk):
                 if self._llm is not None:
                     self._llm.chunk(action.completion_id, action.data)
@@ -212,11 +215,12 @@ class ProviderSocket:
                 if self._waiting.enter(settings.max_unauthenticated_links):
                     self._counted = True
                     self._perform([self.machine.hello()])
-                    nursery.start_soon(self._handshake_deadline,
-                                       settings.handshake_timeout_seconds)
+                    nursery.start_soon(self._handshake_deadline, settings.handshake_timeout_seconds)
                 else:
-                    log.warning("provider link refused: %d links already wait for 'connect'",
-                                self._waiting.count)
+                    log.warning(
+                        "provider link refused: %d links already wait for 'connect'",
+                        self._waiting.count,
+                    )
                     self._perform(self.machine.no_room_to_wait(settings.max_unauthenticated_links))
                 await self._reader(nursery)
                 nursery.cancel_scope.cancel()
@@ -246,14 +250,16 @@ class ProviderSocket:
             return "connection lost"
         code = self._ws.close_code
         return "the provider closed the connection" + (
-            f" (close code {code})" if code not in (1000, 1001, 1005, 1006, None) else "")
+            f" (close code {code})" if code not in (1000, 1001, 1005, 1006, None) else ""
+        )
 
     def _log_end(self, why: str) -> None:
         if self.machine.public_key is not None:
             log.info("provider %s left: %s", fingerprint_of(self.machine.public_key), why)
         elif self.machine.claimed_key is not None:
-            log.info("refused a provider link claiming key %r: %s",
-                     self.machine.claimed_key[:80], why)
+            log.info(
+                "refused a provider link claiming key %r: %s", self.machine.claimed_key[:80], why
+            )
         else:
             log.info("refused a provider link before it claimed a key: %s", why)
 
@@ -299,8 +305,12 @@ class ProviderSocket:
                         held = item
                         break
                 await self._ws.send(out.message())
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel,
-                OSError) as exc:
+        except (
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            trio.EndOfChannel,
+            OSError,
+        ) as exc:
             log.info("provider link write failed: %r", exc)
         nursery.cancel_scope.cancel()
 
@@ -320,8 +330,11 @@ class ProviderSocket:
                     if self._queries >= self._funduq.settings.max_thread_queries_per_link:
                         # One task and one history read each: past the bound
                         # the provider is told at once, the link stays up.
-                        self._perform(self.machine.query_done(
-                            action.request_id, error=_TOO_MANY_QUERIES.format(self._queries)))
+                        self._perform(
+                            self.machine.query_done(
+                                action.request_id, error=_TOO_MANY_QUERIES.format(self._queries)
+                            )
+                        )
                     else:
                         self._queries += 1
                         nursery.start_soon(self._query, action)
@@ -377,8 +390,10 @@ class ProviderSocket:
         self._perform(self.machine.query_done(action.request_id, messages))
 
 
-_TOO_MANY_QUERIES = ("{} query.threadMessages already in flight on this link "
-                     "(FUNDUQ_MAX_THREAD_QUERIES_PER_LINK); retry once one is answered")
+_TOO_MANY_QUERIES = (
+    "{} query.threadMessages already in flight on this link "
+    "(FUNDUQ_MAX_THREAD_QUERIES_PER_LINK); retry once one is answered"
+)
 
 
 def _encoded(frame: Any) -> str | None:

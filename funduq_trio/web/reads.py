@@ -62,10 +62,14 @@ def mount_reads(app: QuartTrio, funduq: Funduq) -> None:
         `Funduq.listing_scope` says; `{"runs", "nextCursor"}`, newest first."""
         args = request.args
         page = await funduq.run_page(
-            reader_of(funduq, request), thread_id=args.get("thread"),
-            provider=args.get("provider"), agent=args.get("agent"),
-            status=_statuses(args.get("status")), limit=_limit(args.get("limit")),
-            cursor=args.get("cursor"))
+            reader_of(funduq, request),
+            thread_id=args.get("thread"),
+            provider=args.get("provider"),
+            agent=args.get("agent"),
+            status=_statuses(args.get("status")),
+            limit=_limit(args.get("limit")),
+            cursor=args.get("cursor"),
+        )
         return jsonify(page)
 
     @app.get("/threads/<thread_id>")

@@ -38,8 +38,14 @@ from broker_support import (  # the OLD code's tests/broker_support.py
     status_of,
 )
 
-ASK = [{"id": "ask-1", "reason": "approval", "message": "Proceed?",
-        "expiresAt": "2030-06-01T00:00:00Z"}]
+ASK = [
+    {
+        "id": "ask-1",
+        "reason": "approval",
+        "message": "Proceed?",
+        "expiresAt": "2030-06-01T00:00:00Z",
+    }
+]
 
 
 async def make(out: Path) -> None:
@@ -51,31 +57,44 @@ async def make(out: Path) -> None:
             p.stream(done.run_id, *reply(done.run_id, done.thread_id, text="one"))
             paused = await accepted(funduq, p, thread_id=done.thread_id, text="second")
             events = reply(paused.run_id, paused.thread_id)[:-1]
-            p.stream(paused.run_id, *events,
-                     interrupt_finish(paused.run_id, paused.thread_id, ASK))
+            p.stream(paused.run_id, *events, interrupt_finish(paused.run_id, paused.thread_id, ASK))
             running = await accepted(funduq, p, text="streaming")
-            p.stream(running.run_id, *reply(running.run_id, running.thread_id)[:3],
-                     finish=False)
+            p.stream(running.run_id, *reply(running.run_id, running.thread_id)[:3], finish=False)
             busy = await start(funduq, p, text="busy")  # offered, never answered
-            queued = [await start(funduq, p, thread_id=busy.thread_id, text=f"q{i}")
-                      for i in range(2)]
+            queued = [
+                await start(funduq, p, thread_id=busy.thread_id, text=f"q{i}") for i in range(2)
+            ]
             declined = await start(funduq, p, text="declined")
             p.session.answer(last_offer_for(p.link, declined.run_id), "declined")
             await quiet()
-            statuses = {t.run_id: await status_of(funduq, t.run_id)
-                        for t in (done, paused, running, busy, *queued, declined)}
+            statuses = {
+                t.run_id: await status_of(funduq, t.run_id)
+                for t in (done, paused, running, busy, *queued, declined)
+            }
             assert list(statuses.values()) == [
-                "completed", "input-required", "running", "offering", "queued", "queued",
-                "queued"], statuses
+                "completed",
+                "input-required",
+                "running",
+                "offering",
+                "queued",
+                "queued",
+                "queued",
+            ], statuses
         shutil.copyfile(data / "funduq.sqlite3", out / "record-v1.sqlite3")
     ids = {
         "provider_private_key": p.identity._private_hex(),
-        "completed": done.run_id, "paused": paused.run_id, "running": running.run_id,
+        "completed": done.run_id,
+        "paused": paused.run_id,
+        "running": running.run_id,
         "offering": busy.run_id,
-        "queued": [t.run_id for t in queued], "declined": declined.run_id,
-        "threads": {"done_then_paused": done.thread_id, "streaming": running.thread_id,
-                    "busy": busy.thread_id,
-                    "declined": declined.thread_id},
+        "queued": [t.run_id for t in queued],
+        "declined": declined.run_id,
+        "threads": {
+            "done_then_paused": done.thread_id,
+            "streaming": running.thread_id,
+            "busy": busy.thread_id,
+            "declined": declined.thread_id,
+        },
     }
     (out / "record-v1.json").write_text(json.dumps(ids, indent=1) + "\n")
 

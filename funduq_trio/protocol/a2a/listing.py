@@ -17,6 +17,7 @@ from .structs import DEGRADED_KEY, set_struct, utf8
 
 log = logging.getLogger("funduq_trio.a2a")
 
+
 @dataclass(frozen=True)
 class TaskPage:
     """One ListTasks page chosen over run records (records in page order)."""
@@ -71,9 +72,11 @@ def _listed_task(record: Mapping[str, Any], *, include_artifacts: bool) -> pb.Ta
         return task_from_record(record, include_artifacts=include_artifacts)
     except Exception:  # noqa: BLE001 - logged; the listing goes on
         log.exception("run %s: its task cannot be projected; listed by status", record.get("runId"))
-        task = pb.Task(id=utf8(str(record.get("runId"))),
-                       context_id=utf8(str(record.get("threadId"))),
-                       status=pb.TaskStatus(state=task_state(str(record.get("status")))))
+        task = pb.Task(
+            id=utf8(str(record.get("runId"))),
+            context_id=utf8(str(record.get("threadId"))),
+            status=pb.TaskStatus(state=task_state(str(record.get("status")))),
+        )
         set_struct(task.metadata, {DEGRADED_KEY: True})
         return task
 

@@ -295,11 +295,7 @@ def _validate(call: Call) -> None:
         config = request.configuration
         if config.HasField("history_length") and config.history_length < 0:
             raise InvalidParamsError(message="history length must be non-negative")
-    if (
-        call.op in (GET, LIST)
-        and request.HasField("history_length")
-        and request.history_length < 0
-    ):
+    if call.op in (GET, LIST) and request.HasField("history_length") and request.history_length < 0:
         raise InvalidParamsError(message="history length must be non-negative")
     if call.op == LIST and request.HasField("page_size"):
         if request.page_size < 1:

@@ -98,9 +98,7 @@ def _artifact_from_value(value: Any, fallback_id: str) -> pb.Artifact | None:
         return None
     try:
         parts = value.get("parts")
-        if isinstance(parts, list) and any(
-            isinstance(p, Mapping) and "kind" in p for p in parts
-        ):
+        if isinstance(parts, list) and any(isinstance(p, Mapping) and "kind" in p for p in parts):
             compat = dict(value)
             compat.setdefault("artifactId", fallback_id)
             artifact = v03.to_core_artifact(types_v03.Artifact.model_validate(compat))
