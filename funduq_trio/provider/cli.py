@@ -37,16 +37,7 @@ def build_provider_parser() -> argparse.ArgumentParser:
         description="Run the example provider: connect out to funduq, publish the chosen "
         "agents, serve their runs; reconnect when the link drops.",
     )
-    parser.add_argument(
-        "--url",
-        default="ws://127.0.0.1:8000/ws/provider",
-        help="funduq's provider link (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--key-file",
-        default="provider.key",
-        help="the provider's Ed25519 key (hex); created if absent (default: %(default)s)",
-    )
+    add_link_arguments(parser, key_file="provider.key")
     parser.add_argument(
         "--agent",
         action="append",
@@ -100,6 +91,49 @@ def link_url_problem(url: str) -> str | None:
     return None
 
 
+def add_link_arguments(parser: argparse.ArgumentParser, *, key_file: str) -> None:
+    """The arguments every provider command takes: where funduq's link is, and
+    which key this provider is."""
+    parser.add_argument(
+        "--url",
+        default="ws://127.0.0.1:8000/ws/provider",
+        help="funduq's provider link (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--key-file",
+        default=key_file,
+        help="the provider's Ed25519 key (hex); created if absent (default: %(default)s)",
+    )
+
+
+def serve_until_signal(provider: Provider, prog: str) -> int:
+    """Run `provider` until SIGINT/SIGTERM; 1 when funduq refused it (one
+    line on stderr), else 0."""
+    status = 0
+
+    async def serve(cancel_scope: trio.CancelScope) -> None:
+        nonlocal status
+        try:
+            await provider.run()
+        except (ConnectRejected, FunduqKeyMismatch, RegisterRejected) as exc:
+            print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 1
+        cancel_scope.cancel()
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve, nursery.cancel_scope)
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    print(f"{prog}: {name}, stopping", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(main)
+    return status
+
+
 def run_provider_cli(argv: list[str] | None = None) -> int:
     """The `funduq-trio provider` command. Returns the process exit status."""
     parser = build_provider_parser()
@@ -143,26 +177,4 @@ def run_provider_cli(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    status = 0
-
-    async def serve(cancel_scope: trio.CancelScope) -> None:
-        nonlocal status
-        try:
-            await provider.run()
-        except (ConnectRejected, FunduqKeyMismatch, RegisterRejected) as exc:
-            print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-            status = 1
-        cancel_scope.cancel()
-
-    async def main() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(serve, nursery.cancel_scope)
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    print(f"{PROG}: {name}, stopping", file=sys.stderr, flush=True)
-                    nursery.cancel_scope.cancel()
-                    break
-
-    trio.run(main)
-    return status
+    return serve_until_signal(provider, PROG)

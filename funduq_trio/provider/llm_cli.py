@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-
-import trio
 
 from funduq_trio.identity import Identity, IdentityFileError
 
+from .cli import add_link_arguments, serve_until_signal
 from .llm import fake_model, make_forwarder
-from .runtime import Backoff, ConnectRejected, FunduqKeyMismatch, Provider, RegisterRejected
+from .runtime import Backoff, Provider
 
 __all__ = ["build_llm_provider_parser", "run_llm_provider_cli"]
 
@@ -36,16 +34,7 @@ def build_llm_provider_parser() -> argparse.ArgumentParser:
         description="Serve KYOK LLM offerings: connect out to funduq, publish them, answer "
         "each completion funduq relays; reconnect when the link drops.",
     )
-    parser.add_argument(
-        "--url",
-        default="ws://127.0.0.1:8000/ws/provider",
-        help="funduq's provider link (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--key-file",
-        default="llm-provider.key",
-        help="the provider's Ed25519 key (hex); created if absent (default: %(default)s)",
-    )
+    add_link_arguments(parser, key_file="llm-provider.key")
     parser.add_argument(
         "--offering",
         action="append",
@@ -120,31 +109,4 @@ def run_llm_provider_cli(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    status = 0
-
-    async def main() -> None:
-        nonlocal status
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-
-                async def serve() -> None:
-                    nonlocal status
-                    try:
-                        await provider.run()
-                    except (ConnectRejected, FunduqKeyMismatch, RegisterRejected) as exc:
-                        print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-                        status = 1
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(serve)
-                async for signum in signals:
-                    print(
-                        f"{PROG}: {signal.Signals(signum).name}, stopping",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    nursery.cancel_scope.cancel()
-                    break
-
-    trio.run(main)
-    return status
+    return serve_until_signal(provider, PROG)
