@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -137,7 +136,7 @@ async def held_run(
         nursery.cancel_scope.cancel()
 
 
-_calls = itertools.count()
+_last_stamp = [2**62]  # the timestamp the last signed call used
 
 
 def signed(
@@ -152,13 +151,16 @@ def signed(
     """httpx keyword arguments for one signed call (body as bytes, signed as sent)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     token = token or grant["token"]
-    # Each signature is taken once: calls signed anew get distinct timestamps
-    # (a few seconds back, well inside the window).
-    stamp = (
-        timestamp
-        if timestamp is not None
-        else (int(time.time() if now is None else now) - next(_calls) % 30)
-    )
+    # Each signature is taken once: calls signed anew get distinct timestamps,
+    # each a second before the last one signed (a clock that moved on between
+    # two calls must not bring a spent one back), well inside the window.
+    if timestamp is None:
+        current = int(time.time() if now is None else now)
+        timestamp = min(current, _last_stamp[0] - 1)
+        if current - timestamp > 45:
+            timestamp = current
+        _last_stamp[0] = timestamp
+    stamp = timestamp
     signature = identity.sign(kyok_call_payload(token, stamp, raw))
     return {
         "content": raw,
