@@ -9,6 +9,7 @@ hex; every payload builder here produces the exact bytes pinned by
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -90,6 +91,13 @@ def fingerprint_of(public_key_hex: str) -> str:
     """First 16 hex chars of the sha256 of the raw 32-byte public key."""
     if not isinstance(public_key_hex, str) or not _KEY_HEX.fullmatch(public_key_hex):
         raise ValueError("a public key is 64 lowercase hex characters")
+    return _fingerprint(public_key_hex)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fingerprint(public_key_hex: str) -> str:
+    # Cached (bounded): every run asks for its provider's, and the same few
+    # keys come back again and again.
     return hashlib.sha256(bytes.fromhex(public_key_hex)).hexdigest()[:16]
 
 

@@ -506,7 +506,10 @@ class Funduq:
                 del self._reserved[tid]
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
-        log.debug("run %s queued on thread %s for %s/%s", run_id, tid, fingerprint_of(key), agent)
+        if log.isEnabledFor(logging.DEBUG):  # the fingerprint costs a hash: only when shown
+            log.debug(
+                "run %s queued on thread %s for %s/%s", run_id, tid, fingerprint_of(key), agent
+            )
         return RunTicket(run_id, tid)
 
     def _still_waiting(self, run_id: str) -> bool:

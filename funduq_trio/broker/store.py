@@ -20,6 +20,7 @@ few expressions the two dialects spell differently.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -59,16 +60,28 @@ RunRow = tuple[Any, ...]
 SummaryRow = tuple[Any, ...]
 
 
+# One encoder for every write: json.dumps with any keyword argument builds a
+# new JSONEncoder per call, and the record encodes ~20 values per run.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def dumps(value: Any) -> str:
     # ASCII-escaped: valid JSON may carry lone surrogates ("\ud800"), which
     # SQLite's UTF-8 text cannot hold unescaped.
-    return json.dumps(value, separators=(",", ":"))
+    return _ENCODER.encode(value)
 
 
 def iso(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+    return _iso_second(int(ts // 1)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+@functools.lru_cache(maxsize=256)
+def _iso_second(second: int) -> str:
+    # Every run's snapshot formats three stamps, nearly all within the same
+    # few seconds: strftime once per second, not once per stamp.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
 
 
 class RecordUnreachable(RuntimeError):
