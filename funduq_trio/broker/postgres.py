@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from . import schema
-from .store import RecordUnreachable, SqlStore, _Write
+from .store import NoRecord, RecordUnreachable, SqlStore, _Write
 
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
@@ -264,14 +264,19 @@ def upgrade(
     return [step.version for step in steps]
 
 
+def _has_schema(conn: PgConnection) -> bool:
+    """Whether the database (its search path) holds funduq's schema."""
+    return conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is not None
+
+
 class PostgresStore(SqlStore):
     """The PostgreSQL record. Open it with ``store.open_store(settings)``."""
 
     EVENT_TYPE = "(e.event::json ->> 'type')"
     AGENT_ORDER = "ord"
 
-    def __init__(self, url: str) -> None:
-        super().__init__()
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        super().__init__(create=create)
         self.url = url
         self._writer_conn: PgConnection | None = None
         self._idle_readers: list[PgConnection] = []
@@ -294,6 +299,8 @@ class PostgresStore(SqlStore):
             reason = " ".join(line.strip() for line in str(exc).splitlines()) or repr(exc)
             raise RecordUnreachable(f"{self.where} does not answer: {reason}") from None
         try:
+            if not self.create and not _has_schema(conn):
+                raise NoRecord(f"no record in {self.where} (no funduq schema there)")
             upgrade(conn, self.where)
         except BaseException:
             conn.close()

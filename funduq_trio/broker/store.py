@@ -89,6 +89,12 @@ class RecordUnreachable(RuntimeError):
     (the message says where and why, never a password)."""
 
 
+class NoRecord(RuntimeError):
+    """A store opened only if it exists (``create=False``: the admin command)
+    found no funduq record there: no file, or a file or database without
+    funduq's schema. Nothing was created."""
+
+
 class Unrecordable(ValueError):
     """Text the record cannot keep outside JSON: a NUL character (PostgreSQL's
     text refuses it) or a lone surrogate (neither database's UTF-8 holds it).
@@ -285,6 +291,11 @@ class Store(Protocol):
 
     async def run_progress(self, run_id: str) -> tuple[str, int] | None: ...
 
+    # -- the operator's commands (admin.py), not the broker's
+    async def quality_counters(self) -> list[tuple[Any, ...]]: ...
+
+    async def reset_quality(self, provider: str) -> str | None: ...
+
 
 # -- the SQL both stores speak ---------------------------------------------------------
 
@@ -323,7 +334,10 @@ class SqlStore:
     #: Reads running at once, each on a connection of its own.
     READERS = 4
 
-    def __init__(self) -> None:
+    def __init__(self, *, create: bool = True) -> None:
+        #: Whether opening may create the record (``serve``); False: it must
+        #: exist with funduq's schema already, else NoRecord (the admin command).
+        self.create = create
         self._pending: list[_Write] = []
         self._batch_done = trio.Event()
         self._wake = trio.Event()
@@ -624,6 +638,42 @@ class SqlStore:
         await self.write(
             lambda c: c.execute(f"UPDATE providers SET {counter}=? WHERE key=?", (value, key))
         )
+
+    # The operator's commands (admin.py): the providers' quality counters.
+
+    async def quality_counters(self) -> list[tuple[Any, ...]]:
+        """(key, fingerprint, *counters) of every provider, by fingerprint."""
+        return cast(
+            list[tuple[Any, ...]],
+            await self.read(
+                lambda c: c.execute(
+                    "SELECT key, fingerprint, "
+                    + ", ".join(COUNTERS)
+                    + " FROM providers ORDER BY fingerprint, key"
+                ).fetchall()
+            ),
+        )
+
+    async def reset_quality(self, provider: str) -> str | None:
+        """Zero the counters of the provider whose key (64 hex) or fingerprint
+        (16 hex) is ``provider``; its key, or None when there is no such one."""
+        column = {64: "key", 16: "fingerprint"}.get(len(provider))
+        if column is None or not keepable(provider):
+            return None
+
+        def apply(conn: Any) -> str | None:
+            row = conn.execute(
+                f"SELECT key FROM providers WHERE {column}=? ORDER BY key LIMIT 1", (provider,)
+            ).fetchone()
+            if row is None:
+                return None
+            conn.execute(
+                "UPDATE providers SET " + ", ".join(f"{c}=0" for c in COUNTERS) + " WHERE key=?",
+                (row[0],),
+            )
+            return str(row[0])
+
+        return cast(str | None, await self.write(apply))
 
     # KYOK (DESIGN §9): LLM providers' counters and their offerings.
 
@@ -1142,13 +1192,14 @@ def record_name(settings: Settings) -> str:
     return os.path.abspath(settings.database_path)
 
 
-def open_store(settings: Settings) -> Any:
+def open_store(settings: Settings, *, create: bool = True) -> Any:
     """The store ``FUNDUQ_DATABASE_URL`` names (the data directory's SQLite
-    file by default), as an async context manager."""
+    file by default), as an async context manager. ``create=False`` opens
+    only a record that exists (NoRecord otherwise), creating nothing."""
     if settings.database_is_postgres:
         from .postgres import PostgresStore
 
-        return run_store(PostgresStore(settings.database_url or ""))
+        return run_store(PostgresStore(settings.database_url or "", create=create))
     from .record import SqliteStore
 
-    return run_store(SqliteStore(settings.database_path))
+    return run_store(SqliteStore(settings.database_path, create=create))
