@@ -153,6 +153,21 @@ CREATE TABLE push_configs (
 CREATE INDEX push_configs_state ON push_configs (state);
 """,
     ),
+    # A proof spent on one node is spent on all (SqlStore.spend_proof): its
+    # signer's key and the SHA-256 of the signed payload, kept until no
+    # node's clock can take it as fresh any more.
+    _migration(
+        5,
+        """
+CREATE TABLE spent_proofs (
+    signer TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    keep_until DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (signer, payload)
+);
+CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
@@ -274,6 +289,8 @@ class PostgresStore(SqlStore):
 
     EVENT_TYPE = "(e.event::json ->> 'type')"
     AGENT_ORDER = "ord"
+    #: Several funduq nodes may share this record (DESIGN §11).
+    shared = True
 
     def __init__(self, url: str, *, create: bool = True) -> None:
         super().__init__(create=create)

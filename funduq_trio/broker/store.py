@@ -21,6 +21,7 @@ few expressions the two dialects spell differently.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -156,6 +157,9 @@ class Store(Protocol):
 
     #: The last write failed for the medium's sake: not ready, no new runs.
     failing: bool
+    #: Several funduq nodes may share this record (PostgreSQL): what one node
+    #: keeps in memory alone, such as spent proofs, must also be kept here.
+    shared: bool
 
     async def probe(self) -> bool:
         """One small write; True when it went through (clears ``failing``)."""
@@ -197,6 +201,11 @@ class Store(Protocol):
     ) -> list[str]: ...
 
     async def set_counter(self, key: str, counter: str, value: int) -> None: ...
+
+    async def spend_proof(self, signer: str, payload: str, keep_until: float, now: float) -> bool:
+        """Spend a proof for every node sharing the record; False when one
+        spent it already (only called where ``shared``)."""
+        ...
 
     async def record_offerings(self, key: str, rows: list[tuple[str, str, str, str]]) -> None: ...
 
@@ -333,6 +342,11 @@ class SqlStore:
     AGENT_ORDER = "rowid"
     #: Reads running at once, each on a connection of its own.
     READERS = 4
+    #: Several nodes may share the record; the SQLite store is one process's.
+    shared = False
+    #: How often (seconds, at most) spending a proof also deletes the spent
+    #: proofs past their time.
+    SPENT_SWEEP_SECONDS = 5.0
 
     def __init__(self, *, create: bool = True) -> None:
         #: Whether opening may create the record (``serve``); False: it must
@@ -345,6 +359,7 @@ class SqlStore:
         #: The last write failed for the medium's sake (see ``record_trouble``):
         #: funduq is not ready and takes no new runs until a write succeeds.
         self.failing = False
+        self._next_sweep = 0.0  # when spend_proof next deletes old spent proofs
         self.commits = 0  # group commits done (for benchmarks)
         self.writes = 0
 
@@ -637,6 +652,35 @@ class SqlStore:
             raise ValueError(f"not a counter: {counter!r}")
         await self.write(
             lambda c: c.execute(f"UPDATE providers SET {counter}=? WHERE key=?", (value, key))
+        )
+
+    # Spent proofs shared by the nodes on one record (DESIGN §8, §11; spends.py).
+
+    async def spend_proof(self, signer: str, payload: str, keep_until: float, now: float) -> bool:
+        """Record that ``signer``'s proof over ``payload`` is spent, until
+        ``keep_until`` (wall-clock seconds); False, writing nothing, when
+        it was spent before -- on this node or any other sharing the record.
+        The payload is kept as its SHA-256 (a bounded, keepable key, whatever
+        text the proof signed). Now and then (``SPENT_SWEEP_SECONDS``) the
+        proofs kept past their time are deleted, so the table stays bounded;
+        that delete is a write of its own, so a failure of it fails no spend."""
+        digest = hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.SPENT_SWEEP_SECONDS
+            self.write_soon(
+                lambda c: c.execute("DELETE FROM spent_proofs WHERE keep_until < ?", (now,))
+            )
+        return bool(
+            await self.write(
+                lambda c: (
+                    c.execute(
+                        "INSERT INTO spent_proofs (signer, payload, keep_until) VALUES (?,?,?) "
+                        "ON CONFLICT DO NOTHING",
+                        (signer, digest, keep_until),
+                    ).rowcount
+                    == 1
+                )
+            )
         )
 
     # The operator's commands (admin.py): the providers' quality counters.
