@@ -13,6 +13,7 @@ signature.
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,10 +24,13 @@ from broker_support import broker
 from support import chain, http_client, presenter, read_proof, running_server, sdk_provider
 from test_access import PROOF, Env, Spy, error_of, fresh, proof
 
+from funduq_trio.broker import authority
+from funduq_trio.broker.errors import NotAuthorized, RecordUnavailable
 from funduq_trio.broker.kyok import KyokRefusal
+from funduq_trio.broker.spends import Spends
 from funduq_trio.broker.store import open_store
 from funduq_trio.config import Settings
-from funduq_trio.identity import Identity, cancel_payload, kyok_call_payload
+from funduq_trio.identity import Identity, cancel_payload, kyok_call_payload, read_payload
 from funduq_trio.provider import echo
 
 
@@ -156,3 +160,65 @@ async def test_the_store_spends_a_proof_once_and_forgets_it_past_its_time(tmp_pa
         later = now + 121 + record.SPENT_SWEEP_SECONDS
         assert await record.spend_proof(key, "funduq-read::3", later + 120, later)
         assert await record.read(lambda c: c.execute(count).fetchone()[0]) == 1
+
+
+class FakeRecord:
+    """A store as Spends sees one: shared or not, its spend_proof scripted."""
+
+    def __init__(self, shared: bool, answer: object) -> None:
+        self.shared, self.answer = shared, answer
+        self.spent: list[tuple[str, str, float]] = []
+
+    async def spend_proof(self, signer: str, payload: str, keep_until: float, now: float) -> bool:
+        self.spent.append((signer, payload, keep_until))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return bool(self.answer)
+
+
+def _listing_check(signer: Identity, ts: int):
+    header = read_proof(signer, "", ts)
+    return lambda spent: authority.check_listing(header, time.time(), spent)
+
+
+def _bad(signer: Identity):
+    header = read_proof(signer, "", 12345)  # far outside the window
+    return lambda spent: authority.check_listing(header, time.time(), spent)
+
+
+async def test_spends_write_to_a_shared_record_only_and_refuse_what_it_refuses() -> None:
+    alice = Identity.generate()
+    ts = int(time.time())
+    # Not shared (SQLite): the local check alone, and the record never asked.
+    local = FakeRecord(False, True)
+    spends = Spends(authority.SpentProofs(10))
+    spends.share(local)
+    assert await spends.check(_listing_check(alice, ts)) == alice.public_key_hex
+    with pytest.raises(NotAuthorized):
+        await spends.check(_listing_check(alice, ts))  # spent here
+    assert local.spent == []
+
+    # Shared: the record is asked once per accepted proof, kept two windows.
+    shared = FakeRecord(True, True)
+    spends = Spends(authority.SpentProofs(10))
+    spends.share(shared)
+    assert await spends.check(_listing_check(alice, ts)) == alice.public_key_hex
+    assert shared.spent == [(alice.public_key_hex, read_payload("", ts), ts + 120)]
+    with pytest.raises(NotAuthorized):
+        await spends.check(_listing_check(alice, ts))  # the local check: no second ask
+    assert len(shared.spent) == 1
+    with pytest.raises(NotAuthorized):
+        await spends.check(_bad(alice))
+    assert len(shared.spent) == 1  # a bad proof is refused before any ask
+
+    # Spent by another node: refused as a bad proof is.
+    shared.answer = False
+    with pytest.raises(NotAuthorized) as refused:
+        await spends.check(_listing_check(alice, ts - 2))
+    assert str(refused.value) == authority.NOT_AUTHORIZED
+    # The record cannot take it: 503, not a crash (the proof stays spent here).
+    shared.answer = sqlite3.OperationalError("disk I/O error")
+    with pytest.raises(RecordUnavailable):
+        await spends.check(_listing_check(alice, ts - 3))
+    with pytest.raises(NotAuthorized):
+        await spends.check(_listing_check(alice, ts - 3))
