@@ -10,7 +10,7 @@
 - `call --url <a2a url> "text"`: send one message with a2a-sdk's client and
   print the reply's text as it streams (`-v` ids, `--json` everything,
   `--thread` to continue one).
-- `quality list | reset PROVIDER_KEY`: the record's quality counters
+- `quality list | reset PROVIDER_KEY`: the record's quality counters, on either store
   (`funduq_trio.admin`), server stopped.
 """
 
@@ -151,8 +151,10 @@ def _quality_parser(sub: Any) -> None:
     quality = sub.add_parser(
         "quality",
         help="list or reset providers' quality counters (in the record; server stopped)",
-        description="Read or reset the providers' quality counters in the record file. "
-        "Stop the server first: a running funduq keeps its counters in memory.",
+        description="Read or reset the providers' quality counters in the record (its "
+        "SQLite file or PostgreSQL database, as serve opens it; never created). "
+        "Stop the server first (every node, on PostgreSQL): a running funduq keeps "
+        "its counters in memory and writes its own count back at its next strike.",
     )
     actions = quality.add_subparsers(dest="quality_command", required=True, metavar="ACTION")
     listing = actions.add_parser("list", help="every provider and its counters")
@@ -413,7 +415,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def quality_command(args: argparse.Namespace) -> int:
-    """`quality list | reset`: on the record file `serve` would open."""
+    """`quality list | reset`: on the record `serve` would open (its SQLite
+    file or its PostgreSQL database)."""
     import json
 
     from .admin import AdminError, list_quality, reset_quality
@@ -421,12 +424,16 @@ def quality_command(args: argparse.Namespace) -> int:
     flagged = {n for n in ("data_dir", "database_url") if getattr(args, n) is not None}
     try:
         overrides = {n: parse_value(n, getattr(args, n)) for n in flagged}
-        path = Settings.from_env(None, **overrides).database_path
+        settings = Settings.from_env(None, **overrides)
+        # Only where the record is matters here (not the port, say).
+        wrong = [p for p in settings.problems() if p.startswith(env_name("database_url"))]
+        if wrong:
+            raise ValueError(wrong[0])
         if args.quality_command == "reset":
-            key = reset_quality(path, args.provider)
+            key = reset_quality(settings, args.provider)
             print(f"reset the quality counters of provider {key}")
             return 0
-        providers = list_quality(path)
+        providers = list_quality(settings)
     except (ValueError, AdminError) as exc:
         print(f"{PROG} quality: error: {as_given(str(exc), flagged)}", file=sys.stderr)
         return 1

@@ -37,7 +37,6 @@ ONE_STORE = {
     "test_kyok_forwarder",
     "test_a2a_signed_card",
     "test_provider_link_asgi",
-    "test_quality_admin",
     "test_startup",
     "test_cors",
     "test_operator_page",

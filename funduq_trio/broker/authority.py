@@ -8,7 +8,10 @@ signature}`); a read with the `Funduq-Proof` header; a new utterance with an
 actor chain headed by one of the two and presented by its last hop.
 Every refusal says the same thing, so a refusal teaches nothing about the
 run, the thread or which check failed. Every accepted proof is spent
-(`SpentProofs`): the same proof never works twice. See docs/authority.md.
+(`SpentProofs`): the same proof never works twice. Where several nodes share
+the record, what a check spent here is also spent in the record
+(`NotedSpends` notes it, `spends.Spends` writes it): that part is I/O and
+lives outside this module. See docs/authority.md.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import heapq
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from funduq_trio.broker.errors import NotAuthorized, ProofsBusy
 from funduq_trio.identity import (
@@ -36,7 +40,9 @@ __all__ = [
     "PROOF_HEADER",
     "SIGNATURE_WINDOW_SECONDS",
     "InvalidActorChain",  # re-exported: callers need import only this module
+    "NotedSpends",
     "Reader",
+    "Spender",
     "SpentProofs",
     "authorized_keys",
     "check_cancel",
@@ -144,6 +150,29 @@ class SpentProofs:
         heapq.heappush(self._heap, (expires, entry))
 
 
+class Spender(Protocol):
+    """Where a check spends the proof it accepted: `SpentProofs`, or a
+    `NotedSpends` around one."""
+
+    def spend(self, key: str, payload: str, timestamp: int, now: float) -> None: ...
+
+
+class NotedSpends:
+    """`SpentProofs` that also notes each proof it accepted, as (signer key,
+    payload, timestamp), for whoever must tell the other nodes (a check is
+    I/O-free; `spends.Spends` records the notes in the shared record)."""
+
+    __slots__ = ("local", "noted")
+
+    def __init__(self, local: SpentProofs) -> None:
+        self.local = local
+        self.noted: list[tuple[str, str, int]] = []
+
+    def spend(self, key: str, payload: str, timestamp: int, now: float) -> None:
+        self.local.spend(key, payload, timestamp, now)
+        self.noted.append((key, payload, timestamp))
+
+
 def _proof_fields(proof: object) -> tuple[str, int, str]:
     """(publicKey, timestamp as int, signature) or NotAuthorized."""
     if not isinstance(proof, dict):
@@ -165,7 +194,7 @@ def check_signed_request(
     allowed_keys: Iterable[str | None] | None,
     now: float,
     window: float = SIGNATURE_WINDOW_SECONDS,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
 ) -> str:
     """Return the signer's key if `proof` is a valid signature over `payload`
     by one of `allowed_keys` (None: any key), timestamped within `window`
@@ -199,7 +228,7 @@ def _check_with(
     allowed_keys: Iterable[str | None],
     now: float,
     window: float,
-    spent: SpentProofs | None,
+    spent: Spender | None,
 ) -> str:
     _, timestamp, _ = _proof_fields(proof)
     return check_signed_request(proof, build(run_id, timestamp), allowed_keys, now, window, spent)
@@ -211,7 +240,7 @@ def check_cancel(
     allowed_keys: Iterable[str | None],
     now: float,
     window: float = SIGNATURE_WINDOW_SECONDS,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
 ) -> str:
     """`metadata.cancel` over `funduq-cancel:{run_id}:{timestamp}`; returns the signer."""
     return _check_with(cancel_payload, proof, run_id, allowed_keys, now, window, spent)
@@ -223,7 +252,7 @@ def check_resolution(
     allowed_keys: Iterable[str | None],
     now: float,
     window: float = SIGNATURE_WINDOW_SECONDS,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
 ) -> str:
     """`metadata.resolution` over `funduq-resolve:{run_id}:{timestamp}`; returns the signer."""
     return _check_with(resolve_payload, proof, run_id, allowed_keys, now, window, spent)
@@ -247,7 +276,7 @@ def check_read(
     thread_id: str,
     allowed_keys: Iterable[str | None],
     now: float,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
     window: float = SIGNATURE_WINDOW_SECONDS,
 ) -> str:
     """A read of a bound thread: `Funduq-Proof` over
@@ -261,7 +290,7 @@ def check_read(
 def check_listing(
     header: object,
     now: float,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
     window: float = SIGNATURE_WINDOW_SECONDS,
 ) -> str:
     """A listing of "the threads bound to me": `Funduq-Proof` over
@@ -287,7 +316,7 @@ def check_presented(
     now: float,
     *,
     max_hops: int | None = None,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
     window: float = SIGNATURE_WINDOW_SECONDS,
 ) -> str:
     """Verify a chain presented with a request and return its head.

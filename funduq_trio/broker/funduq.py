@@ -47,6 +47,7 @@ from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .pushes import Pushes
 from .run_machine import Input, Move, RunMachine, Settle
+from .spends import Spends
 from .store import Store, dumps, iso, keepable, open_store, record_trouble
 
 log = logging.getLogger("funduq")
@@ -129,13 +130,14 @@ class Funduq:
             max_bytes=settings.max_queued_input_bytes,
             still_waiting=self._still_waiting,
         )
-        #: Proofs accepted while fresh: each works once (DESIGN §8).
-        self.spent = authority.SpentProofs(settings.max_spent_proofs)
+        #: Proofs accepted while fresh: each works once (DESIGN §8), on every
+        #: node sharing the record (spends.py).
+        self.spent = Spends(authority.SpentProofs(settings.max_spent_proofs))
         # Listing and presenter proofs are accepted from any key, so anyone
         # can mint them by the thousand: they are kept apart, where filling
         # the store delays only other listings and presented chains, never a
         # bound thread's reads, cancels and answers.
-        self.spent_by_anyone = authority.SpentProofs(settings.max_spent_proofs)
+        self.spent_by_anyone = Spends(authority.SpentProofs(settings.max_spent_proofs))
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -163,6 +165,8 @@ class Funduq:
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
             secret = await trio.to_thread.run_sync(self._load_kyok_secret)
             self.record = await self._stack.enter_async_context(open_store(self.settings))
+            self.spent.share(self.record)
+            self.spent_by_anyone.share(self.record)
             self.providers = Providers(
                 self.record,
                 self.settings.quality_allowance,
@@ -435,7 +439,7 @@ class Funduq:
             run_metadata = {"funduq": {"kyok": {"llmProvider": metadata["kyok"]["llmProvider"]}}}
         # The chain's check comes before the thread's lookup, so the answer to
         # a forged chain is the same whether or not the thread exists.
-        head = self._presented_head(metadata, run_input, key, agent)
+        head = await self._presented_head(metadata, run_input, key, agent)
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
             info = None
@@ -538,7 +542,7 @@ class Funduq:
         if self.record.failing and not await self.record.probe():
             raise RecordUnavailable("the record cannot take writes right now; retry later")
 
-    def _presented_head(
+    async def _presented_head(
         self, metadata: dict[str, Any], run_input: dict[str, Any], key: str, agent: str
     ) -> str | None:
         """The head of the request's actor chain (None: no chain). A chain must
@@ -550,16 +554,21 @@ class Funduq:
             return None
         messages = run_input.get("messages") or []
         message_id = messages[-1].get("id") if messages else ""
-        return authority.check_presented(
-            chain,
-            metadata.get("presenter"),
-            key,
-            agent,
-            message_id if isinstance(message_id, str) else "",
-            time.time(),
-            max_hops=self.settings.max_chain_hops,
-            spent=self.spent_by_anyone,
-        )
+        try:
+            return await self.spent_by_anyone.check(
+                lambda spent: authority.check_presented(
+                    chain,
+                    metadata.get("presenter"),
+                    key,
+                    agent,
+                    message_id if isinstance(message_id, str) else "",
+                    time.time(),
+                    max_hops=self.settings.max_chain_hops,
+                    spent=spent,
+                )
+            )
+        except NotAuthorized:  # spent on another node: as forged as a chain presented twice
+            raise authority.InvalidActorChain(authority.NOT_PRESENTED) from None
 
     def _reserve(self, thread_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
@@ -734,8 +743,10 @@ class Funduq:
         segment_head, key = facts
         by = None
         if segment_head is not None:
-            by = authority.check_cancel(
-                proof, run_id, (segment_head, key), time.time(), spent=self.spent
+            by = await self.spent.check(
+                lambda spent: authority.check_cancel(
+                    proof, run_id, (segment_head, key), time.time(), spent=spent
+                )
             )
         lane = self.lanes.get(run_id)
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
@@ -831,8 +842,10 @@ class Funduq:
         by = None
         if segment_head is not None:
             resolution = metadata.get("resolution") if isinstance(metadata, dict) else None
-            by = authority.check_resolution(
-                resolution, run_id, (segment_head, key), time.time(), spent=self.spent
+            by = await self.spent.check(
+                lambda spent: authority.check_resolution(
+                    resolution, run_id, (segment_head, key), time.time(), spent=spent
+                )
             )
         _check_carriable(metadata)
         metadata = dict(metadata or {})
@@ -850,7 +863,7 @@ class Funduq:
         # same rules as a new utterance's: presented by its last hop, and on a
         # bound thread headed by the segment head or the provider -- else an
         # authorized answerer could hand the thread's next turns another chain.
-        head = self._presented_head(metadata, run_input, key, row["agent_name"])
+        head = await self._presented_head(metadata, run_input, key, row["agent_name"])
         if head is not None and not authority.may_write(segment_head, head, key):
             raise NotAuthorized(authority.NOT_AUTHORIZED)
         if row["status"] != st.INPUT_REQUIRED or run_id in self.lanes:
@@ -974,8 +987,10 @@ class Funduq:
         if info.segment_head is None or reader.operator:
             return True
         try:
-            authority.check_read(
-                reader.proof, thread_id, (info.segment_head, info.key), time.time(), self.spent
+            await self.spent.check(
+                lambda spent: authority.check_read(
+                    reader.proof, thread_id, (info.segment_head, info.key), time.time(), spent
+                )
             )
         except NotAuthorized:
             return False
@@ -1009,7 +1024,9 @@ class Funduq:
         if reader.proof is None:
             return None
         try:
-            key = authority.check_listing(reader.proof, time.time(), self.spent_by_anyone)
+            key = await self.spent_by_anyone.check(
+                lambda spent: authority.check_listing(reader.proof, time.time(), spent)
+            )
         except NotAuthorized:
             return None
         return {"bound_to": key}

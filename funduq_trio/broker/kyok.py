@@ -42,9 +42,10 @@ import trio
 
 from ..identity import fingerprint_of, kyok_call_payload
 from ..secret_file import load_or_create
-from .authority import SIGNATURE_WINDOW_SECONDS, SpentProofs, check_signed_request
-from .errors import InvalidKyokOptIn, NotAuthorized, ProofsBusy
+from .authority import SIGNATURE_WINDOW_SECONDS, Spender, SpentProofs, check_signed_request
+from .errors import InvalidKyokOptIn, NotAuthorized, ProofsBusy, RecordUnavailable
 from .metrics import Metrics
+from .spends import Spends
 from .store import Store, dumps
 
 __all__ = [
@@ -167,6 +168,17 @@ def read_token(secret: bytes, token: object, now: float) -> Grant:
     return Grant(token, run_id, agent, exp)
 
 
+def _bad_signature(window: float) -> KyokRefusal:
+    """The one answer to a bad, stale or spent call signature."""
+    return KyokRefusal(
+        401,
+        "invalid_signature",
+        "Funduq-Signature must be the agent's provider key's signature over "
+        "funduq-kyok-call:{token}:{Funduq-Timestamp}:{sha256hex(body)}, "
+        f"timestamped within {window:g} s",
+    )
+
+
 def check_call_signature(
     public_key: str,
     token: str,
@@ -175,20 +187,14 @@ def check_call_signature(
     body: bytes,
     now: float,
     window: float = SIGNATURE_WINDOW_SECONDS,
-    spent: SpentProofs | None = None,
+    spent: Spender | None = None,
 ) -> None:
     """The call is signed by the agent's provider key over
     `funduq-kyok-call:{token}:{timestamp}:{sha256hex(body)}`, within `window`
     seconds of `now`, and (when `spent` keeps count) not used before: a
     captured call does not replay. Else KyokRefusal 401 (503 while `spent`
     is full)."""
-    bad = KyokRefusal(
-        401,
-        "invalid_signature",
-        "Funduq-Signature must be the agent's provider key's signature over "
-        "funduq-kyok-call:{token}:{Funduq-Timestamp}:{sha256hex(body)}, "
-        f"timestamped within {window:g} s",
-    )
+    bad = _bad_signature(window)
     if (
         timestamp is None
         or signature is None
@@ -377,7 +383,9 @@ class Kyok:
         #: Call signatures accepted while fresh, each once. A store of its
         #: own, with no per-key share: only an agent's provider holding a live
         #: grant can spend here, and one provider may make many calls.
-        self.spent = SpentProofs(max_spent_calls, per_key=max_spent_calls)
+        #: Spent on every node sharing the record (spends.py).
+        self.spent = Spends(SpentProofs(max_spent_calls, per_key=max_spent_calls))
+        self.spent.share(record)
         #: Wall-clock seconds (tokens and signatures carry Unix time); tests
         #: inject their own.
         self.clock = clock
@@ -497,10 +505,21 @@ class Kyok:
     def read_token(self, token: object) -> Grant:
         return read_token(self.secret, token, self.clock())
 
-    def check_signature(
+    async def check_signature(
         self, key: str, token: str, timestamp: str | None, signature: str | None, body: bytes
     ) -> None:
-        check_call_signature(key, token, timestamp, signature, body, self.clock(), spent=self.spent)
+        """`check_call_signature`, the signature spent on every node sharing
+        the record: one spent on another node is refused as any bad one."""
+        try:
+            await self.spent.check(
+                lambda spent: check_call_signature(
+                    key, token, timestamp, signature, body, self.clock(), spent=spent
+                )
+            )
+        except NotAuthorized:
+            raise _bad_signature(SIGNATURE_WINDOW_SECONDS) from None
+        except RecordUnavailable as exc:
+            raise KyokRefusal(503, "record_unavailable", str(exc)) from None
 
     # -- runs --
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from . import schema
-from .store import RecordUnreachable, SqlStore, _Write
+from .store import NoRecord, RecordUnreachable, SqlStore, _Write
 
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
@@ -153,6 +153,21 @@ CREATE TABLE push_configs (
 CREATE INDEX push_configs_state ON push_configs (state);
 """,
     ),
+    # A proof spent on one node is spent on all (SqlStore.spend_proof): its
+    # signer's key and the SHA-256 of the signed payload, kept until no
+    # node's clock can take it as fresh any more.
+    _migration(
+        5,
+        """
+CREATE TABLE spent_proofs (
+    signer TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    keep_until DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (signer, payload)
+);
+CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
@@ -264,14 +279,21 @@ def upgrade(
     return [step.version for step in steps]
 
 
+def _has_schema(conn: PgConnection) -> bool:
+    """Whether the database (its search path) holds funduq's schema."""
+    return conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is not None
+
+
 class PostgresStore(SqlStore):
     """The PostgreSQL record. Open it with ``store.open_store(settings)``."""
 
     EVENT_TYPE = "(e.event::json ->> 'type')"
     AGENT_ORDER = "ord"
+    #: Several funduq nodes may share this record (DESIGN §11).
+    shared = True
 
-    def __init__(self, url: str) -> None:
-        super().__init__()
+    def __init__(self, url: str, *, create: bool = True) -> None:
+        super().__init__(create=create)
         self.url = url
         self._writer_conn: PgConnection | None = None
         self._idle_readers: list[PgConnection] = []
@@ -294,6 +316,8 @@ class PostgresStore(SqlStore):
             reason = " ".join(line.strip() for line in str(exc).splitlines()) or repr(exc)
             raise RecordUnreachable(f"{self.where} does not answer: {reason}") from None
         try:
+            if not self.create and not _has_schema(conn):
+                raise NoRecord(f"no record in {self.where} (no funduq schema there)")
             upgrade(conn, self.where)
         except BaseException:
             conn.close()

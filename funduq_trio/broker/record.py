@@ -35,6 +35,7 @@ from . import schema
 # The shared parts, importable from here as before the record had two stores.
 from .store import (  # noqa: F401
     COUNTERS,
+    NoRecord,
     PendingWrite,
     SqlStore,
     _Write,
@@ -66,8 +67,8 @@ class SqliteStore(SqlStore):
 
     READERS = READERS
 
-    def __init__(self, path: Path) -> None:
-        super().__init__()
+    def __init__(self, path: Path, *, create: bool = True) -> None:
+        super().__init__(create=create)
         self.path = path
         self._idle_readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
@@ -76,7 +77,12 @@ class SqliteStore(SqlStore):
     # -- connections -------------------------------------------------------
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        # Opened without create, a file that vanished meanwhile is an error,
+        # never a new empty one.
+        where = self.path if self.create else self.path.resolve().as_uri() + "?mode=rw"
+        conn = sqlite3.connect(
+            where, check_same_thread=False, isolation_level=None, uri=not self.create
+        )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -96,7 +102,10 @@ class SqliteStore(SqlStore):
                 self._idle_readers.append(conn)
 
     def _open_sync(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.create:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            self._check_exists()
         conn = self._connect()
         try:
             # Tables are created and upgraded here, and only here: schema.py.
@@ -109,6 +118,18 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.execute("PRAGMA busy_timeout=0")
         self._writer_conn = conn
+
+    def _check_exists(self) -> None:
+        """NoRecord unless the file exists and holds funduq's tables; looked
+        at read-only, before anything (WAL mode, say) is written to it."""
+        if not self.path.is_file():
+            raise NoRecord(f"no record at {self.path}")
+        conn = sqlite3.connect(self.path.resolve().as_uri() + "?mode=ro", uri=True)
+        try:
+            if schema._version_of(conn) == 0:
+                raise NoRecord(f"no record at {self.path} (the file holds no funduq tables)")
+        finally:
+            conn.close()
 
     def _close_sync(self) -> None:
         if self._writer_conn is not None:

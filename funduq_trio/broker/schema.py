@@ -149,7 +149,22 @@ CREATE TABLE IF NOT EXISTS push_configs (
 CREATE INDEX IF NOT EXISTS push_configs_state ON push_configs (state);
 """,
     ),
-    # Next: Migration(5, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+    Migration(
+        5,
+        "spent proofs shared by the nodes on one database (DESIGN §8, §11)",
+        # Written only where several nodes share the record (PostgreSQL); the
+        # SQLite store has the table to keep the two schemas in step.
+        """
+CREATE TABLE spent_proofs (
+    signer TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    keep_until REAL NOT NULL,
+    PRIMARY KEY (signer, payload)
+) WITHOUT ROWID;
+CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
+""",
+    ),
+    # Next: Migration(6, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
 

@@ -21,6 +21,7 @@ few expressions the two dialects spell differently.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -89,6 +90,12 @@ class RecordUnreachable(RuntimeError):
     (the message says where and why, never a password)."""
 
 
+class NoRecord(RuntimeError):
+    """A store opened only if it exists (``create=False``: the admin command)
+    found no funduq record there: no file, or a file or database without
+    funduq's schema. Nothing was created."""
+
+
 class Unrecordable(ValueError):
     """Text the record cannot keep outside JSON: a NUL character (PostgreSQL's
     text refuses it) or a lone surrogate (neither database's UTF-8 holds it).
@@ -150,6 +157,9 @@ class Store(Protocol):
 
     #: The last write failed for the medium's sake: not ready, no new runs.
     failing: bool
+    #: Several funduq nodes may share this record (PostgreSQL): what one node
+    #: keeps in memory alone, such as spent proofs, must also be kept here.
+    shared: bool
 
     async def probe(self) -> bool:
         """One small write; True when it went through (clears ``failing``)."""
@@ -191,6 +201,11 @@ class Store(Protocol):
     ) -> list[str]: ...
 
     async def set_counter(self, key: str, counter: str, value: int) -> None: ...
+
+    async def spend_proof(self, signer: str, payload: str, keep_until: float, now: float) -> bool:
+        """Spend a proof for every node sharing the record; False when one
+        spent it already (only called where ``shared``)."""
+        ...
 
     async def record_offerings(self, key: str, rows: list[tuple[str, str, str, str]]) -> None: ...
 
@@ -285,6 +300,11 @@ class Store(Protocol):
 
     async def run_progress(self, run_id: str) -> tuple[str, int] | None: ...
 
+    # -- the operator's commands (admin.py), not the broker's
+    async def quality_counters(self) -> list[tuple[Any, ...]]: ...
+
+    async def reset_quality(self, provider: str) -> str | None: ...
+
 
 # -- the SQL both stores speak ---------------------------------------------------------
 
@@ -322,8 +342,16 @@ class SqlStore:
     AGENT_ORDER = "rowid"
     #: Reads running at once, each on a connection of its own.
     READERS = 4
+    #: Several nodes may share the record; the SQLite store is one process's.
+    shared = False
+    #: How often (seconds, at most) spending a proof also deletes the spent
+    #: proofs past their time.
+    SPENT_SWEEP_SECONDS = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, *, create: bool = True) -> None:
+        #: Whether opening may create the record (``serve``); False: it must
+        #: exist with funduq's schema already, else NoRecord (the admin command).
+        self.create = create
         self._pending: list[_Write] = []
         self._batch_done = trio.Event()
         self._wake = trio.Event()
@@ -331,6 +359,7 @@ class SqlStore:
         #: The last write failed for the medium's sake (see ``record_trouble``):
         #: funduq is not ready and takes no new runs until a write succeeds.
         self.failing = False
+        self._next_sweep = 0.0  # when spend_proof next deletes old spent proofs
         self.commits = 0  # group commits done (for benchmarks)
         self.writes = 0
 
@@ -624,6 +653,71 @@ class SqlStore:
         await self.write(
             lambda c: c.execute(f"UPDATE providers SET {counter}=? WHERE key=?", (value, key))
         )
+
+    # Spent proofs shared by the nodes on one record (DESIGN §8, §11; spends.py).
+
+    async def spend_proof(self, signer: str, payload: str, keep_until: float, now: float) -> bool:
+        """Record that ``signer``'s proof over ``payload`` is spent, until
+        ``keep_until`` (wall-clock seconds); False, writing nothing, when
+        it was spent before -- on this node or any other sharing the record.
+        The payload is kept as its SHA-256 (a bounded, keepable key, whatever
+        text the proof signed). Now and then (``SPENT_SWEEP_SECONDS``) the
+        proofs kept past their time are deleted, so the table stays bounded;
+        that delete is a write of its own, so a failure of it fails no spend."""
+        digest = hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.SPENT_SWEEP_SECONDS
+            self.write_soon(
+                lambda c: c.execute("DELETE FROM spent_proofs WHERE keep_until < ?", (now,))
+            )
+        return bool(
+            await self.write(
+                lambda c: (
+                    c.execute(
+                        "INSERT INTO spent_proofs (signer, payload, keep_until) VALUES (?,?,?) "
+                        "ON CONFLICT DO NOTHING",
+                        (signer, digest, keep_until),
+                    ).rowcount
+                    == 1
+                )
+            )
+        )
+
+    # The operator's commands (admin.py): the providers' quality counters.
+
+    async def quality_counters(self) -> list[tuple[Any, ...]]:
+        """(key, fingerprint, *counters) of every provider, by fingerprint."""
+        return cast(
+            list[tuple[Any, ...]],
+            await self.read(
+                lambda c: c.execute(
+                    "SELECT key, fingerprint, "
+                    + ", ".join(COUNTERS)
+                    + " FROM providers ORDER BY fingerprint, key"
+                ).fetchall()
+            ),
+        )
+
+    async def reset_quality(self, provider: str) -> str | None:
+        """Zero the counters of the provider whose key (64 hex) or fingerprint
+        (16 hex) is ``provider``; its key, or None when there is no such one."""
+        column = {64: "key", 16: "fingerprint"}.get(len(provider))
+        if column is None or not keepable(provider):
+            return None
+
+        def apply(conn: Any) -> str | None:
+            row = conn.execute(
+                f"SELECT key FROM providers WHERE {column}=? ORDER BY key LIMIT 1", (provider,)
+            ).fetchone()
+            if row is None:
+                return None
+            conn.execute(
+                "UPDATE providers SET " + ", ".join(f"{c}=0" for c in COUNTERS) + " WHERE key=?",
+                (row[0],),
+            )
+            return str(row[0])
+
+        return cast(str | None, await self.write(apply))
 
     # KYOK (DESIGN §9): LLM providers' counters and their offerings.
 
@@ -1142,13 +1236,14 @@ def record_name(settings: Settings) -> str:
     return os.path.abspath(settings.database_path)
 
 
-def open_store(settings: Settings) -> Any:
+def open_store(settings: Settings, *, create: bool = True) -> Any:
     """The store ``FUNDUQ_DATABASE_URL`` names (the data directory's SQLite
-    file by default), as an async context manager."""
+    file by default), as an async context manager. ``create=False`` opens
+    only a record that exists (NoRecord otherwise), creating nothing."""
     if settings.database_is_postgres:
         from .postgres import PostgresStore
 
-        return run_store(PostgresStore(settings.database_url or ""))
+        return run_store(PostgresStore(settings.database_url or "", create=create))
     from .record import SqliteStore
 
-    return run_store(SqliteStore(settings.database_path))
+    return run_store(SqliteStore(settings.database_path, create=create))

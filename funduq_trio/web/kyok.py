@@ -128,15 +128,18 @@ def mount_kyok(app: Any, funduq: Funduq) -> None:
             grant = kyok.read_token(bearer_of(request.headers.get("Authorization")))
             funduq.kyok_run(grant)
             raw = await request.get_data()
-            # Nothing awaits from here until the completion is registered.
             run = funduq.kyok_run(grant)
-            kyok.check_signature(
+            await kyok.check_signature(
                 run.key,
                 grant.token,
                 request.headers.get("Funduq-Timestamp"),
                 request.headers.get("Funduq-Signature"),
                 raw,
             )
+            # Nothing awaits from here until the completion is registered.
+            # The signature's check awaits where nodes share the record (its
+            # spending is written there): the run is looked at again.
+            run = funduq.kyok_run(grant)
             body = _request_body(raw)
             completion = kyok.start(
                 run.run_id,
