@@ -14,6 +14,12 @@ another node than the run's lane.
   sent; so each figure is one event's unloaded latency, timed on this
   process's monotonic clock from the provider's send to each caller's read.
   The first `--warmup` events are left out.
+- Then what the notifications cost the writer: `PostgresStore` in this
+  process, `--lanes` tasks living runs (insert; queued -> offering ->
+  running, with an event; 3 appends of 3 events; -> completed, with an
+  event), alternately with its NOTIFYs and its own LISTEN connection
+  draining them, and with neither (`--rounds` rounds of `--seconds` each,
+  after a quarter of that to warm up): committed writes per second.
 
     python bench/cluster_relay.py                  # 300 events (+20 warm-up)
     python bench/cluster_relay.py --events 1000
@@ -121,6 +127,7 @@ class Follower:
         self.arrived: dict[int, float] = {}
         self.order: list[int] = []
         self._changed = trio.Event()
+        self.done = trio.Event()
 
     async def read(self, client: httpx.AsyncClient, method: str, url: str, **kw: Any) -> None:
         async with client.stream(method, url, **kw) as response:
@@ -135,6 +142,7 @@ class Follower:
                     seq = None
                     self._changed.set()
                     self._changed = trio.Event()
+        self.done.set()  # the stream ended (the run settled)
 
     async def has(self, seq: int) -> None:
         while seq not in self.arrived:
@@ -198,8 +206,8 @@ async def lockstep(
         run_id, {"type": "RUN_FINISHED", "threadId": run["threadId"], "runId": run_id}
     )
     await link.finish(run_id)
-    await on_a.has(last)
-    await on_b.has(last)
+    await on_a.done.wait()
+    await on_b.done.wait()
     await client.aclose()
     measured = [3 + args.warmup + k for k in range(args.events)]
     same = [on_a.arrived[s] - sent[s] for s in measured]
@@ -209,10 +217,62 @@ async def lockstep(
     return {"same": same, "other": other, "hop": hop, "in_order": in_order}
 
 
+async def writer_load(url: str, lanes: int, seconds: float, notify: bool) -> float:
+    """Writes/s a PostgresStore commits, with or without its notifications
+    (each run is 7 awaited writes)."""
+    from funduq_trio.broker.postgres import PostgresStore
+    from funduq_trio.broker.store import run_store
+
+    store = PostgresStore(url)
+    event = {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "x" * 40}
+
+    async def lane(index: int) -> None:
+        n = 0
+        while True:
+            n += 1
+            run_id = f"run_{notify:d}_{index}_{n}_{secrets.token_hex(4)}"
+            row = {
+                "arrival": n,
+                "id": run_id,
+                "thread_id": f"thread_{index}",
+                "provider_key": "k",
+                "agent_name": "echo",
+                "status": "queued",
+                "input": "{}",
+                "caller_metadata": "{}",
+                "metadata": {},
+                "created_at": time.time(),
+            }
+            await store.insert_run(row, None, [])
+            await store.move(run_id, "offering")
+            await store.move(run_id, "running", events=[(1, event)])
+            for k in range(3):
+                await store.append_events(run_id, [(2 + 3 * k + i, event) for i in range(3)])
+            await store.move(run_id, "completed", events=[(11, event)])
+
+    async with run_store(store):
+        if not notify:
+            store._changed = None  # the writer as it was before notifications
+        async with trio.open_nursery() as nursery:
+            if notify:
+                await nursery.start(store.listen, lambda run_id: None, lambda: None)
+            for index in range(lanes):
+                nursery.start_soon(lane, index)
+            await trio.sleep(seconds / 4)  # warm-up
+            writes = store.writes
+            await trio.sleep(seconds)
+            writes = store.writes - writes
+            nursery.cancel_scope.cancel()
+    return writes / seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=300, help="events measured")
     parser.add_argument("--warmup", type=int, default=20, help="events sent first, not measured")
+    parser.add_argument("--lanes", type=int, default=64, help="writer load: concurrent runs")
+    parser.add_argument("--seconds", type=float, default=4.0, help="writer load: per round")
+    parser.add_argument("--rounds", type=int, default=3, help="writer load: rounds of each")
     args = parser.parse_args()
     try:
         import psycopg
@@ -225,6 +285,10 @@ def main() -> int:
     try:
         with h.fresh_dir("funduq-cluster-relay-") as work:
             result = trio.run(measure, args, url, Path(work))
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.rounds):
+            for notify in (True, False):
+                rates[notify].append(trio.run(writer_load, url, args.lanes, args.seconds, notify))
     finally:
         drop_schema(schema)
     print(f"cluster relay: {args.events} events, one at a time, one run; {h.describe_build()}")
@@ -240,6 +304,12 @@ def main() -> int:
             f"{h.ms(values, 0.99):8.2f} {max(values) * 1e3:8.2f}"
         )
     print(f"every event on both callers, in seq order: {result['in_order']}")
+    print(f"writer, {args.lanes} lanes, {args.rounds} x {args.seconds:g} s (writes/s each round):")
+    for notify, name in ((True, "with NOTIFY + a LISTEN draining"), (False, "without")):
+        per_round = ", ".join(f"{r:.0f}" for r in rates[notify])
+        print(f"  {name:<34} median {h.percentile(rates[notify], 0.5):6.0f}  ({per_round})")
+    ratio = h.percentile(rates[True], 0.5) / h.percentile(rates[False], 0.5)
+    print(f"  with / without: {ratio:.2f}")
     return 0 if result["in_order"] else 1
 
 
