@@ -235,13 +235,30 @@ async def test_notifications_lost_while_the_listen_connection_is_down_are_read_f
             nursery.cancel_scope.cancel()
 
 
+def rpc(method: str, params: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": "r-1", "method": method, "params": params}
+
+
+def message(text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "message": {
+            "messageId": f"m-{text}",
+            "role": "ROLE_USER",
+            "parts": [{"text": text}],
+            **extra,
+        }
+    }
+
+
+INTERRUPT = {"type": "interrupt", "interrupts": [{"id": "ok?", "reason": "approval"}]}
+
+
 async def test_a_subscription_on_another_node_stays_open_through_an_answer_given_elsewhere(
     tmp_path,
 ) -> None:
     """The task pauses; a caller on B subscribes to it; the answer is given
     on A (A's lane takes the next turn). B's subscription is woken by the
     record's news, follows the new turn and ends with the task."""
-    interrupt = {"type": "interrupt", "interrupts": [{"id": "ok?", "reason": "approval"}]}
     async with (
         two_nodes(tmp_path, ("asker",)) as (a, b, provider),
         httpx.AsyncClient(timeout=30, headers={"A2A-Version": "1.0"}) as http,
@@ -250,25 +267,12 @@ async def test_a_subscription_on_another_node_stays_open_through_an_answer_given
     ):
         url_a = a.a2a_url(provider.fingerprint, "asker")
 
-        def rpc(method: str, params: Any) -> dict[str, Any]:
-            return {"jsonrpc": "2.0", "id": "r-1", "method": method, "params": params}
-
-        def message(text: str, **extra: Any) -> dict[str, Any]:
-            return {
-                "message": {
-                    "messageId": f"m-{text}",
-                    "role": "ROLE_USER",
-                    "parts": [{"text": text}],
-                    **extra,
-                }
-            }
-
         turn = trio.Event()
 
         async def provider_turns() -> None:
             run = await provider.next_offer()
             await provider.answer(run, "accepted")
-            await provider.play(run, [started(run), {**finished(run), "outcome": interrupt}])
+            await provider.play(run, [started(run), {**finished(run), "outcome": INTERRUPT}])
             run = await provider.next_offer()  # the answer's turn
             await provider.answer(run, "accepted")
             await provider.report(run["runId"], started(run))
@@ -301,6 +305,60 @@ async def test_a_subscription_on_another_node_stays_open_through_an_answer_given
         rest = [u async for u in on_sub]
         nursery.cancel_scope.cancel()
     assert rest[0].artifact_update.artifact.parts[0].text == "yes"
+    assert rest[-1].status_update.status.state == S.TASK_STATE_COMPLETED
+
+
+async def test_a_run_paused_on_its_lanes_node_and_answered_on_another_is_followed_there(
+    tmp_path,
+) -> None:
+    """The lane ends on A at the pause; the answer comes to B, whose lane takes
+    the next turn (the provider is attached to both nodes). A subscriber at
+    the pause on A -- where the run's lane used to be -- follows the new turn
+    through the record's news, to the task's end."""
+    async with (
+        two_nodes(tmp_path, ("asker",)) as (a, b, provider),
+        raw_provider(b, ["asker"], identity=provider.identity) as provider_b,
+        httpx.AsyncClient(timeout=30, headers={"A2A-Version": "1.0"}) as http,
+        a2a_client(a, provider.fingerprint, "asker") as a2a_a,
+        trio.open_nursery() as nursery,
+    ):
+        turn = trio.Event()
+
+        async def first_turn_on_a() -> None:
+            run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            await provider.play(run, [started(run), {**finished(run), "outcome": INTERRUPT}])
+
+        async def next_turn_on_b() -> None:
+            run = await provider_b.next_offer()
+            await provider_b.answer(run, "accepted")
+            await provider_b.report(run["runId"], started(run))
+            await turn.wait()
+            await provider_b.play(run, [*chunks("r", "done"), finished(run)])
+
+        nursery.start_soon(first_turn_on_a)
+        nursery.start_soon(next_turn_on_b)
+        url_a = a.a2a_url(provider.fingerprint, "asker")
+        sent = (await http.post(url_a, json=rpc("SendMessage", message("deploy")))).json()
+        task = sent["result"]["task"]
+        assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+        assert task["id"] not in a.funduq.lanes  # the lane ended at the pause
+
+        send_sub, on_sub = trio.open_memory_channel[Any](100)
+        nursery.start_soon(subscribe, a2a_a, task["id"], send_sub)
+        assert (await on_sub.receive()).task.status.state == S.TASK_STATE_INPUT_REQUIRED
+
+        url_b = b.a2a_url(provider.fingerprint, "asker")
+        answer = {**message("yes", taskId=task["id"]), "configuration": {"returnImmediately": True}}
+        again = (await http.post(url_b, json=rpc("SendMessage", answer))).json()
+        assert again["result"]["task"]["id"] == task["id"]
+        assert task["id"] in b.funduq.lanes and task["id"] not in a.funduq.lanes
+        started_again = await on_sub.receive()  # B's turn, pushed to A's subscriber
+        assert started_again.status_update.status.state == S.TASK_STATE_WORKING
+        turn.set()
+        rest = [u async for u in on_sub]
+        nursery.cancel_scope.cancel()
+    assert rest[0].artifact_update.artifact.parts[0].text == "done"
     assert rest[-1].status_update.status.state == S.TASK_STATE_COMPLETED
 
 
