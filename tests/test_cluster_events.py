@@ -27,6 +27,7 @@ import pytest
 import stores
 import trio
 from a2a.types import a2a_pb2 as pb
+from push_support import push_receiver
 from support import http_client, raw_provider, running_server, user_input
 from test_a2a_door import a2a_client
 from test_streams_survive import chunks, finished, sse_items, started, text_start
@@ -40,12 +41,17 @@ S = pb.TaskState
 
 @contextlib.asynccontextmanager
 async def two_nodes(
-    tmp_path: Any, agents: tuple[str, ...] = ("echo",), *, url_b: str | None = None
+    tmp_path: Any,
+    agents: tuple[str, ...] = ("echo",),
+    *,
+    url_b: str | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[ServerInfo, ServerInfo, Any]]:
     """Node A with a hand-played provider, then node B, on one database and
     one data directory (so one funduq identity). B may use its own URL."""
-    async with running_server(tmp_path) as a, raw_provider(a, agents) as provider:
-        async with running_server(tmp_path, database_url=url_b or stores.database_url) as b:
+    async with running_server(tmp_path, **overrides) as a, raw_provider(a, agents) as provider:
+        url = url_b or stores.database_url
+        async with running_server(tmp_path, database_url=url, **overrides) as b:
             assert a.funduq.watchers is not None and b.funduq.watchers is not None
             yield a, b, provider
 
@@ -360,6 +366,62 @@ async def test_a_run_paused_on_its_lanes_node_and_answered_on_another_is_followe
         nursery.cancel_scope.cancel()
     assert rest[0].artifact_update.artifact.parts[0].text == "done"
     assert rest[-1].status_update.status.state == S.TASK_STATE_COMPLETED
+
+
+async def test_a_push_deliverer_at_a_pause_wakes_when_another_node_takes_the_answer(
+    tmp_path,
+) -> None:
+    """A's push deliverer has pushed the pause; the answer comes to B and B's
+    lane runs the turn. A's deliverer is woken by the record's news and
+    pushes the new turn and the task's end."""
+    async with (
+        push_receiver() as receiver,
+        two_nodes(tmp_path, ("asker",), push_allow_private=True) as (a, b, provider),
+        raw_provider(b, ["asker"], identity=provider.identity) as provider_b,
+        httpx.AsyncClient(timeout=30, headers={"A2A-Version": "1.0"}) as http,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def first_turn_on_a() -> None:
+            run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+            await provider.play(run, [started(run), {**finished(run), "outcome": INTERRUPT}])
+
+        async def next_turn_on_b() -> None:
+            run = await provider_b.next_offer()
+            await provider_b.answer(run, "accepted")
+            await provider_b.play(run, [started(run), *chunks("r", "done"), finished(run)])
+
+        nursery.start_soon(first_turn_on_a)
+        nursery.start_soon(next_turn_on_b)
+        push = {"taskPushNotificationConfig": {"url": receiver.url, "token": "t"}}
+        url_a = a.a2a_url(provider.fingerprint, "asker")
+        sent = await http.post(
+            url_a, json=rpc("SendMessage", {**message("go"), "configuration": push})
+        )
+        task = sent.json()["result"]["task"]
+        assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
+        await receiver.wait_for(2)  # RUN_STARTED's update, then the pause
+
+        url_b = b.a2a_url(provider.fingerprint, "asker")
+        again = await http.post(url_b, json=rpc("SendMessage", message("yes", taskId=task["id"])))
+        assert again.json()["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+        pushes = a.funduq.pushes
+        assert pushes is not None
+        await pushes.wait_until(lambda: pushes.gauges()["funduq_push_delivering"][1] == 0)
+        nursery.cancel_scope.cancel()
+    bodies = receiver.bodies()
+    states = [b["statusUpdate"]["status"]["state"] for b in bodies if "statusUpdate" in b]
+    assert states == [
+        "TASK_STATE_WORKING",
+        "TASK_STATE_INPUT_REQUIRED",
+        "TASK_STATE_WORKING",
+        "TASK_STATE_COMPLETED",
+    ]
+    texts = [
+        b["artifactUpdate"]["artifact"]["parts"][0]["text"] for b in bodies if "artifactUpdate" in b
+    ]
+    assert texts == ["done"]
 
 
 async def test_one_notification_per_run_per_transaction_and_only_on_commit(tmp_path) -> None:
