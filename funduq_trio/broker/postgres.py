@@ -171,6 +171,9 @@ CONNECT_TIMEOUT_SECONDS = 10
 CHANNEL = "funduq_runs"
 #: The LISTEN connection's reconnect backoff: first wait, longest wait (seconds).
 LISTEN_RETRY = (0.05, 5.0)
+#: A LISTEN connection that held this long is made again at once when lost;
+#: one lost sooner is made again after the backoff's wait.
+LISTEN_STEADY_SECONDS = 1.0
 #: TCP keepalives on the LISTEN connection, which otherwise only ever reads:
 #: a peer gone without a word (a cut network) is noticed within about
 #: idle + interval * count seconds, and the connection made again.
@@ -519,22 +522,29 @@ class PostgresStore(SqlStore):
                 await trio.sleep(delay)
                 delay = min(delay * 2, LISTEN_RETRY[1])
                 continue
+            since = trio.current_time()
             try:
                 self.listener_pid = raw.info.backend_pid
                 self.listens += 1
-                delay = LISTEN_RETRY[0]
                 caught_up()
                 if not started:
                     started = True
                     task_status.started()
                 await _relay_notifications(raw, changed)
-            except psycopg.Error as exc:
+            except (psycopg.Error, OSError) as exc:
                 log.warning(
                     "LISTEN connection to %s lost: %s", self.where, " ".join(str(exc).split())
                 )
             finally:
                 self.listener_pid = None
                 raw.close()
+            if trio.current_time() - since < LISTEN_STEADY_SECONDS:
+                # Lost as soon as made: the next attempt waits, so a server
+                # that drops it at once is not asked again and again.
+                await trio.sleep(delay)
+                delay = min(delay * 2, LISTEN_RETRY[1])
+            else:
+                delay = LISTEN_RETRY[0]  # it held: the next loss retries at once
 
     def _listen_connect(self) -> Any:
         """In a worker thread: a new connection, LISTENing on the channel."""
