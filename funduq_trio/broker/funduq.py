@@ -49,6 +49,7 @@ from .pushes import Pushes
 from .run_machine import Input, Move, RunMachine, Settle
 from .spends import Spends
 from .store import Store, dumps, iso, keepable, open_store, record_trouble
+from .watchers import RunWatchers
 
 log = logging.getLogger("funduq")
 
@@ -146,6 +147,10 @@ class Funduq:
         #: subscribers waiting at a pause for its answer (see wait_reopened).
         self._reopen: dict[str, list[Any]] = {}
         self._arrival = 0
+        #: On a shared record (several nodes on one PostgreSQL): followers and
+        #: waiters of runs laned elsewhere, woken by the record's notifications
+        #: (docs/cluster.md). None on a record only this process writes.
+        self.watchers: RunWatchers | None = None
         self._nursery: trio.Nursery | None = None
         self.pushes: Pushes | None = None
         #: The context lanes start in (see _start_lane).
@@ -189,6 +194,9 @@ class Funduq:
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
+            if self.record.shared:
+                self.watchers = RunWatchers()
+                await self._nursery.start(self._listen, self.watchers.wake, self.watchers.wake_all)
             await self._restore()
             self.pushes = Pushes(self)
             await self._nursery.start(self.pushes.run)
@@ -201,6 +209,15 @@ class Funduq:
     async def __aexit__(self, *exc: Any) -> bool | None:
         self.running = False
         return await self._stack.__aexit__(*exc)
+
+    async def _listen(
+        self,
+        changed: Any,
+        caught_up: Any,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.record.listen(changed, caught_up, task_status=task_status)
 
     def _load_identity(self) -> Identity:
         if self.settings.identity_key:
@@ -280,6 +297,9 @@ class Funduq:
         reopen = self._reopen.pop(lane.run_id, None)
         if reopen is not None:
             reopen[0].set()
+        if self.watchers is not None:
+            # Followers reading the run from the record take the lane's feed instead.
+            self.watchers.wake(lane.run_id)
         return lane
 
     async def _settle_unlaned(
@@ -629,7 +649,10 @@ class Funduq:
         batch of a dozen events is then one socket write, not a dozen."""
         lane = self.lanes.get(run_id)
         page = self.settings.max_feed_events
-        if lane is None:
+        last = after_seq  # the last seq yielded
+        if lane is None and self.watchers is None:
+            # One process writes the record: a run with no lane here has
+            # settled or paused, and the record holds all it will have.
             if not await self._run_exists(run_id):
                 raise RunNotFound(run_id)
             while recorded := await self._events(run_id, after_seq, limit=page):
@@ -638,8 +661,30 @@ class Funduq:
                 if len(recorded) < page:
                     return
             return
+        if lane is None:
+            assert self.watchers is not None
+            # Shared record: the run may be live on another node. Read it by
+            # seq; once read up, wait for news of it (the watch is taken
+            # before the first read, so none slips past).
+            with self.watchers.watch(run_id) as news:
+                while (lane := self.lanes.get(run_id)) is None:
+                    found = await self.record.run_events(run_id, last, page)
+                    if found is None:
+                        raise RunNotFound(run_id)
+                    status, rows = found
+                    if rows:
+                        last = rows[-1][0]
+                        yield [(s, json.loads(e)) for s, e in rows]
+                        if len(rows) == page:
+                            continue  # more to read before waiting
+                    if status in st.TERMINAL and len(rows) < page:
+                        return  # read after the run ended: nothing can follow
+                    if status == st.INPUT_REQUIRED and not rows:
+                        return  # paused, and read up to the pause
+                    if status != st.INPUT_REQUIRED:
+                        await news.wait()
+            # A lane here holds the run now (answered on this node): its feed.
         feed = lane.feed
-        last = after_seq  # the last seq yielded
         while True:
             if last < feed.first_seq - 1:
                 # Behind what the feed holds in memory (it keeps only the
@@ -685,6 +730,9 @@ class Funduq:
         saw up to `after_seq` (events past it, or the run ended). Woken by the
         lane's start, never by a clock, so a subscriber to a paused task stays
         open through the answer."""
+        if self.watchers is not None:
+            await self._wait_reopened_shared(self.watchers, run_id, after_seq)
+            return
         with self._watch_reopen(run_id) as reopened:
             if run_id in self.lanes:
                 return
@@ -698,6 +746,24 @@ class Funduq:
             # Paused with nothing new (or answered a moment ago, its lane
             # about to start): the lane's start wakes us.
             await reopened.wait()
+
+    async def _wait_reopened_shared(
+        self, watchers: RunWatchers, run_id: str, after_seq: int
+    ) -> None:
+        """``wait_reopened`` on a shared record: the answer may come to any
+        node. Woken by the record's news of the run (its move out of the
+        pause, on whichever node) and by a lane starting here."""
+        with watchers.watch(run_id) as news:
+            while run_id not in self.lanes:
+                found = await self.record.run_progress(run_id)
+                if found is None:
+                    raise RunNotFound(run_id)
+                status, last_seq = found
+                if status != st.INPUT_REQUIRED or last_seq > after_seq:
+                    return  # answered (queued again, here or elsewhere), or news
+                if run_id in self.lanes:
+                    return
+                await news.wait()
 
     def gauges(self) -> dict[str, tuple[str, float]]:
         """The current values `GET /metrics` shows beside the counters."""
@@ -724,6 +790,8 @@ class Funduq:
     async def wait_run(self, run_id: str) -> dict[str, Any]:
         """Wait until the run settles or pauses; return its record."""
         lane = self.lanes.get(run_id)
+        if lane is None and self.watchers is not None:
+            lane = await self._wait_elsewhere(self.watchers, run_id)
         if lane is not None:
             await lane.ended()
             run = lane.snapshot()
@@ -733,6 +801,22 @@ class Funduq:
         if run is None:
             raise RunNotFound(run_id)
         return run
+
+    async def _wait_elsewhere(self, watchers: RunWatchers, run_id: str) -> Lane | None:
+        """On a shared record, until a run with no lane here settles or
+        pauses (None), woken by the record's news of it; or until a lane
+        here takes it (that lane)."""
+        with watchers.watch(run_id) as news:
+            while (lane := self.lanes.get(run_id)) is None:
+                found = await self.record.run_progress(run_id)
+                if found is None:
+                    raise RunNotFound(run_id)
+                if found[0] in st.TERMINAL or found[0] == st.INPUT_REQUIRED:
+                    return None
+                if run_id in self.lanes:
+                    continue
+                await news.wait()
+            return lane
 
     async def cancel_run(self, run_id: str, *, proof: Any = None) -> dict[str, Any]:
         """Ask to stop a run. Authority is checked before anything about the

@@ -13,6 +13,13 @@ connections serve reads, each in autocommit so every read sees the latest
 commit. A connection the server dropped is thrown away and a new one made on
 the next use; until then the failure is the medium's (``record_trouble``):
 funduq is not ready and the lanes retry, as on a full disk.
+
+Several nodes may share the database (docs/cluster.md): every transaction
+that adds events to a run or moves it also sends one ``NOTIFY`` per run it
+touched (``CHANNEL``; the payload is the run id, its last seq written and
+whether its status changed), and ``listen`` holds one connection that
+``LISTEN``s and tells the broker which runs changed. The notification only
+says "read again": the record is what a follower reads, by seq.
 """
 
 from __future__ import annotations
@@ -174,6 +181,23 @@ CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
 SCHEMA_LOCK = 0x66756E647571
 #: Seconds a new connection may take before the attempt fails.
 CONNECT_TIMEOUT_SECONDS = 10
+#: The notification channel of the runs' changes; one per schema (a schema
+#: holds one funduq), so this name and the schema's (``channel_for``).
+CHANNEL = "funduq_runs"
+#: The LISTEN connection's reconnect backoff: first wait, longest wait (seconds).
+LISTEN_RETRY = (0.05, 5.0)
+#: A LISTEN connection that held this long is made again at once when lost;
+#: one lost sooner is made again after the backoff's wait.
+LISTEN_STEADY_SECONDS = 1.0
+#: TCP keepalives on the LISTEN connection, which otherwise only ever reads:
+#: a peer gone without a word (a cut network) is noticed within about
+#: idle + interval * count seconds, and the connection made again.
+LISTEN_KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
 
 _PLACEHOLDER = re.compile(r"\?")
 
@@ -211,12 +235,15 @@ class PgConnection:
     with sqlite3's ``execute``/``executemany`` shape. While ``pipeline`` is
     set (the writer's batches), statements are pipelined."""
 
-    __slots__ = ("raw", "_sql", "pipeline")
+    __slots__ = ("raw", "_sql", "pipeline", "changes")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self._sql: dict[str, str] = {}
         self.pipeline: Any = None
+        #: The runs the open transaction changed: run id -> [last seq, status
+        #: changed], told at its commit (``PostgresStore._notify``).
+        self.changes: dict[str, list[Any]] = {}
 
     def _convert(self, sql: str) -> str:
         converted = self._sql.get(sql)
@@ -298,6 +325,14 @@ class PostgresStore(SqlStore):
         self._writer_conn: PgConnection | None = None
         self._idle_readers: list[PgConnection] = []
         self._readers_lock = threading.Lock()
+        self._changed = self._note_change
+        #: Set at open, from the schema the connection uses.
+        self.channel = CHANNEL
+        #: The LISTEN connection's server process while it is up (for
+        #: operators and tests: ``pg_terminate_backend`` drops it).
+        self.listener_pid: int | None = None
+        #: How many times the LISTEN connection was (re)established.
+        self.listens = 0
 
     # -- connections -------------------------------------------------------------------
 
@@ -319,9 +354,11 @@ class PostgresStore(SqlStore):
             if not self.create and not _has_schema(conn):
                 raise NoRecord(f"no record in {self.where} (no funduq schema there)")
             upgrade(conn, self.where)
+            (schema_name,) = conn.execute("SELECT current_schema()").fetchone()
         except BaseException:
             conn.close()
             raise
+        self.channel = channel_for(schema_name)
         self._writer_conn = conn
 
     @property
@@ -374,14 +411,17 @@ class PostgresStore(SqlStore):
         out together and only a guarded move's verdict waits for a round
         trip. Should any write fail, the batch is rolled back and replayed
         one write per transaction (not pipelined, so each error is its own
-        write's), so one bad write never takes the others with it."""
+        write's), so one bad write never takes the others with it. Each
+        transaction tells the runs it changed (``_notify``) as it commits."""
         conn = self._writer()
         try:
             with conn.raw.pipeline() as pipeline:
                 conn.pipeline = pipeline
+                conn.changes.clear()
                 conn.execute("BEGIN")
                 for op in ops:
                     op.result = op.fn(conn)
+                self._notify(conn)
                 conn.execute("COMMIT")
             return
         except Exception:  # noqa: BLE001 -- replayed below, one by one
@@ -392,13 +432,38 @@ class PostgresStore(SqlStore):
         for op in ops:
             try:
                 conn = self._writer()
+                conn.changes.clear()
                 conn.execute("BEGIN")
                 op.result = op.fn(conn)
+                self._notify(conn)
                 conn.execute("COMMIT")
             except Exception as exc:  # noqa: BLE001 -- reported to that write's caller
                 self._roll_back(conn)
                 op.error = exc
                 log.warning("write failed: %s", exc)
+
+    @staticmethod
+    def _note_change(conn: PgConnection, run_id: str, seq: int, status: bool) -> None:
+        """A write of the open transaction changed ``run_id`` (see SqlStore._changed)."""
+        change = conn.changes.get(run_id)
+        if change is None:
+            conn.changes[run_id] = [seq, status]
+        else:
+            change[0] = max(change[0], seq)
+            change[1] = change[1] or status
+
+    def _notify(self, conn: PgConnection) -> None:
+        """One notification per run the transaction changed, all in one
+        statement (pipelined: no round trip of its own). PostgreSQL delivers
+        them only if, and once, the transaction commits."""
+        if not conn.changes:
+            return
+        payloads = [
+            f"{run_id} {seq} {'s' if status else '-'}"
+            for run_id, (seq, status) in conn.changes.items()
+        ]
+        conn.changes.clear()
+        conn.execute("SELECT pg_notify(?, p) FROM unnest(?::text[]) AS p", (self.channel, payloads))
 
     @staticmethod
     def _roll_back(conn: PgConnection) -> None:
@@ -440,3 +505,104 @@ class PostgresStore(SqlStore):
     def read_now(self, fn: Callable[[Any], T]) -> T:
         """Blocking read on the trio thread: only for start-up and tests."""
         return self._read_sync(fn)
+
+    # -- listening ---------------------------------------------------------------------
+
+    async def listen(
+        self,
+        changed: Callable[[str], None],
+        caught_up: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Hold one connection that LISTENs on the runs' channel; for each
+        notification, ``changed(run_id)``. Each time the connection is made
+        (at start, and again after it dropped, with backoff) ``caught_up()``
+        is called once it listens: whatever was notified while it was down is
+        then read from the record, so nothing is lost and nothing polls.
+        ``task_status.started()`` once it first listens.
+
+        Waiting is trio's (``wait_readable`` on the connection's socket, then
+        libpq's ``PQconsumeInput``/``PQnotifies``, as psycopg's own
+        ``notifies()`` does under its wait function), not a worker thread
+        blocked in ``Connection.notifies()``: such a thread cannot be woken
+        to stop without a timeout, and the hop back to trio would add a
+        thread switch to every notification."""
+        import psycopg
+
+        delay, started = LISTEN_RETRY[0], False
+        while True:
+            try:
+                raw = await trio.to_thread.run_sync(self._listen_connect, abandon_on_cancel=True)
+            except psycopg.Error as exc:
+                log.warning(
+                    "cannot LISTEN on %s (again in %.2f s): %s",
+                    self.where,
+                    delay,
+                    " ".join(str(exc).split()),
+                )
+                await trio.sleep(delay)
+                delay = min(delay * 2, LISTEN_RETRY[1])
+                continue
+            since = trio.current_time()
+            try:
+                self.listener_pid = raw.info.backend_pid
+                self.listens += 1
+                caught_up()
+                if not started:
+                    started = True
+                    task_status.started()
+                await _relay_notifications(raw, changed)
+            except (psycopg.Error, OSError) as exc:
+                log.warning(
+                    "LISTEN connection to %s lost: %s", self.where, " ".join(str(exc).split())
+                )
+            finally:
+                self.listener_pid = None
+                raw.close()
+            if trio.current_time() - since < LISTEN_STEADY_SECONDS:
+                # Lost as soon as made: the next attempt waits, so a server
+                # that drops it at once is not asked again and again.
+                await trio.sleep(delay)
+                delay = min(delay * 2, LISTEN_RETRY[1])
+            else:
+                delay = LISTEN_RETRY[0]  # it held: the next loss retries at once
+
+    def _listen_connect(self) -> Any:
+        """In a worker thread: a new connection, LISTENing on the channel."""
+        import psycopg
+        from psycopg import sql
+
+        raw = psycopg.connect(
+            self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS, **LISTEN_KEEPALIVES
+        )
+        try:
+            raw.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        except BaseException:
+            raw.close()
+            raise
+        return raw
+
+
+def channel_for(schema_name: str | None) -> str:
+    """The runs' notification channel of the funduq kept in ``schema_name``
+    (channels are per database, and each schema is a funduq of its own)."""
+    if not schema_name or schema_name == "public":
+        return CHANNEL
+    return f"{CHANNEL}.{schema_name}"[:63]  # an identifier's length at most
+
+
+async def _relay_notifications(raw: Any, changed: Callable[[str], None]) -> None:
+    """Until the connection fails: wait for its socket to be readable, take
+    what arrived, and tell each notification's run id."""
+    import psycopg
+
+    pgconn = raw.pgconn
+    fd = pgconn.socket
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        pgconn.consume_input()  # raises OperationalError once the server is gone
+        while (notice := pgconn.notifies()) is not None:
+            changed(notice.extra.decode("utf-8", "replace").partition(" ")[0])
+        if pgconn.status != psycopg.pq.ConnStatus.OK:
+            raise psycopg.OperationalError("the LISTEN connection was closed")

@@ -498,7 +498,12 @@ class Pushes:
                     > projection.last_seq
                 ):
                     break
-                await resumed.wait()
+                if self.funduq.watchers is not None:
+                    # A shared record: the answer may come to another node;
+                    # the record's news of the task wakes this instead.
+                    await self.funduq.wait_reopened(task_id, projection.last_seq)
+                else:
+                    await resumed.wait()
                 resumed = self._resumed.setdefault(task_id, trio.Event())
 
     async def _finish(self, config: PushConfig, state: str, error: str | None) -> None:

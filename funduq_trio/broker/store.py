@@ -158,8 +158,23 @@ class Store(Protocol):
     #: The last write failed for the medium's sake: not ready, no new runs.
     failing: bool
     #: Several funduq nodes may share this record (PostgreSQL): what one node
-    #: keeps in memory alone, such as spent proofs, must also be kept here.
+    #: keeps in memory alone, such as spent proofs, must also be kept here;
+    #: other processes may write its runs, so a run with no lane here may be
+    #: live on another node, and ``listen`` says when a run changes.
     shared: bool
+
+    async def listen(
+        self,
+        changed: Callable[[str], None],
+        caught_up: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Only on a shared record: call ``changed(run_id)`` whenever any
+        process commits events or a status change to a run, and
+        ``caught_up()`` each time the channel is (re)established -- what it
+        missed meanwhile must be read from the record. Started once it listens."""
+        ...
 
     async def probe(self) -> bool:
         """One small write; True when it went through (clears ``failing``)."""
@@ -300,6 +315,10 @@ class Store(Protocol):
 
     async def run_progress(self, run_id: str) -> tuple[str, int] | None: ...
 
+    async def run_events(
+        self, run_id: str, after: int, limit: int | None
+    ) -> tuple[str, list[tuple[int, str]]] | None: ...
+
     # -- the operator's commands (admin.py), not the broker's
     async def quality_counters(self) -> list[tuple[Any, ...]]: ...
 
@@ -362,6 +381,20 @@ class SqlStore:
         self._next_sweep = 0.0  # when spend_proof next deletes old spent proofs
         self.commits = 0  # group commits done (for benchmarks)
         self.writes = 0
+        #: On a shared store, each write that adds events to a run or moves it
+        #: calls this in its transaction: ``(connection, run id, its last seq
+        #: written or 0, whether its status changed)``. None: nobody to tell.
+        self._changed: Callable[[Any, str, int, bool], None] | None = None
+
+    async def listen(
+        self,
+        changed: Callable[[str], None],
+        caught_up: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """See ``Store.listen``: a store no other process writes has nothing to say."""
+        raise NotImplementedError
 
     # -- what a store supplies ----------------------------------------------------------
 
@@ -584,6 +617,7 @@ class SqlStore:
             f"({','.join('?' * len(src))})"
         )
         rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
+        changed = self._changed
 
         def apply(conn: Any) -> bool:
             moved = bool(conn.execute(sql, (*args, run_id, *src)).rowcount == 1)
@@ -593,13 +627,25 @@ class SqlStore:
                 conn.executemany(_INSERT_MESSAGE, messages)
             if not moved:
                 log.error("run %s: guarded write to %r refused", run_id, to)
+            elif changed is not None:
+                changed(conn, run_id, rows[-1][1] if rows else 0, True)
             return moved
 
         return apply
 
     async def append_events(self, run_id: str, events: list[tuple[int, dict[str, Any]]]) -> None:
         rows = [(run_id, seq, dumps(event)) for seq, event in events]
-        await self.write(lambda c: c.executemany(_INSERT_EVENT, rows))
+        changed = self._changed
+        if changed is None:
+            await self.write(lambda c: c.executemany(_INSERT_EVENT, rows))
+            return
+
+        def apply(conn: Any) -> None:
+            conn.executemany(_INSERT_EVENT, rows)
+            if rows:
+                changed(conn, run_id, rows[-1][1], False)
+
+        await self.write(apply)
 
     async def record_agents(
         self,
@@ -1205,6 +1251,28 @@ class SqlStore:
             ).fetchone()
         )
         return None if row is None else (row[0], int(row[1]))
+
+    async def run_events(
+        self, run_id: str, after: int, limit: int | None
+    ) -> tuple[str, list[tuple[int, str]]] | None:
+        """(status, events (seq, JSON) after ``after``, in order, at most
+        ``limit``) of a run, or None. The status is read first: when it says
+        the run settled, every event written up to its settling is among the
+        events read after it (each read sees every commit before it)."""
+        if not keepable(run_id):
+            return None
+        sql = "SELECT seq, event FROM events WHERE run_id=? AND seq>? ORDER BY seq"
+        args: tuple[Any, ...] = (run_id, after)
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", (*args, limit)
+
+        def read(conn: Any) -> Any:
+            row = conn.execute("SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()
+            if row is None:
+                return None
+            return str(row[0]), [(int(s), e) for s, e in conn.execute(sql, args).fetchall()]
+
+        return cast(tuple[str, list[tuple[int, str]]] | None, await self.read(read))
 
 
 @asynccontextmanager
