@@ -357,6 +357,17 @@ class PostgresStore(SqlStore):
         raw = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS)
         return PgConnection(raw)
 
+    @staticmethod
+    def _unprepared(conn: PgConnection) -> PgConnection:
+        """The writer's connection prepares no statements: in pipeline mode a
+        batch that fails (a fenced write, docs/cluster.md) skips the Parse of
+        statements queued behind the error, and psycopg's cache of prepared
+        statements would go on naming ones the server never made ("prepared
+        statement _pg3_N does not exist" on every later use). Unnamed
+        statements cost a parse each, inside the same round trip."""
+        conn.raw.prepare_threshold = None
+        return conn
+
     def _open_sync(self) -> None:
         import psycopg
 
@@ -370,7 +381,7 @@ class PostgresStore(SqlStore):
         except BaseException:
             conn.close()
             raise
-        self._writer_conn = conn
+        self._writer_conn = self._unprepared(conn)
 
     @property
     def where(self) -> str:
@@ -513,7 +524,7 @@ class PostgresStore(SqlStore):
             if conn is not None:
                 conn.close()
             self._writer_conn = None
-            conn = self._writer_conn = self._connect()
+            conn = self._writer_conn = self._unprepared(self._connect())
         return conn
 
     def _apply(self, ops: list[_Write]) -> None:
