@@ -195,6 +195,7 @@ class Funduq:
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             if self.record.shared:
+                self.metrics.cluster = True
                 self.providers.on_served = self._wake_lease_task
                 await self._nursery.start(self._keep_leases)
             await self._restore()
@@ -263,6 +264,7 @@ class Funduq:
             tuple(st.ORPHANED_BY_RESTART), threads
         )
         self._arrival = max(self._arrival, arrival)
+        self.metrics.threads_taken_over += len(threads or ())
         for tid in threads or ():
             # Another node led it meanwhile: what we knew of its history is stale.
             if tid not in self._reserved and tid not in self._answering:
@@ -332,6 +334,7 @@ class Funduq:
     async def _renew_and_claim(self) -> None:
         snapshot = self.leases.snapshot()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
+        self.metrics.lease_renewals += 1
         for tid in renewal.lost:
             self._lost_lead(tid)
         for tid in renewal.strays:
@@ -357,11 +360,13 @@ class Funduq:
         acting for it. Its lanes here end without writing (their writes would
         be fenced anyway); a run a provider holds through this node is asked
         to stop -- the new leader settles it by the restart rules."""
-        if self.leases.lost(thread_id) or thread_id in self.threads:
+        was_held = self.leases.lost(thread_id)
+        thread = self.threads.pop(thread_id, None)
+        if was_held or thread is not None:
             log.warning(
                 "thread %s: its lease was taken over by another node; letting go", thread_id
             )
-        thread = self.threads.pop(thread_id, None)
+            self.metrics.threads_let_go += 1
         if thread is not None:
             thread.depose()
         if thread_id not in self._reserved and thread_id not in self._answering:
@@ -878,6 +883,16 @@ class Funduq:
                 len(self.lanes),
             ),
             "funduq_threads_live": ("Threads with a live run.", len(self.threads)),
+            **(
+                {
+                    "funduq_threads_led": (
+                        "Threads whose lease this node holds (docs/cluster.md).",
+                        len(self.leases.held),
+                    )
+                }
+                if self.metrics.cluster
+                else {}
+            ),
             "funduq_providers_attached": (
                 "Provider links attached.",
                 sum(s.live for s in self.providers.sessions.values()),

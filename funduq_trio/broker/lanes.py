@@ -432,11 +432,15 @@ class Lane:
             for cancel in self._cancels:
                 cancel.refuse()
             self._cancels.clear()
-            if (deposed or (self.thread is not None and self.thread.deposed)) and (
-                self._place is not None and self._place.held.get(self.run_id) is self
-            ):
-                # The provider works for nobody now: ask it to stop.
-                self._place.cancel(self.run_id)
+            deposed = deposed or (self.thread is not None and self.thread.deposed)
+            if deposed and self._place is not None:
+                if self._place.held.get(self.run_id) is self:
+                    # The provider works for nobody now: ask it to stop.
+                    self._place.cancel(self.run_id)
+                elif self._offer is not None:
+                    # An answer still to come is nobody's: a late acceptance
+                    # is asked to stop (see ProviderSession.answer).
+                    self._place.withdraw(self._offer)
             if self._place is not None:
                 self._release_place(wake=True)  # the fault could not settle: still free it
             self.f.providers.stop_waiting(self.key, self)
