@@ -40,6 +40,7 @@ from reliability_support import (
     wait_status,
 )
 
+from funduq_trio.broker.leases import RENEWALS_PER_LEASE
 from funduq_trio.broker.postgres import PostgresStore
 from funduq_trio.broker.store import NotLeader, run_store
 
@@ -81,6 +82,14 @@ async def send(a2a: A2A, text: str, *, context_id: str | None = None) -> dict[st
 async def online(http: httpx.AsyncClient, fingerprint: str) -> bool:
     roster = (await http.get("/agents")).json()["agents"]
     return any(a["fingerprint"] == fingerprint and a["online"] for a in roster)
+
+
+async def metric(http: httpx.AsyncClient, name: str) -> float:
+    """One sample of `GET /metrics` (0 when absent)."""
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def led_elsewhere(answer: dict[str, Any]) -> bool:
@@ -126,8 +135,18 @@ async def test_a_second_node_leaves_the_first_nodes_running_run_alone(tmp_path, 
             async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
                 await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
                 assert b.logged("runs orphaned") == [], b.lines
-                # Three leases' worth of B claiming: A renews, B takes nothing.
-                await trio.sleep(3 * LEASE)
+                # Three leases' worth of B's lease task renewing and claiming
+                # this agent's lapsed threads: A renews, B takes nothing.
+                since = await metric(http_b, "funduq_lease_renewals_total")
+
+                async def three_leases_of_claims() -> bool:
+                    renewals = await metric(http_b, "funduq_lease_renewals_total")
+                    return renewals >= since + 3 * RENEWALS_PER_LEASE + 1
+
+                await eventually(three_leases_of_claims, "B's lease task at work for 3 leases")
+                assert await metric(http_b, "funduq_threads_taken_over_total") == 0
+                assert await metric(http_a, "funduq_threads_led") == 1
+                assert await metric(http_a, "funduq_threads_let_go_total") == 0
                 run = await get_run(http_b, held["id"])
                 assert run is not None and run["status"] == "running", run
                 assert twin.offer_log == []
@@ -265,6 +284,56 @@ async def test_a_caller_on_another_node_than_the_leader_is_told_and_nothing_is_r
                 # nodes are a later stage), so it fails at once, as offline.
                 run = await wait_status(http_b, taken["id"], TERMINAL)
                 assert run["metadata"].get("failureReason") == "agent_offline", run
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more(tmp_path, store):
+    """Another node claims the thread (here: its lease row is handed to
+    another node id, as a takeover does): the old leader's renewal finds it
+    gone, its lane ends without writing, and the provider holding the run is
+    asked to stop; whatever the provider still sends is recorded nowhere."""
+    assert stores.database_url is not None
+    script = Script()
+    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+        a = await nodes.start("a")
+        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+        ):
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            held = await send(a2a, "hold me")
+            await wait_status(http_a, held["id"], {"running"})
+            thread = held["contextId"]
+            with psycopg.connect(stores.database_url, autocommit=True) as conn:
+                taken = conn.execute(
+                    # A live node's lease: it does not lapse within the test.
+                    "UPDATE thread_leases SET node = 'node_elsewhere', "
+                    "expires_at = now() + interval '1 hour' WHERE thread_id = %s",
+                    (thread,),
+                ).rowcount
+            assert taken == 1
+
+            await peer.wait_cancel(held["id"])
+            assert await metric(http_a, "funduq_threads_let_go_total") == 1
+            assert await metric(http_a, "funduq_threads_led") == 0
+            assert a.logged("letting go"), a.lines
+
+            # The provider carries on regardless: none of it is recorded.
+            offer = peer.offers_of(held["id"])[0]
+            await offer.play([*text_events("m-late", "late"), finished_event(offer)])
+            link = await peer.attached()
+            reply = await link.request(
+                {"kind": "query.threadMessages", "threadId": thread, "limit": None}
+            )
+            assert reply is not None  # the link read everything sent before it
+            run = await get_run(http_a, held["id"])
+            assert run is not None and run["status"] == "running", run
+            assert event_types(run) == ["RUN_STARTED"], event_types(run)
+            # And a caller on A is now told the thread is led elsewhere.
+            answer = await a2a.send("more", message_id="msg-more", context_id=thread)
+            assert led_elsewhere(answer), answer
             nursery.cancel_scope.cancel()
 
 
