@@ -7,9 +7,13 @@ test_cluster.py's; this one reaches the paths a door cannot time."""
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
+import psycopg
 import pytest
+import stores
 from broker_support import (
     AGENT,
     Provider,
@@ -24,6 +28,8 @@ from broker_support import (
 
 from funduq_trio.broker.errors import ThreadLedElsewhere
 from funduq_trio.broker.funduq import Funduq
+from funduq_trio.broker.postgres import PostgresStore
+from funduq_trio.broker.store import run_store
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
@@ -102,3 +108,71 @@ async def test_a_thread_moves_between_nodes_only_while_idle(tmp_path, store):
             third.run_id,
         ]
         assert [r["status"] for r in thread["runs"]] == ["completed"] * 3
+
+
+async def test_a_run_arriving_for_a_dead_nodes_thread_takes_it_over_first(tmp_path, store):
+    """A node that died left a thread with a running and a queued run, its
+    lease lapsing. A new run for the thread, on another node, takes the
+    thread over: what the dead node held fails orphaned_by_restart, its
+    queued run is offered first, the new one after it."""
+    assert stores.database_url is not None
+    async with broker(tmp_path) as b:
+        pb = await Provider(b).attach()
+        async with run_store(PostgresStore(stores.database_url, node="node_dead")) as dead:
+            tid = "thread_of_the_dead"
+            new = (tid, pb.key, AGENT, None, time.time())
+            await dead.insert_run(_row("run_held", tid, pb.key), new, [])
+            await dead.insert_run(_row("run_queued", tid, pb.key), None, [])
+            assert await dead.move("run_held", "offering")
+            assert await dead.move("run_held", "running")
+            await dead.append_events("run_held", [(1, {"type": "RUN_STARTED"})])
+        with psycopg.connect(stores.database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
+                "WHERE thread_id = %s",
+                (tid,),
+            )
+
+        third = await b.start_run(pb.key, AGENT, user_input("third", "m3"), thread_id=tid)
+        assert b.leases.leads(tid)
+        held = await b.get_run("run_held")
+        assert held is not None and held["status"] == "failed", held
+        assert held["metadata"]["failureReason"] == "orphaned_by_restart"
+        assert [e["event"]["type"] for e in held["events"]] == ["RUN_STARTED", "RUN_ERROR"]
+
+        await quiet()
+        # The dead node's queued run is the head: offered alone, first.
+        assert [run["runId"] for _, run in pb.link.offers] == ["run_queued"]
+        await take(b, pb, "run_queued")
+        # Accepted, it left the queue: the new run is offered next.
+        assert [run["runId"] for _, run in pb.link.offers] == ["run_queued", third.run_id]
+        pb.stream("run_queued", *reply("run_queued", tid))
+        assert (await b.wait_run("run_queued"))["status"] == "completed"
+        await take(b, pb, third.run_id)
+        pb.stream(third.run_id, *reply(third.run_id, tid))
+        assert (await b.wait_run(third.run_id))["status"] == "completed"
+
+
+def _row(run_id: str, thread_id: str, key: str) -> dict[str, Any]:
+    return {
+        "id": run_id,
+        "thread_id": thread_id,
+        "provider_key": key,
+        "agent_name": AGENT,
+        "status": "queued",
+        "input": json.dumps(
+            {
+                "threadId": thread_id,
+                "runId": run_id,
+                "messages": [{"id": f"msg-{run_id}", "role": "user", "content": run_id}],
+                "tools": [],
+                "context": [],
+                "state": None,
+                "forwardedProps": None,
+            }
+        ),
+        "caller_metadata": "{}",
+        "metadata": {},
+        "arrival": 0,
+        "created_at": time.time(),
+    }
