@@ -460,6 +460,9 @@ class Lane:
             self.machine.reported_error = m.reported_error
         try:
             await self._do(self.machine.handle(Input.FAULT))
+        except NotLeader:
+            # Another node leads the thread now: it settles the run.
+            self.f.lost_lead(self.thread_id)
         except Exception:
             log.exception("run %s: could not settle it after a fault", self.run_id)
 
