@@ -73,6 +73,9 @@ FLAG_HELP = {
     "log_level": "debug, info, warning or error",
     "log_format": "text or json (one object per line)",
     "access_log": "log each HTTP request (true/false)",
+    "node_name": "readable prefix of this process's node id in a cluster (default: node)",
+    "lease_seconds": "a thread's lease lasts this long unrenewed; a dead node's threads "
+    "move on after it (PostgreSQL)",
 }
 
 

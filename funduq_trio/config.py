@@ -17,6 +17,8 @@ MiB = 1024 * 1024
 
 #: What an operator token may look like: it rides a header, a query and a cookie.
 OPERATOR_TOKEN = re.compile(r"[A-Za-z0-9._-]{16,256}")
+#: What a node's readable name may look like: it rides log lines and the record.
+NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: The bounds of docs/limits.md that count something: each at least 1.
 LIMITS_AT_LEAST_ONE = (
     "max_queued_input_bytes",
@@ -80,6 +82,13 @@ class Settings:
     log_level: str = "info"
     log_format: str = "text"
     access_log: bool = False
+    # -- several nodes on one PostgreSQL (docs/cluster.md) --
+    #: A readable prefix for this process's node id (the id itself is always
+    #: random per start: two processes never share one).
+    node_name: str | None = None
+    #: How long a thread's lease lasts unrenewed: at most this long a dead
+    #: node's threads wait before another node takes them over.
+    lease_seconds: float = 10.0
 
     @property
     def database_is_postgres(self) -> bool:
@@ -159,6 +168,13 @@ class Settings:
                     f"{env_name('public_url')}={self.public_url!r}: an absolute "
                     "http(s) URL without query or fragment"
                 )
+        if not self.lease_seconds > 0:
+            found.append(f"{env_name('lease_seconds')}={self.lease_seconds}: must be more than 0")
+        if self.node_name is not None and not NODE_NAME.fullmatch(self.node_name):
+            found.append(
+                f"{env_name('node_name')}={self.node_name!r}: 1 to 64 letters, digits, "
+                "'-', '_' or '.'"
+            )
         if not self.push_timeout_seconds > 0:
             found.append(
                 f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "

@@ -218,6 +218,11 @@ def banner(info: ServerInfo, version: str) -> list[str]:
         "settings: " + (", ".join(changed_settings(settings)) or "all defaults"),
         f"operator page: {info.url}/?token={funduq.operator_token}",
     ]
+    if settings.database_is_postgres:
+        lines.insert(
+            3,
+            f"node: {funduq.node} (thread leases of {settings.lease_seconds:g} s; docs/cluster.md)",
+        )
     return lines
 
 

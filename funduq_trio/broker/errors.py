@@ -97,3 +97,10 @@ class PushRefused(FunduqError):
 
 class PushConfigNotFound(FunduqError):
     """No such push notification config of that task."""
+
+
+class ThreadLedElsewhere(FunduqError):
+    """Another funduq node on the same PostgreSQL leads this thread right now
+    (holds its lease, docs/cluster.md): this node cannot start, answer or
+    cancel its runs. Nothing was recorded. Retry on the node that leads it
+    (forwarding there is the cluster's next stage), or once its lease moves."""

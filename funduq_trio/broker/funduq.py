@@ -37,18 +37,20 @@ from .errors import (
     RunNotCancellable,
     RunNotFound,
     RunNotPaused,
+    ThreadLedElsewhere,
     ThreadQueueFull,
     UnknownThread,
 )
 from .inbox import Cancel
 from .kyok import Grant, Kyok, KyokRefusal, load_or_create_secret
 from .lanes import Lane, ThreadLanes
+from .leases import Leases, new_node_id
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .pushes import Pushes
 from .run_machine import Input, Move, RunMachine, Settle
 from .spends import Spends
-from .store import Store, dumps, iso, keepable, open_store, record_trouble
+from .store import NotLeader, Store, dumps, iso, keepable, open_store, record_trouble
 from .watchers import RunWatchers
 
 log = logging.getLogger("funduq")
@@ -117,6 +119,11 @@ class Funduq:
     def __init__(self, settings: Settings, *, identity: Identity | None = None) -> None:
         self.settings = settings
         self.identity = identity
+        #: This process's id among the nodes sharing a PostgreSQL record, and
+        #: the threads it leads (docs/cluster.md; unused on SQLite).
+        self.node = new_node_id(settings.node_name)
+        self.leases = Leases(self.node, settings.lease_seconds)
+        self._claim_now = trio.Event()
         #: The operator's bearer token (see _load_operator_token).
         self.operator_token = ""
         self.record: Store
@@ -169,7 +176,9 @@ class Funduq:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
             secret = await trio.to_thread.run_sync(self._load_kyok_secret)
-            self.record = await self._stack.enter_async_context(open_store(self.settings))
+            self.record = await self._stack.enter_async_context(
+                open_store(self.settings, node=self.node)
+            )
             self.spent.share(self.record)
             self.spent_by_anyone.share(self.record)
             self.providers = Providers(
@@ -197,6 +206,9 @@ class Funduq:
             if self.record.shared:
                 self.watchers = RunWatchers()
                 await self._nursery.start(self._listen, self.watchers.wake, self.watchers.wake_all)
+                self.metrics.cluster = True
+                self.providers.on_served = self._wake_lease_task
+                await self._nursery.start(self._keep_leases)
             await self._restore()
             self.pushes = Pushes(self)
             await self._nursery.start(self.pushes.run)
@@ -253,25 +265,167 @@ class Funduq:
     async def _restore(self) -> None:
         """After a restart: what nobody can still be holding fails
         ``orphaned_by_restart``; queued runs queue again in arrival order;
-        paused runs stay answerable."""
-        self._arrival, orphans, queued = await self.record.restore_reads(
-            tuple(st.ORPHANED_BY_RESTART)
+        paused runs stay answerable. On a record other nodes share, only
+        for the threads whose leases this node takes: those nobody leases
+        and those whose lease lapsed (their node died) -- never a live
+        node's (docs/cluster.md)."""
+        if not self.record.shared:
+            await self._restore_threads(None)
+            return
+        claimed = await self.record.claim_threads(unleased=True)
+        self.leases.taken(claimed)
+        await self._restore_threads(claimed)
+
+    async def _restore_threads(self, threads: list[str] | None) -> None:
+        """The restart rules, for every thread (None) or for threads whose
+        lease this node just took: what their old leader held fails
+        ``orphaned_by_restart``, their queued runs lane again in arrival order."""
+        arrival, orphans, queued = await self.record.restore_reads(
+            tuple(st.ORPHANED_BY_RESTART), threads
         )
+        self._arrival = max(self._arrival, arrival)
+        self.metrics.threads_taken_over += len(threads or ())
+        for tid in threads or ():
+            # Another node led it meanwhile: what we knew of its history is stale.
+            if tid not in self._reserved and tid not in self._answering:
+                self._thread_info.pop(tid, None)
+        lost: set[str] = set()
+        settled = laned = 0
         for run_id, status, metadata, last_seq, reported in orphans:
+            if run_id in self.lanes:
+                continue
             machine = RunMachine(status)
             machine.reported_error = bool(reported)
             for action in machine.handle(Input.RESTARTED):
                 assert isinstance(action, Settle), action
-                await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
+                try:
+                    await self._settle_unlaned(run_id, json.loads(metadata), last_seq + 1, action)
+                except NotLeader as exc:
+                    lost.add(exc.what)
+                else:
+                    settled += 1
         for found in queued:
             row = _run_row(found)
+            if row["id"] in self.lanes or row["thread_id"] in lost:
+                continue
             self.waiting.charge(
                 row["id"], (row["provider_key"], row["agent_name"]), _input_size(row), force=True
             )
             await self._thread(row["thread_id"])  # its history, for the replies it will add
             self._start_lane(row, arriving=False)
-        if orphans or queued:
-            log.info("restart: %d runs orphaned, %d queued again", len(orphans), len(queued))
+            laned += 1
+        for tid in threads or ():
+            if tid in lost:
+                self._lost_lead(tid)
+            else:
+                self._maybe_release(tid)  # nothing left to lead
+        if settled or laned:
+            what = "restart" if threads is None else f"took over {len(threads)} threads"
+            log.info("%s: %d runs orphaned, %d queued again", what, settled, laned)
+
+    # -- thread leases (docs/cluster.md) --------------------------------------------------
+
+    async def _keep_leases(
+        self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The node's one lease task: every ``lease_seconds / 3`` (and at once
+        when a provider publishes agents here) renew every lease of this node
+        in one statement, stop acting for threads another node took over, and
+        claim the lapsed leases of threads whose agent is served here. The
+        record's troubles are logged and tried again; anything else ends the
+        broker (a node that cannot keep its leases must not go on acting)."""
+        task_status.started()
+        while True:
+            next_at = trio.current_time() + self.leases.renew_every
+            try:
+                await self._renew_and_claim()
+            except Exception as exc:
+                if not record_trouble(exc):
+                    raise
+                log.warning("thread leases: renewal failed (%s); trying again", exc)
+            with trio.move_on_at(next_at):
+                await self._claim_now.wait()
+            self._claim_now = trio.Event()
+
+    def _wake_lease_task(self) -> None:
+        """A provider published agents here: claim their lapsed threads now."""
+        self._claim_now.set()
+
+    async def _renew_and_claim(self) -> None:
+        snapshot = self.leases.snapshot()
+        renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
+        self.metrics.lease_renewals += 1
+        for tid in renewal.lost:
+            self._lost_lead(tid)
+        for tid in renewal.strays:
+            self.record.release_lease(tid)
+        agents = self._served_agents()
+        if agents:
+            won = await self.record.claim_threads(agents=agents)
+            if won:
+                self.leases.taken(won)
+                await self._restore_threads(won)
+
+    def _served_agents(self) -> list[str]:
+        """The agents a provider attached here serves, as "key/name"."""
+        return [
+            f"{key}/{name}"
+            for key, session in self.providers.sessions.items()
+            if session.live
+            for name in session.agents
+        ]
+
+    def _lost_lead(self, thread_id: str) -> None:
+        """Another node leads the thread now (its lease was taken over): stop
+        acting for it. Its lanes here end without writing (their writes would
+        be fenced anyway); a run a provider holds through this node is asked
+        to stop -- the new leader settles it by the restart rules."""
+        was_held = self.leases.lost(thread_id)
+        thread = self.threads.pop(thread_id, None)
+        if was_held or thread is not None:
+            log.warning(
+                "thread %s: its lease was taken over by another node; letting go", thread_id
+            )
+            self.metrics.threads_let_go += 1
+        if thread is not None:
+            thread.depose()
+        if thread_id not in self._reserved and thread_id not in self._answering:
+            self._thread_info.pop(thread_id, None)
+
+    def _maybe_release(self, thread_id: str) -> None:
+        """Release the thread's lease once nothing of it is at work here, so
+        any node may take its next run at once."""
+        if not self.record.shared:
+            return
+        busy = (
+            thread_id in self.threads or thread_id in self._reserved or thread_id in self._answering
+        )
+        if self.leases.release(thread_id, busy=busy):
+            self.record.release_lease(thread_id)
+            # Whoever leads it next may add messages this cache would not know.
+            self._thread_info.pop(thread_id, None)
+
+    async def _take_over(self, thread_id: str) -> bool:
+        """A write found the thread's lease another node's: take it over if
+        it lapsed (settling what its old leader left first). True when this
+        node leads the thread now."""
+        won = await self.record.claim_threads(threads=[thread_id])
+        if won:
+            self.leases.taken(won)
+            await self._restore_threads(won)
+        return self.leases.leads(thread_id)
+
+    def _forget_unled(self, thread_id: str) -> None:
+        """Before taking a thread this node does not lead: forget what it knew
+        of the thread's history (another node may have added to it)."""
+        if (
+            self.record.shared
+            and not self.leases.leads(thread_id)
+            and thread_id not in self._reserved
+            and thread_id not in self._answering
+            and thread_id not in self.threads
+        ):
+            self._thread_info.pop(thread_id, None)
 
     # -- lanes and threads ---------------------------------------------------------
 
@@ -283,6 +437,9 @@ class Funduq:
         return self._context.run(self._start_lane_here, row, arriving)
 
     def _start_lane_here(self, row: dict[str, Any], arriving: bool) -> Lane:
+        known = self.lanes.get(row["id"])
+        if known is not None:
+            return known  # a takeover laned it a moment ago
         lane = Lane(self, row, arriving=arriving)
         lane.feed.keep = self.settings.max_feed_events
         self.lanes[lane.run_id] = lane
@@ -326,6 +483,9 @@ class Funduq:
     def lane_ended(self, lane: Lane) -> None:
         self._lane_ended(lane)
 
+    def lost_lead(self, thread_id: str) -> None:
+        self._lost_lead(thread_id)
+
     def _lane_ended(self, lane: Lane) -> None:
         log.debug(
             "run %s ended %s%s",
@@ -342,6 +502,7 @@ class Funduq:
         thread = lane.thread
         if thread is not None and thread.ended(lane) and self.threads.get(thread.id) is thread:
             del self.threads[thread.id]
+            self._maybe_release(thread.id)
             if len(self._thread_info) > max(THREAD_CACHE, 2 * len(self.threads)):
                 self._forget_idle_threads()
 
@@ -460,6 +621,8 @@ class Funduq:
         # The chain's check comes before the thread's lookup, so the answer to
         # a forged chain is the same whether or not the thread exists.
         head = await self._presented_head(metadata, run_input, key, agent)
+        if thread_id is not None and keepable(thread_id):
+            self._forget_unled(thread_id)
         info = await self._thread(thread_id) if thread_id is not None else None
         if info is not None and (info.key, info.agent) != (key, agent):
             info = None
@@ -469,6 +632,7 @@ class Funduq:
             raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
         self._reserve(tid)
+        laning = False
         try:
             run_id = _new_id("run")
             run_input["threadId"], run_input["runId"] = tid, run_id
@@ -503,15 +667,32 @@ class Funduq:
                 self._unsee(info, messages, new=new_thread is not None)
                 raise
             try:
-                await self.record.insert_run(row, new_thread, messages)
+                try:
+                    await self.record.insert_run(row, new_thread, messages)
+                except NotLeader:
+                    # Another node holds the thread's lease: take it over if
+                    # it lapsed, else refuse (nothing was recorded).
+                    if not await self._take_over(tid):
+                        raise ThreadLedElsewhere(
+                            f"thread {tid} is led by another funduq node right now; retry "
+                            "on the node that leads it"
+                        ) from None
+                    await self.record.insert_run(row, new_thread, messages)
             except BaseException as exc:
                 self.waiting.release(run_id)
                 # Not recorded: the cache must not believe the thread holds
                 # these messages (a retry would see its own id as taken).
                 self._unsee(info, messages, new=new_thread is not None)
+                if isinstance(exc, NotLeader):
+                    raise ThreadLedElsewhere(
+                        f"thread {tid} is led by another funduq node right now; retry on the "
+                        "node that leads it"
+                    ) from None
                 if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the run: {exc}") from None
                 raise
+            if self.record.shared:
+                self.leases.taken((tid,))
             if self.providers.serving(key, agent) is None:
                 # Nobody serves the agent: the run fails before the door
                 # answers, so every answer (returnImmediately too) reads FAILED.
@@ -524,10 +705,13 @@ class Funduq:
                     await self._settle_unlaned(run_id, row["metadata"], 1, action)
                 self.metrics.runs_started += 1
                 return RunTicket(run_id, tid)
+            laning = True
         finally:
             self._reserved[tid] -= 1
             if not self._reserved[tid]:
                 del self._reserved[tid]
+            if not laning:
+                self._maybe_release(tid)
         self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
         if log.isEnabledFor(logging.DEBUG):  # the fingerprint costs a hash: only when shown
@@ -773,6 +957,16 @@ class Funduq:
                 len(self.lanes),
             ),
             "funduq_threads_live": ("Threads with a live run.", len(self.threads)),
+            **(
+                {
+                    "funduq_threads_led": (
+                        "Threads whose lease this node holds (docs/cluster.md).",
+                        len(self.leases.held),
+                    )
+                }
+                if self.metrics.cluster
+                else {}
+            ),
             "funduq_providers_attached": (
                 "Provider links attached.",
                 sum(s.live for s in self.providers.sessions.values()),
@@ -833,6 +1027,16 @@ class Funduq:
                 )
             )
         lane = self.lanes.get(run_id)
+        if lane is None and self.record.shared:
+            # No lane here: on a shared record another node may lead its thread.
+            progress = await self.record.run_progress(run_id)
+            if progress is not None and progress[0] in st.ACTIVE - {st.INPUT_REQUIRED}:
+                lane = self.lanes.get(run_id)
+                if lane is None:
+                    raise ThreadLedElsewhere(
+                        f"run {run_id} is led by another funduq node right now; retry on "
+                        "the node that leads its thread"
+                    )
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
         if lane.awaiting_answer and lane.cancel_pending:
@@ -965,6 +1169,7 @@ class Funduq:
             }
         )
         tid = row["thread_id"]
+        self._forget_unled(tid)
         info = await self._thread(tid)
         messages = self._new_messages(info, run_input, run_id) if info else []
         row["input"], row["caller_metadata"] = dumps(run_input), caller
@@ -981,8 +1186,9 @@ class Funduq:
         try:
             (move,) = RunMachine(st.INPUT_REQUIRED).handle(Input.PAUSE_ANSWERED)
             assert isinstance(move, Move), move
-            try:
-                moved = await self.record.move(
+
+            async def reopen() -> bool:
+                return await self.record.move(
                     run_id,
                     move.to,
                     metadata=row["metadata"],
@@ -991,13 +1197,29 @@ class Funduq:
                     arrival=arrival,
                     stamp=("completed_at", None),
                     messages=messages,
+                    lead=tid,  # the thread's lease, taken in the same transaction
                 )
+
+            try:
+                try:
+                    moved = await reopen()
+                except NotLeader:
+                    if not await self._take_over(tid):
+                        raise
+                    moved = await reopen()
             except BaseException as exc:
                 if info:
                     self._unsee(info, messages, new=False)  # not recorded
+                if isinstance(exc, NotLeader):
+                    raise ThreadLedElsewhere(
+                        f"thread {tid} is led by another funduq node right now; retry on the "
+                        "node that leads it"
+                    ) from None
                 if isinstance(exc, Exception) and record_trouble(exc):
                     raise RecordUnavailable(f"the record cannot take the answer: {exc}") from None
                 raise
+            if self.record.shared:
+                self.leases.taken((tid,))
             if not moved:
                 if info:
                     self._unsee(info, messages, new=False)  # not recorded
@@ -1016,6 +1238,7 @@ class Funduq:
             self._answering[tid] -= 1
             if not self._answering[tid]:
                 del self._answering[tid]
+            self._maybe_release(tid)
         return RunTicket(run_id, row["thread_id"])
 
     # -- reading the record ------------------------------------------------------------

@@ -65,7 +65,7 @@ from ..protocol.statuses import Status
 from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
 from .run_machine import Input, Phase, RunMachine, Verdict
-from .store import PendingWrite, Store, iso, record_trouble
+from .store import NotLeader, PendingWrite, Store, iso, record_trouble
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -109,6 +109,10 @@ class LaneHost(Protocol):
 
     def lane_ended(self, lane: Lane) -> None:
         """The lane ended (settled or paused): forget it."""
+        ...
+
+    def lost_lead(self, thread_id: str) -> None:
+        """A write of the thread was fenced off: another node leads it now."""
         ...
 
 
@@ -160,10 +164,13 @@ class Feed:
 class ThreadLanes:
     """A thread with active runs: its nursery and its pending queue."""
 
-    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting")
+    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting", "deposed")
 
     def __init__(self, thread_id: str) -> None:
         self.id = thread_id
+        #: Another node took the thread's lease over: its lanes here end
+        #: without writing (docs/cluster.md).
+        self.deposed = False
         # A list, not a deque: at most thread_queue_limit long, and an empty
         # deque costs a waiting run most of a kilobyte.
         self.pending: list[Lane] = []
@@ -178,10 +185,18 @@ class ThreadLanes:
         ``ended``), and a later run of it gets a new ThreadLanes."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self.deposed:
+                nursery.cancel_scope.cancel()
             assert self._starting is not None
             for lane in self._starting:
                 nursery.start_soon(lane.run)
             self._starting = None
+
+    def depose(self) -> None:
+        """Another node leads the thread now: end every lane of it here."""
+        self.deposed = True
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     def start(self, lane: Lane) -> None:
         self.lanes += 1
@@ -388,8 +403,16 @@ class Lane:
     # -- the task ----------------------------------------------------------------
 
     async def run(self) -> None:
+        deposed = False
         try:
             await self._live()
+        except NotLeader:
+            # The record refused a write: another node took the thread's lease
+            # over and settles this run by the restart rules. Nothing more is
+            # written here, and every lane of the thread here ends.
+            log.warning("run %s: its thread is led by another node now; letting go", self.run_id)
+            deposed = True
+            self.f.lost_lead(self.thread_id)
         except Exception:
             # A bug in one run must not end every other conversation, nor
             # leave this one wedged: it fails alone.
@@ -409,6 +432,15 @@ class Lane:
             for cancel in self._cancels:
                 cancel.refuse()
             self._cancels.clear()
+            deposed = deposed or (self.thread is not None and self.thread.deposed)
+            if deposed and self._place is not None:
+                if self._place.held.get(self.run_id) is self:
+                    # The provider works for nobody now: ask it to stop.
+                    self._place.cancel(self.run_id)
+                elif self._offer is not None:
+                    # An answer still to come is nobody's: a late acceptance
+                    # is asked to stop (see ProviderSession.answer).
+                    self._place.withdraw(self._offer)
             if self._place is not None:
                 self._release_place(wake=True)  # the fault could not settle: still free it
             self.f.providers.stop_waiting(self.key, self)
@@ -428,6 +460,9 @@ class Lane:
             self.machine.reported_error = m.reported_error
         try:
             await self._do(self.machine.handle(Input.FAULT))
+        except NotLeader:
+            # Another node leads the thread now: it settles the run.
+            self.f.lost_lead(self.thread_id)
         except Exception:
             log.exception("run %s: could not settle it after a fault", self.run_id)
 

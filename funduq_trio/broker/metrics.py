@@ -77,6 +77,11 @@ class Metrics:
         self.offer_round_trip = Histogram(OFFER_ROUND_TRIP_BUCKETS)
         #: KYOK completions by (offering "{fingerprint}/{name}", outcome).
         self.completions: dict[tuple[str, str], int] = {}
+        #: Thread leases (docs/cluster.md), shown only when the record is shared.
+        self.cluster = False
+        self.lease_renewals = 0
+        self.threads_taken_over = 0
+        self.threads_let_go = 0
 
     def run_ended(self, status: str) -> None:
         self.runs_ended[status] = self.runs_ended.get(status, 0) + 1
@@ -145,6 +150,25 @@ class Metrics:
                 for (o, r), n in sorted(self.completions.items())
             ],
         )
+        if self.cluster:
+            family(
+                "funduq_lease_renewals_total",
+                "counter",
+                "Renewals of this node's thread leases that the record took.",
+                [("", self.lease_renewals)],
+            )
+            family(
+                "funduq_threads_taken_over_total",
+                "counter",
+                "Threads whose lapsed (or unheld) lease this node claimed, restoring them.",
+                [("", self.threads_taken_over)],
+            )
+            family(
+                "funduq_threads_let_go_total",
+                "counter",
+                "Threads this node stopped acting for because another node took them over.",
+                [("", self.threads_let_go)],
+            )
         for name, (help_text, value) in gauges.items():
             family(name, "gauge", help_text, [("", value)])
         return "\n".join(lines) + "\n"

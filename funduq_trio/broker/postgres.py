@@ -32,8 +32,9 @@ from typing import Any, TypeVar
 
 import trio
 
+from ..protocol import statuses
 from . import schema
-from .store import NoRecord, RecordUnreachable, SqlStore, _Write
+from .store import NoRecord, NotLeader, PendingWrite, RecordUnreachable, SqlStore, _Write
 
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
@@ -175,6 +176,38 @@ CREATE TABLE spent_proofs (
 CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
 """,
     ),
+    # docs/cluster.md. A thread's runs are ordered by the node holding its
+    # lease; expiry is on the database's clock, so nodes' clocks never matter.
+    # funduq_lead is the fence: every write of a run calls it first and is
+    # refused unless the run's thread is the writer's (FOR SHARE: a takeover
+    # waits for a write in flight, and the new leader reads what it wrote).
+    # Arrivals come from one sequence, so a thread's runs keep their order
+    # when its lease moves from node to node.
+    _migration(
+        6,
+        """
+CREATE TABLE thread_leases (
+    thread_id TEXT COLLATE "C" PRIMARY KEY,
+    node TEXT NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+);
+CREATE INDEX thread_leases_node ON thread_leases (node);
+CREATE INDEX thread_leases_expiry ON thread_leases (expires_at);
+CREATE FUNCTION funduq_lead(thread TEXT, me TEXT) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF thread IS NULL THEN
+        RETURN;
+    END IF;
+    PERFORM 1 FROM thread_leases WHERE thread_id = thread AND node = me FOR SHARE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'funduq_not_leader: % is led by another node than %', thread, me;
+    END IF;
+END
+$$;
+CREATE SEQUENCE run_arrivals;
+SELECT setval('run_arrivals', (SELECT COALESCE(MAX(arrival), 0) + 1 FROM runs), false);
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
@@ -291,9 +324,8 @@ def upgrade(
         except schema.SchemaTooNew as exc:
             raise schema.SchemaTooNew(f"{where}: {exc}") from None
         for step in steps:
-            for statement in step.sql.split(";"):
-                if statement.strip():
-                    conn.raw.execute(statement)
+            for statement in statements(step.sql):
+                conn.raw.execute(statement)
             log.info("%s: schema upgraded to version %d (%s)", where, step.version, step.why)
         if steps:
             conn.execute("DELETE FROM schema_version")
@@ -311,6 +343,43 @@ def _has_schema(conn: PgConnection) -> bool:
     return conn.execute("SELECT to_regclass('schema_version')").fetchone()[0] is not None
 
 
+def statements(sql: str) -> list[str]:
+    """A step's SQL cut at its semicolons, except inside a ``$$``-quoted body
+    (a function's)."""
+    found, pending = [], ""
+    for i, piece in enumerate(sql.split("$$")):
+        if i % 2:  # inside $$ ... $$
+            pending += "$$" + piece + "$$"
+            continue
+        *complete, rest = piece.split(";")
+        for part in complete:
+            pending += part
+            if pending.strip():
+                found.append(pending.strip())
+            pending = ""
+        pending += rest
+    if pending.strip():
+        found.append(pending.strip())
+    return found
+
+
+#: The message the fence raises with (see migration 5).
+NOT_LEADER = "funduq_not_leader"
+#: Active statuses whose runs need a leader (a paused run needs none until answered).
+NEEDS_LEADER = tuple(sorted(statuses.ACTIVE - {statuses.INPUT_REQUIRED}))
+_NEEDS_LEADER_SQL = ",".join(f"'{s}'" for s in NEEDS_LEADER)
+#: Take the thread's lease when nobody holds it; keep (extend) it when it is
+#: ours. Held by another node, lapsed or not, it is left alone: taking a
+#: lapsed lease over is a claim (``claim_threads``), since the new leader
+#: must first settle what the old one left (docs/cluster.md).
+_TAKE_LEASE = (
+    "INSERT INTO thread_leases (thread_id, node, expires_at) "
+    "VALUES (?, ?, now() + make_interval(secs => ?)) "
+    "ON CONFLICT (thread_id) DO UPDATE SET expires_at = EXCLUDED.expires_at "
+    "WHERE thread_leases.node = EXCLUDED.node"
+)
+
+
 class PostgresStore(SqlStore):
     """The PostgreSQL record. Open it with ``store.open_store(settings)``."""
 
@@ -318,10 +387,20 @@ class PostgresStore(SqlStore):
     AGENT_ORDER = "ord"
     #: Several funduq nodes may share this record (DESIGN §11).
     shared = True
+    ARRIVAL = "nextval('run_arrivals')"
 
-    def __init__(self, url: str, *, create: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        create: bool = True,
+        node: str | None = None,
+        lease_seconds: float = 10.0,
+    ) -> None:
         super().__init__(create=create)
         self.url = url
+        self.node = node
+        self.lease_seconds = float(lease_seconds)
         self._writer_conn: PgConnection | None = None
         self._idle_readers: list[PgConnection] = []
         self._readers_lock = threading.Lock()
@@ -342,6 +421,17 @@ class PostgresStore(SqlStore):
         raw = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS)
         return PgConnection(raw)
 
+    @staticmethod
+    def _unprepared(conn: PgConnection) -> PgConnection:
+        """The writer's connection prepares no statements: in pipeline mode a
+        batch that fails (a fenced write, docs/cluster.md) skips the Parse of
+        statements queued behind the error, and psycopg's cache of prepared
+        statements would go on naming ones the server never made ("prepared
+        statement _pg3_N does not exist" on every later use). Unnamed
+        statements cost a parse each, inside the same round trip."""
+        conn.raw.prepare_threshold = None
+        return conn
+
     def _open_sync(self) -> None:
         import psycopg
 
@@ -359,7 +449,7 @@ class PostgresStore(SqlStore):
             conn.close()
             raise
         self.channel = channel_for(schema_name)
-        self._writer_conn = conn
+        self._writer_conn = self._unprepared(conn)
 
     @property
     def where(self) -> str:
@@ -392,6 +482,105 @@ class PostgresStore(SqlStore):
         # A transaction id makes the commit write to the server's log.
         conn.execute("SELECT pg_current_xact_id()").fetchone()
 
+    # -- thread leases (docs/cluster.md) ---------------------------------------------------
+
+    def _lead(self, conn: Any, thread_id: str) -> None:
+        if self.node is None:
+            return
+        conn.execute(_TAKE_LEASE, (thread_id, self.node, self.lease_seconds))
+        conn.execute("SELECT funduq_lead(?, ?)", (thread_id, self.node))
+
+    def _fence(self, conn: Any, run_id: str) -> None:
+        if self.node is None:
+            return
+        conn.execute(
+            "SELECT funduq_lead((SELECT thread_id FROM runs WHERE id = ?), ?)", (run_id, self.node)
+        )
+
+    @staticmethod
+    def _not_leader(exc: BaseException) -> NotLeader | None:
+        """The fence's refusal as the broker reads it (None: another error)."""
+        import psycopg
+
+        if isinstance(exc, psycopg.errors.RaiseException) and NOT_LEADER in str(exc):
+            what = str(exc).split(NOT_LEADER + ": ", 1)[-1].split(" is led by", 1)[0]
+            return NotLeader(what.strip())
+        return None
+
+    async def renew_leases(self) -> list[str]:
+        node, seconds = self.node, self.lease_seconds
+        if node is None:
+            return []
+
+        def apply(conn: Any) -> list[str]:
+            rows = conn.execute(
+                "UPDATE thread_leases SET expires_at = now() + make_interval(secs => ?) "
+                "WHERE node = ? RETURNING thread_id",
+                (seconds, node),
+            ).fetchall()
+            return [str(r[0]) for r in rows]
+
+        return await self.write(apply)
+
+    async def claim_threads(
+        self,
+        *,
+        agents: Sequence[str] | None = None,
+        threads: Sequence[str] | None = None,
+        unleased: bool = False,
+    ) -> list[str]:
+        node, seconds = self.node, self.lease_seconds
+        if (
+            node is None
+            or (agents is not None and not agents)
+            or (threads is not None and not threads)
+        ):
+            return []
+        needing = f"r.status IN ({_NEEDS_LEADER_SQL})"
+        agent_args: list[Any] = []
+        if agents is not None:
+            needing += " AND r.provider_key || '/' || r.agent_name = ANY(?)"
+            agent_args = [list(agents)]
+        where = ["l.expires_at < now()", "l.node <> ?"]
+        args: list[Any] = [node, seconds, node]
+        if threads is not None:
+            where.append("l.thread_id = ANY(?)")
+            args.append(list(threads))
+        else:
+            where.append(
+                f"EXISTS (SELECT 1 FROM runs r WHERE r.thread_id = l.thread_id AND {needing})"
+            )
+            args += agent_args
+        # Row locks make one node the winner: the loser's UPDATE waits, then
+        # finds the lease no longer lapsed; its INSERT finds the row there.
+        take_over = (
+            "UPDATE thread_leases l SET node = ?, expires_at = now() + make_interval(secs => ?) "
+            f"WHERE {' AND '.join(where)} RETURNING l.thread_id"
+        )
+        take_unleased = (
+            "INSERT INTO thread_leases (thread_id, node, expires_at) "
+            "SELECT DISTINCT r.thread_id, ?, now() + make_interval(secs => ?) FROM runs r "
+            f"WHERE {needing} ON CONFLICT (thread_id) DO NOTHING RETURNING thread_id"
+        )
+
+        def apply(conn: Any) -> list[str]:
+            won = conn.execute(take_over, args).fetchall()
+            if unleased:
+                won += conn.execute(take_unleased, (node, seconds, *agent_args)).fetchall()
+            return [str(r[0]) for r in won]
+
+        return await self.write(apply)
+
+    def release_lease(self, thread_id: str) -> PendingWrite | None:
+        node = self.node
+        if node is None:
+            return None
+        return self.write_soon(
+            lambda c: c.execute(
+                "DELETE FROM thread_leases WHERE thread_id = ? AND node = ?", (thread_id, node)
+            )
+        )
+
     # -- writing -----------------------------------------------------------------------
 
     async def _commit(self, ops: list[_Write]) -> None:
@@ -403,7 +592,7 @@ class PostgresStore(SqlStore):
             if conn is not None:
                 conn.close()
             self._writer_conn = None
-            conn = self._writer_conn = self._connect()
+            conn = self._writer_conn = self._unprepared(self._connect())
         return conn
 
     def _apply(self, ops: list[_Write]) -> None:
@@ -439,6 +628,10 @@ class PostgresStore(SqlStore):
                 conn.execute("COMMIT")
             except Exception as exc:  # noqa: BLE001 -- reported to that write's caller
                 self._roll_back(conn)
+                fenced = self._not_leader(exc)
+                if fenced is not None:
+                    op.error = fenced  # another node leads the thread: expected, said by the caller
+                    continue
                 op.error = exc
                 log.warning("write failed: %s", exc)
 

@@ -304,6 +304,9 @@ class Providers:
         self.agents: dict[tuple[str, str], dict[str, Any]] = {}
         self.by_fingerprint: dict[str, str] = {}
         self.unserved: dict[tuple[str, str], float] = {}
+        #: Called when what is served here changed (a provider published its
+        #: agents): the facade claims lapsed threads of those agents at once.
+        self.on_served: Callable[[], None] | None = None
         # Heads waiting on a provider: for a place (or after a decline), and
         # for their agent to be served at all. Insertion order is wait order.
         self.room_waiters: dict[str, dict[int, Lane]] = {}
@@ -411,6 +414,8 @@ class Providers:
         for name in dropped:
             self.unserved[(key, name)] = now
         self.wake(key)
+        if self.on_served is not None:
+            self.on_served()
 
     def session_gone(self, session: ProviderSession) -> None:
         key = session.key

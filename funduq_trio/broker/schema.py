@@ -164,6 +164,21 @@ CREATE TABLE spent_proofs (
 CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
 """,
     ),
+    # On SQLite the table stays empty: a file has one process, which leads
+    # every thread. It keeps both stores' tables and versions in step
+    # (postgres.MIGRATIONS, where the fence and the arrival sequence live).
+    Migration(
+        6,
+        "several nodes on one PostgreSQL (issue #12): thread leases, the fence "
+        "every write of a run passes, and one arrival order for all nodes",
+        """
+CREATE TABLE thread_leases (
+    thread_id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
+""",
+    ),
     # Next: Migration(6, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 

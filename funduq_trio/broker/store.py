@@ -96,6 +96,17 @@ class NoRecord(RuntimeError):
     funduq's schema. Nothing was created."""
 
 
+class NotLeader(RuntimeError):
+    """The record refused a write of a thread's run because this node does
+    not hold the thread's lease (another node leads it, docs/cluster.md):
+    the write changed nothing. Only a shared store (PostgreSQL with a node
+    id) raises it."""
+
+    def __init__(self, thread_or_run: str) -> None:
+        super().__init__(f"{thread_or_run} is led by another funduq node")
+        self.what = thread_or_run
+
+
 class Unrecordable(ValueError):
     """Text the record cannot keep outside JSON: a NUL character (PostgreSQL's
     text refuses it) or a lone surrogate (neither database's UTF-8 holds it).
@@ -180,6 +191,30 @@ class Store(Protocol):
         """One small write; True when it went through (clears ``failing``)."""
         ...
 
+    # -- thread leases (docs/cluster.md; nothing on a store of one process;
+    # on a shared one, writes of a thread's runs need its lease)
+
+    async def renew_leases(self) -> list[str]:
+        """Extend every lease of this node; the threads it still holds."""
+        ...
+
+    async def claim_threads(
+        self,
+        *,
+        agents: Sequence[str] | None = None,
+        threads: Sequence[str] | None = None,
+        unleased: bool = False,
+    ) -> list[str]:
+        """Take over lapsed leases of other nodes (and, with ``unleased``,
+        take threads with active runs that nobody leases): of the threads of
+        ``agents`` ("key/name") with runs needing a leader, or of ``threads``.
+        Returns the threads won; two nodes claiming one thread never both win."""
+        ...
+
+    def release_lease(self, thread_id: str) -> PendingWrite | None:
+        """Give up the thread's lease (queued first-in first-out)."""
+        ...
+
     async def ping(self) -> None:
         """One small read; raises when the record does not answer."""
         ...
@@ -192,7 +227,10 @@ class Store(Protocol):
         messages: Sequence[MessageRow],
     ) -> None: ...
 
-    async def move(self, run_id: str, to: str, **changes: Any) -> bool: ...
+    async def move(self, run_id: str, to: str, **changes: Any) -> bool:
+        """Guarded; ``lead=thread_id`` takes (or keeps) the thread's lease in
+        the same transaction (answering a pause)."""
+        ...
 
     def move_soon(
         self,
@@ -261,7 +299,7 @@ class Store(Protocol):
     async def providers_and_agents(self) -> tuple[list[Any], list[Any]]: ...
 
     async def restore_reads(
-        self, orphaned: Sequence[str]
+        self, orphaned: Sequence[str], threads: Sequence[str] | None = None
     ) -> tuple[int, list[Any], list[RunRow]]: ...
 
     async def run_row(self, run_id: str) -> RunRow | None: ...
@@ -366,6 +404,13 @@ class SqlStore:
     #: How often (seconds, at most) spending a proof also deletes the spent
     #: proofs past their time.
     SPENT_SWEEP_SECONDS = 5.0
+    #: The SQL a new arrival is written as (a parameter here; a sequence
+    #: shared by every node on PostgreSQL).
+    ARRIVAL = "?"
+    #: This process's node id when other processes share the record
+    #: (docs/cluster.md): every write of a thread's runs is then fenced by
+    #: the thread's lease. None: the record is this process's alone.
+    node: str | None = None
 
     def __init__(self, *, create: bool = True) -> None:
         #: Whether opening may create the record (``serve``); False: it must
@@ -428,6 +473,30 @@ class SqlStore:
 
     async def _background(self) -> None:
         """Whatever else the store runs while open (checkpoints)."""
+
+    # -- thread leases: nothing to do for a record of one process -----------------------
+
+    def _lead(self, conn: Any, thread_id: str) -> None:
+        """In a write: take the thread's lease when nobody holds it, keep it
+        when it is ours, and refuse (NotLeader) otherwise."""
+
+    def _fence(self, conn: Any, run_id: str) -> None:
+        """In a write: refuse (NotLeader) unless the run's thread is ours."""
+
+    async def renew_leases(self) -> list[str]:
+        return []
+
+    async def claim_threads(
+        self,
+        *,
+        agents: Sequence[str] | None = None,
+        threads: Sequence[str] | None = None,
+        unleased: bool = False,
+    ) -> list[str]:
+        return []
+
+    def release_lease(self, thread_id: str) -> PendingWrite | None:
+        return None
 
     # -- writing ------------------------------------------------------------------------
 
@@ -531,6 +600,13 @@ class SqlStore:
                 "keep (NUL or a lone surrogate)"
             )
 
+        sequenced = self.ARRIVAL != "?"
+        insert = (
+            "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, "
+            "input, caller_metadata, metadata, created_at) "
+            f"VALUES ({self.ARRIVAL},?,?,?,?,?,?,?,?,?)"
+        )
+
         def apply(conn: Any) -> None:
             if new_thread is not None:
                 conn.execute(
@@ -538,11 +614,11 @@ class SqlStore:
                     "created_at) VALUES (?,?,?,?,?)",
                     new_thread,
                 )
+            self._lead(conn, row["thread_id"])
             conn.execute(
-                "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, "
-                "input, caller_metadata, metadata, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                insert,
                 (
-                    row["arrival"],
+                    *(() if sequenced else (row["arrival"],)),
                     row["id"],
                     row["thread_id"],
                     row["provider_key"],
@@ -590,6 +666,7 @@ class SqlStore:
         arrival: int | None = None,
         caller_metadata: str | None = None,
         messages: Sequence[MessageRow] | None = None,
+        lead: str | None = None,
     ) -> Callable[[Any], bool]:
         src = tuple(statuses.sources(to))
         sets: list[str] = ["status=?"]
@@ -607,8 +684,9 @@ class SqlStore:
             sets.append("input=?")
             args.append(dumps(run_input))
         if arrival is not None:
-            sets.append("arrival=?")
-            args.append(arrival)
+            sets.append(f"arrival={self.ARRIVAL}")
+            if self.ARRIVAL == "?":
+                args.append(arrival)
         if caller_metadata is not None:
             sets.append("caller_metadata=?")
             args.append(caller_metadata)
@@ -620,6 +698,10 @@ class SqlStore:
         changed = self._changed
 
         def apply(conn: Any) -> bool:
+            if lead is not None:
+                self._lead(conn, lead)
+            else:
+                self._fence(conn, run_id)
             moved = bool(conn.execute(sql, (*args, run_id, *src)).rowcount == 1)
             if moved and rows:
                 conn.executemany(_INSERT_EVENT, rows)
@@ -636,13 +718,14 @@ class SqlStore:
     async def append_events(self, run_id: str, events: list[tuple[int, dict[str, Any]]]) -> None:
         rows = [(run_id, seq, dumps(event)) for seq, event in events]
         changed = self._changed
-        if changed is None:
+        if changed is None and self.node is None:
             await self.write(lambda c: c.executemany(_INSERT_EVENT, rows))
             return
 
         def apply(conn: Any) -> None:
+            self._fence(conn, run_id)
             conn.executemany(_INSERT_EVENT, rows)
-            if rows:
+            if rows and changed is not None:
                 changed(conn, run_id, rows[-1][1], False)
 
         await self.write(apply)
@@ -971,25 +1054,44 @@ class SqlStore:
 
         return await self.read(read)
 
-    async def restore_reads(self, orphaned: Sequence[str]) -> tuple[int, list[Any], list[RunRow]]:
+    async def restore_reads(
+        self, orphaned: Sequence[str], threads: Sequence[str] | None = None
+    ) -> tuple[int, list[Any], list[RunRow]]:
         """What a restart needs: the last arrival; the runs in ``orphaned``
         statuses as (id, status, metadata, last seq, reported an error); the
-        queued runs in arrival order."""
+        queued runs in arrival order. Of every thread, or of ``threads`` only
+        (the threads a node just took the leases of)."""
         marks = ",".join("?" * len(orphaned))
+        if threads is not None and not threads:
+            return 0, [], []
+        # A node taking over thousands of threads at once reads them in chunks.
+        chunks: list[tuple[str, tuple[str, ...]]] = [("", ())]
+        if threads is not None:
+            chunks = [
+                (
+                    f" AND r.thread_id IN ({','.join('?' * len(part))})",
+                    tuple(part),
+                )
+                for part in (threads[i : i + 500] for i in range(0, len(threads), 500))
+            ]
 
         def read(conn: Any) -> tuple[int, list[Any], list[Any]]:
             arrival = conn.execute("SELECT COALESCE(MAX(arrival), 0) FROM runs").fetchone()[0]
-            orphans = conn.execute(
-                f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
-                f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id "
-                f"AND {self.EVENT_TYPE} = 'RUN_ERROR') "
-                f"FROM runs r WHERE status IN ({marks})",
-                tuple(orphaned),
-            ).fetchall()
-            queued = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ? ORDER BY arrival",
-                (statuses.QUEUED,),
-            ).fetchall()
+            orphans: list[Any] = []
+            queued: list[Any] = []
+            for where, ids in chunks:
+                orphans += conn.execute(
+                    f"SELECT id, status, metadata, (SELECT COALESCE(MAX(seq), 0) FROM events e "
+                    f"WHERE e.run_id = r.id), EXISTS (SELECT 1 FROM events e WHERE e.run_id = "
+                    f"r.id AND {self.EVENT_TYPE} = 'RUN_ERROR') "
+                    f"FROM runs r WHERE status IN ({marks}){where}",
+                    (*orphaned, *ids),
+                ).fetchall()
+                queued += conn.execute(
+                    f"SELECT {_RUN_COLUMNS} FROM runs r WHERE status = ?{where}",
+                    (statuses.QUEUED, *ids),
+                ).fetchall()
+            queued.sort(key=lambda row: row[8])  # arrival order
             return int(arrival), orphans, queued
 
         return await self.read(read)
@@ -1304,14 +1406,24 @@ def record_name(settings: Settings) -> str:
     return os.path.abspath(settings.database_path)
 
 
-def open_store(settings: Settings, *, create: bool = True) -> Any:
+def open_store(settings: Settings, *, create: bool = True, node: str | None = None) -> Any:
     """The store ``FUNDUQ_DATABASE_URL`` names (the data directory's SQLite
     file by default), as an async context manager. ``create=False`` opens
-    only a record that exists (NoRecord otherwise), creating nothing."""
+    only a record that exists (NoRecord otherwise), creating nothing.
+    ``node``: this process's node id, when the record is shared (PostgreSQL)
+    and this process leads threads -- its writes of runs are then fenced by
+    thread leases."""
     if settings.database_is_postgres:
         from .postgres import PostgresStore
 
-        return run_store(PostgresStore(settings.database_url or "", create=create))
+        return run_store(
+            PostgresStore(
+                settings.database_url or "",
+                create=create,
+                node=node,
+                lease_seconds=settings.lease_seconds,
+            )
+        )
     from .record import SqliteStore
 
     return run_store(SqliteStore(settings.database_path, create=create))

@@ -123,6 +123,18 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
             data={"reason": "record_unavailable"},
         ),
     ),
+    # Another node of the cluster leads the thread (docs/cluster.md): "not
+    # here, not now" -- until requests are forwarded to the leading node.
+    e.ThreadLedElsewhere: DoorAnswer(
+        503,
+        "thread_led_elsewhere",
+        lambda exc, _: UnsupportedOperationError(
+            message=str(exc)
+            or "Another funduq node leads this conversation right now; retry on the "
+            "node that leads it",
+            data={"reason": "thread_led_elsewhere"},
+        ),
+    ),
     # funduq itself is full (docs/limits.md): like a full thread, "not now".
     **{
         cls: DoorAnswer(

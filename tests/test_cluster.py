@@ -1,0 +1,447 @@
+"""Several `funduq-trio serve` processes on one PostgreSQL are one funduq
+(issue #12, docs/cluster.md): each thread's runs are ordered by the one node
+holding its lease; a node that starts takes only what nobody holds; a node
+killed with kill -9 loses nothing -- its threads move on once their lease
+lapses, what it held settles by the restart rules, queued runs are offered
+again; a caller on another node than a thread's leader is told so (503) and
+nothing is recorded; two nodes claiming one lapsed thread never both win.
+
+The nodes are real processes (cluster_support.py) on a schema made for the
+test; the provider is played over the real link (`Peer`). Lease lapses are
+waited for as observable conditions, never with a sleep and an assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import stores
+import trio
+from cluster_support import cluster
+from reliability_support import (
+    A2A,
+    HTTP_TIMEOUT,
+    RUN_ERROR,
+    TERMINAL,
+    Offer,
+    Peer,
+    event_types,
+    eventually,
+    finished_event,
+    get_run,
+    started_event,
+    text_events,
+    user_input,
+    wait_status,
+)
+
+from funduq_trio.broker.leases import RENEWALS_PER_LEASE
+from funduq_trio.broker.postgres import PostgresStore
+from funduq_trio.broker.store import NotLeader, run_store
+
+pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
+
+#: Short enough that a killed node's threads move on within a test, long
+#: enough that a busy host renews in time (a lease is renewed every third).
+LEASE = 2.0
+AGENT = "scripted"
+
+
+class Script:
+    """The provider's behaviour: a run whose text starts with "hold" is
+    accepted and started but not finished until `release` is set; any other
+    is accepted and finished at once. Offers on a link numbered in `decline`
+    are left unanswered (never happens here unless asked)."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+
+    async def on_offer(self, offer: Offer) -> None:
+        await offer.answer("accepted")
+        if offer.text.startswith("hold") and offer.link.number == 1:
+            await offer.play([started_event(offer)], finish=False)
+            await self.release.wait()
+            await offer.play([*text_events(f"m-{offer.run_id}", "held"), finished_event(offer)])
+            return
+        await offer.play(
+            [started_event(offer), *text_events(f"m-{offer.run_id}", "ok"), finished_event(offer)]
+        )
+
+
+async def send(a2a: A2A, text: str, *, context_id: str | None = None) -> dict[str, Any]:
+    answer = await a2a.send(text, message_id=f"msg-{text}", context_id=context_id)
+    assert "result" in answer, answer
+    return answer["result"]["task"]
+
+
+async def online(http: httpx.AsyncClient, fingerprint: str) -> bool:
+    roster = (await http.get("/agents")).json()["agents"]
+    return any(a["fingerprint"] == fingerprint and a["online"] for a in roster)
+
+
+async def metric(http: httpx.AsyncClient, name: str) -> float:
+    """One sample of `GET /metrics` (0 when absent)."""
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def led_elsewhere(answer: dict[str, Any]) -> bool:
+    """An A2A 1.0 error answer whose reason (in `error.data`, a
+    google.rpc.ErrorInfo's metadata) is `thread_led_elsewhere`."""
+    details = (answer.get("error") or {}).get("data") or []
+    return any(
+        isinstance(d, dict) and d.get("metadata", {}).get("reason") == "thread_led_elsewhere"
+        for d in details
+    )
+
+
+def a_settled_run_once(run: dict[str, Any], status: str, reason: str | None = None) -> None:
+    assert run["status"] == status, run
+    if reason is not None:
+        assert run["metadata"].get("failureReason") == reason, run
+        assert event_types(run).count(RUN_ERROR) == 1, event_types(run)
+
+
+async def test_a_second_node_leaves_the_first_nodes_running_run_alone(tmp_path, store):
+    """Before leases, every node settled every active run of the record as
+    orphaned at its start: a second node killed the first one's runs."""
+    assert stores.database_url is not None
+    script = Script()
+    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+        a = await nodes.start("a")
+        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+        ):
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            held = await send(a2a, "hold the first")
+            await wait_status(http_a, held["id"], {"running"})
+
+            b = await nodes.start("b")
+            # B serves the agent too (the same provider key attached to it),
+            # so B's lease task is claiming this agent's lapsed threads the
+            # whole time: a lease A failed to renew would be taken now.
+            twin = Peer(b.provider_url, [AGENT], identity=peer.identity)
+            nursery.start_soon(twin.serve)
+            async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
+                await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
+                assert b.logged("runs orphaned") == [], b.lines
+                # Three leases' worth of B's lease task renewing and claiming
+                # this agent's lapsed threads: A renews, B takes nothing.
+                since = await metric(http_b, "funduq_lease_renewals_total")
+
+                async def three_leases_of_claims() -> bool:
+                    renewals = await metric(http_b, "funduq_lease_renewals_total")
+                    return renewals >= since + 3 * RENEWALS_PER_LEASE + 1
+
+                await eventually(three_leases_of_claims, "B's lease task at work for 3 leases")
+                assert await metric(http_b, "funduq_threads_taken_over_total") == 0
+                assert await metric(http_a, "funduq_threads_led") == 1
+                assert await metric(http_a, "funduq_threads_let_go_total") == 0
+                run = await get_run(http_b, held["id"])
+                assert run is not None and run["status"] == "running", run
+                assert twin.offer_log == []
+
+                script.release.set()
+                done = await wait_status(http_b, held["id"], TERMINAL)
+                assert done["status"] == "completed", done
+                assert event_types(done).count("RUN_FINISHED") == 1
+                assert RUN_ERROR not in event_types(done)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnects_to(
+    tmp_path, store
+):
+    """kill -9 the node leading a thread with one running and two queued runs:
+    once its lease lapses the node the provider reconnected to takes the
+    thread over, the running run fails orphaned_by_restart exactly once, and
+    the queued ones are offered through the new node in their order."""
+    assert stores.database_url is not None
+    script = Script()
+    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+        a = await nodes.start("a")
+        b = await nodes.start("b")
+        # Room for one: the second and third runs wait queued behind the first.
+        peer = Peer(
+            a.provider_url,
+            [AGENT],
+            on_offer=script.on_offer,
+            max_concurrent_runs=1,
+            reconnect_delay=0.05,
+        )
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+        ):
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            first = await send(a2a, "hold on")
+            await wait_status(http_a, first["id"], {"running"})
+            thread = first["contextId"]
+            second = await send(a2a, "second", context_id=thread)
+            third = await send(a2a, "third", context_id=thread)
+            for task in (second, third):
+                await wait_status(http_a, task["id"], {"queued"})
+            ids = [first["id"], second["id"], third["id"]]
+
+            peer.set_url(b.provider_url)  # where it reconnects once A is gone
+            a.kill9()
+            await a.exited.wait()
+
+            for run_id in ids:
+                await wait_status(http_b, run_id, TERMINAL)
+            runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
+            a_settled_run_once(runs[first["id"]], "failed", "orphaned_by_restart")
+            for run_id in ids[1:]:
+                a_settled_run_once(runs[run_id], "completed")
+                assert event_types(runs[run_id]).count("RUN_FINISHED") == 1
+
+            # Offered again through B (the provider's second link), in order,
+            # once each; the orphan never again.
+            on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
+            assert on_b == ids[1:], on_b
+            assert [o.run_id for o in peer.offer_log if o.link.number == 1] == ids[:1]
+            assert b.logged("took over 1 threads"), b.lines
+
+            # The thread is B's to go on with (it released it once idle).
+            a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
+            fourth = await send(a2a_b, "fourth", context_id=thread)
+            done = await wait_status(http_b, fourth["id"], TERMINAL)
+            assert done["status"] == "completed", done
+            thread_json = (await http_b.get(f"/threads/{thread}")).json()
+            assert [r["runId"] for r in thread_json["runs"]] == [*ids, fourth["id"]]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_caller_on_another_node_than_the_leader_is_told_and_nothing_is_recorded(
+    tmp_path, store
+):
+    """The cluster's current limit: a request for a thread led by another
+    live node is refused 503 `thread_led_elsewhere` (forwarding it to the
+    leader is the next stage), and it records nothing."""
+    assert stores.database_url is not None
+    script = Script()
+    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+        a = await nodes.start("a")
+        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+        ):
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            held = await send(a2a, "hold it")
+            await wait_status(http_a, held["id"], {"running"})
+            thread = held["contextId"]
+            b = await nodes.start("b")  # knows the agent from the record
+            async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
+                a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
+                before = (await http_b.get(f"/threads/{thread}")).json()
+
+                answer = await a2a_b.send("on b", message_id="msg-on-b", context_id=thread)
+                assert led_elsewhere(answer), answer
+                r = await http_b.post(
+                    f"/agui/{peer.fingerprint}/{AGENT}",
+                    json=user_input("on b too", thread_id=thread, message_id="msg-on-b-2"),
+                )
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "thread_led_elsewhere", r.text
+                cancel = await a2a_b.cancel(held["id"])
+                assert led_elsewhere(cancel), cancel
+
+                after = (await http_b.get(f"/threads/{thread}")).json()
+                assert after == before
+                run = await get_run(http_b, held["id"])
+                assert run is not None and run["status"] == "running", run
+                assert "cancelRequestedBy" not in run["metadata"].get("funduq", {})
+
+                # A lets go of the thread once it is idle: B may take it then.
+                script.release.set()
+                await wait_status(http_b, held["id"], {"completed"})
+                taken: dict[str, Any] = {}
+
+                async def b_takes_it() -> bool:
+                    answer = await a2a_b.send("on b later", message_id="msg-b-3", context_id=thread)
+                    if "error" in answer:
+                        assert led_elsewhere(answer), answer
+                        return False
+                    taken.update(answer["result"]["task"])
+                    return True
+
+                await eventually(b_takes_it, "B taking the thread A released")
+                # Recorded through B; nobody serves the agent on B (offers across
+                # nodes are a later stage), so it fails at once, as offline.
+                run = await wait_status(http_b, taken["id"], TERMINAL)
+                assert run["metadata"].get("failureReason") == "agent_offline", run
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more(tmp_path, store):
+    """Another node claims the thread (here: its lease row is handed to
+    another node id, as a takeover does): the old leader's renewal finds it
+    gone, its lane ends without writing, and the provider holding the run is
+    asked to stop; whatever the provider still sends is recorded nowhere."""
+    assert stores.database_url is not None
+    script = Script()
+    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+        a = await nodes.start("a")
+        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+        ):
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            held = await send(a2a, "hold me")
+            await wait_status(http_a, held["id"], {"running"})
+            thread = held["contextId"]
+            with psycopg.connect(stores.database_url, autocommit=True) as conn:
+                taken = conn.execute(
+                    # A live node's lease: it does not lapse within the test.
+                    "UPDATE thread_leases SET node = 'node_elsewhere', "
+                    "expires_at = now() + interval '1 hour' WHERE thread_id = %s",
+                    (thread,),
+                ).rowcount
+            assert taken == 1
+
+            await peer.wait_cancel(held["id"])
+            assert await metric(http_a, "funduq_threads_let_go_total") == 1
+            assert await metric(http_a, "funduq_threads_led") == 0
+            assert a.logged("letting go"), a.lines
+
+            # The provider carries on regardless: none of it is recorded.
+            offer = peer.offers_of(held["id"])[0]
+            await offer.play([*text_events("m-late", "late"), finished_event(offer)])
+            link = await peer.attached()
+            reply = await link.request(
+                {"kind": "query.threadMessages", "threadId": thread, "limit": None}
+            )
+            assert reply is not None  # the link read everything sent before it
+            run = await get_run(http_a, held["id"])
+            assert run is not None and run["status"] == "running", run
+            assert event_types(run) == ["RUN_STARTED"], event_types(run)
+            # And a caller on A is now told the thread is led elsewhere.
+            answer = await a2a.send("more", message_id="msg-more", context_id=thread)
+            assert led_elsewhere(answer), answer
+            nursery.cancel_scope.cancel()
+
+
+# -- the record's side: claims and the fence, with two stores as two nodes ------------
+
+
+def _run_row(run_id: str, thread_id: str) -> dict[str, Any]:
+    return {
+        "id": run_id,
+        "thread_id": thread_id,
+        "provider_key": "k" * 64,
+        "agent_name": AGENT,
+        "status": "queued",
+        "input": json.dumps({"threadId": thread_id, "runId": run_id, "messages": []}),
+        "caller_metadata": "{}",
+        "metadata": {},
+        "arrival": 1,
+        "created_at": time.time(),
+    }
+
+
+def _lapse(thread_ids: list[str]) -> None:
+    """The leases' time runs out (as a dead node's would), on the database's clock."""
+    assert stores.database_url is not None
+    with psycopg.connect(stores.database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
+            "WHERE thread_id = ANY(%s)",
+            (thread_ids,),
+        )
+
+
+async def test_two_nodes_claiming_lapsed_threads_never_both_win_and_the_loser_is_fenced(
+    tmp_path, store
+):
+    assert stores.database_url is not None
+    url = stores.database_url
+    threads = [f"thread_race{i:02d}" for i in range(24)]
+    async with (
+        run_store(PostgresStore(url, node="node_a", lease_seconds=60)) as a,
+        run_store(PostgresStore(url, node="node_b", lease_seconds=60)) as b,
+        run_store(PostgresStore(url, node="node_c", lease_seconds=60)) as c,
+    ):
+        for i, tid in enumerate(threads):
+            new = (tid, "k" * 64, AGENT, None, time.time())
+            await a.insert_run(_run_row(f"run_race{i:02d}", tid), new, [])
+        # A leads them all, alive: nobody else may claim or add to them.
+        assert await b.claim_threads(threads=threads) == []
+        assert await b.claim_threads(agents=[f"{'k' * 64}/{AGENT}"]) == []
+        with pytest.raises(NotLeader):
+            await b.insert_run(_run_row("run_intruder", threads[0]), None, [])
+        assert await b.run_row("run_intruder") is None  # nothing recorded
+
+        _lapse(threads)
+        won: dict[str, list[str]] = {}
+
+        async def claim(name: str, store: PostgresStore) -> None:
+            won[name] = await store.claim_threads(agents=[f"{'k' * 64}/{AGENT}"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(claim, "b", b)
+            nursery.start_soon(claim, "c", c)
+        assert not set(won["b"]) & set(won["c"]), won
+        assert sorted(won["b"] + won["c"]) == threads
+
+        # The old leader's writes are refused by the record; the new one's go.
+        run_id, tid = "run_race00", threads[0]
+        winner, loser = (b, c) if tid in won["b"] else (c, b)
+        for stale in (a, loser):
+            with pytest.raises(NotLeader):
+                await stale.move(run_id, "offering")
+            with pytest.raises(NotLeader):
+                await stale.append_events(run_id, [(1, {"type": "RUN_STARTED"})])
+        assert await winner.move(run_id, "offering")
+        row = await winner.run_row(run_id)
+        assert row is not None and row[4] == "offering"
+        assert await winner.events_after(run_id, 0, None, None) == []
+
+        # Renewal tells the old leader what it still holds: nothing.
+        assert await a.renew_leases() == []
+        assert sorted(await winner.renew_leases()) == sorted(won["b" if winner is b else "c"])
+        # Released, a thread is anyone's to take with its next run.
+        pending = winner.release_lease(tid)
+        assert pending is not None
+        await pending.result()
+        await a.insert_run(_run_row("run_next", tid), None, [])
+        assert (await a.run_row("run_next")) is not None
+
+
+async def test_a_lease_is_taken_with_the_run_in_one_transaction_and_arrivals_are_shared(
+    tmp_path, store
+):
+    """Every node draws arrivals from one sequence, so a thread's runs keep
+    their order when its lease moves between nodes."""
+    assert stores.database_url is not None
+    url = stores.database_url
+    async with (
+        run_store(PostgresStore(url, node="node_a", lease_seconds=60)) as a,
+        run_store(PostgresStore(url, node="node_b", lease_seconds=60)) as b,
+    ):
+        tid = "thread_shared"
+        await a.insert_run(_run_row("run_1", tid), (tid, "k" * 64, AGENT, None, time.time()), [])
+        assert await a.renew_leases() == [tid]
+        pending = a.release_lease(tid)
+        assert pending is not None
+        await pending.result()
+        await b.insert_run(_run_row("run_2", tid), None, [])
+        assert await b.renew_leases() == [tid]
+        assert [r for r, _ in await a.thread_runs(tid)] == ["run_1", "run_2"]
+        first, second = await a.run_row("run_1"), await a.run_row("run_2")
+        assert first is not None and second is not None and first[8] < second[8]
