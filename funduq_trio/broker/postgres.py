@@ -153,6 +153,15 @@ CREATE TABLE push_configs (
 CREATE INDEX push_configs_state ON push_configs (state);
 """,
     ),
+    _migration(
+        5,
+        """
+DROP INDEX runs_agent_status_time;
+DROP INDEX runs_agent;
+CREATE INDEX runs_agent_listing ON runs
+    (provider_key, agent_name, arrival, completed_at, started_at, created_at, id);
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
