@@ -87,6 +87,9 @@ RETRY_MAX_SECONDS = 8.0
 
 #: The phases a provider holds the run in (its events are read).
 _HOLDING = frozenset({Phase.HELD, Phase.STOPPING})
+#: A provider's answer to an offer, as the machine's input (an answer that
+#: is none of these is the lane's fault: KeyError).
+_ANSWER = {verdict.value: Input(verdict.value) for verdict in Verdict}
 #: The statuses that end a lane (a run settled or paused), for the metrics.
 _ENDS = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED})
 
@@ -593,9 +596,7 @@ class Lane:
         finally:
             self.awaiting_answer = self.cancel_pending = False
         if offer.verdict is not None:
-            await self._do(
-                m.handle(Input(Verdict(offer.verdict).value), reason=offer.reason or "refused")
-            )
+            await self._do(m.handle(_ANSWER[offer.verdict], reason=offer.reason or "refused"))
             if m.phase in _HOLDING:
                 self._undelivered_at = (
                     trio.current_time() + self.f.settings.undelivered_window_seconds

@@ -452,7 +452,7 @@ class RunMachine:
     )
 
     def __init__(self, status: Status | str = Status.QUEUED) -> None:
-        self.status = Status(status)
+        self.status = status if type(status) is Status else Status(status)
         self.phase = PHASE_OF[self.status]
         self.head = False
         self.declined = False
