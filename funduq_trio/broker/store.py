@@ -419,6 +419,11 @@ class SqlStore:
         task_status.started()
         while True:
             await self._wake.wait()
+            # One pass of the scheduler before taking the batch: the tasks
+            # made runnable with this one (a commit wakes every writer of
+            # its batch at once) queue their next writes into it. In
+            # bench/inprocess.py's shape that halves the commits per run.
+            await trio.lowlevel.checkpoint()
             await self._flush()
 
     async def _flush(self) -> None:
