@@ -129,7 +129,7 @@ class Feed:
     Older ones leave memory and ``first_seq`` moves past them: a follower
     behind that reads them from the record (``Funduq.follow``)."""
 
-    __slots__ = ("first_seq", "events", "closed", "_changed", "keep")
+    __slots__ = ("first_seq", "events", "closed", "_changed", "_closing", "keep")
 
     def __init__(self, first_seq: int, keep: int | None = None) -> None:
         #: The seq of the first event held (or of the next one, while none is).
@@ -139,6 +139,8 @@ class Feed:
         self.keep = keep
         # Made by the first follower to wait: a run nobody follows has none.
         self._changed: trio.Event | None = None
+        # Made by the first to wait for the end alone (``wait_closed``).
+        self._closing: trio.Event | None = None
 
     def _wake(self) -> None:
         if self._changed is not None:
@@ -156,6 +158,8 @@ class Feed:
     def close(self) -> None:
         self.closed = True
         self._wake()
+        if self._closing is not None:
+            self._closing.set()
 
     async def changed(self) -> None:
         """Wait for the next publish or the close."""
@@ -164,6 +168,15 @@ class Feed:
         if self._changed is None:
             self._changed = trio.Event()
         await self._changed.wait()
+
+    async def wait_closed(self) -> None:
+        """Wait for the close only: a waiter that reads no events is not woken
+        by each publish (a caller awaiting the run's end, ``Lane.ended``)."""
+        if self.closed:
+            return
+        if self._closing is None:
+            self._closing = trio.Event()
+        await self._closing.wait()
 
 
 class ThreadLanes:
@@ -317,8 +330,7 @@ class Lane:
 
     async def ended(self) -> None:
         """Wait until the lane has ended (the run settled or paused)."""
-        while not self.feed.closed:
-            await self.feed.changed()
+        await self.feed.wait_closed()
 
     # -- the inbox ---------------------------------------------------------------
 
