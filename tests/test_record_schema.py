@@ -32,6 +32,7 @@ from support import http_client, running_server
 from test_cli import cli_env
 
 from funduq_trio.broker import schema
+from funduq_trio.broker.record import SqliteStore, run_store
 from funduq_trio.broker.schema import Migration, SchemaTooNew
 from funduq_trio.identity import Identity
 from funduq_trio.provider import Provider as SdkProvider
@@ -165,6 +166,89 @@ def test_a_step_applied_by_another_process_meanwhile_is_not_applied_again(tmp_pa
     # Without the second look under the write lock, step 2 fails: "table b already exists".
     assert schema.upgrade(ours, migrations=STEPS, before_step=they_get_there_first) == [3]
     assert version_of(path) == 3
+
+
+def test_step_7_replaces_the_two_listing_indexes_with_one_and_keeps_every_run(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    conn = connect(path)
+    assert schema.upgrade(conn, migrations=schema.MIGRATIONS[:6]) == [1, 2, 3, 4, 5, 6]
+    conn.executemany(
+        "INSERT INTO runs (arrival, id, thread_id, provider_key, agent_name, status, input,"
+        " created_at, started_at, completed_at) VALUES (?,?,'t','k','echo',?,'{}',?,?,?)",
+        [(1, "run_a", "completed", 1.0, 2.0, 3.0), (2, "run_b", "running", 1.5, 1.6, None)],
+    )
+    before = conn.execute("SELECT * FROM runs ORDER BY arrival").fetchall()
+    assert schema.upgrade(conn) == [7]
+    indexes = {
+        r[0]
+        for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type='index' AND tbl_name='runs'"
+        )
+    }
+    assert "runs_agent_listing" in indexes
+    assert not indexes & {"runs_agent", "runs_agent_status_time"}
+    assert conn.execute("SELECT * FROM runs ORDER BY arrival").fetchall() == before
+
+
+class _TracedStore(SqliteStore):
+    """The SQLite store, noting every SELECT its readers run."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.selects: list[str] = []
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = super()._connect()
+        conn.set_trace_callback(
+            lambda sql: self.selects.append(sql) if sql.lstrip().startswith("SELECT") else None
+        )
+        return conn
+
+
+async def test_both_listings_page_from_the_one_index(tmp_path):
+    """GET /runs (by arrival) and ListTasks (by status time) find an agent's
+    runs through runs_agent_listing, never a scan of the table; ListTasks
+    reads nothing but the index (its sort keeps one page, LIMIT)."""
+    key = "k" * 64
+    async with run_store(_TracedStore(tmp_path / "r.sqlite3")) as store:
+        assert isinstance(store, _TracedStore)
+        await store.list_runs(thread_id=None, provider_key=key, agent="echo", limit=10)
+        await store.list_runs(
+            thread_id=None, provider_key=key, agent="echo", limit=10, before="run_x"
+        )
+        await store.task_ids(
+            key,
+            "echo",
+            thread_id=None,
+            bound_to=None,
+            status=None,
+            status_after=None,
+            limit=10,
+            after_run=None,
+        )
+        await store.task_ids(
+            key,
+            "echo",
+            thread_id=None,
+            bound_to=None,
+            status=None,
+            status_after=5.0,
+            limit=10,
+            after_run="run_x",
+        )
+        plans = {}
+        for sql in dict.fromkeys(store.selects):
+            plan = await store.read(
+                lambda c, sql=sql: c.execute("EXPLAIN QUERY PLAN " + sql).fetchall()
+            )
+            plans[sql] = [row[3] for row in plan]
+    listings = {sql: plan for sql, plan in plans.items() if "FROM runs r WHERE" in sql}
+    assert len(listings) == 6  # two pages of GET /runs, two counts and two pages of ListTasks
+    for sql, plan in listings.items():
+        assert any("INDEX runs_agent_listing" in step for step in plan), (sql, plan)
+        assert not any(step.startswith("SCAN") for step in plan), (sql, plan)
+        if sql.startswith("SELECT r.id FROM") or sql.startswith("SELECT COUNT(*)"):
+            assert any("COVERING INDEX runs_agent_listing" in step for step in plan), (sql, plan)
 
 
 # -- a Funduq on the files ----------------------------------------------------------------------

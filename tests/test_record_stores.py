@@ -203,6 +203,16 @@ async def test_a_postgresql_record_upgrades_in_place_and_a_newer_one_is_refused(
         run = await funduq.get_run("run_1")
         assert run["status"] == "completed" and len(run["events"]) == 1
         assert (await funduq.list_runs(agent="echo"))[0]["runId"] == "run_1"  # migration 2
+        assert await funduq.record.task_ids(  # migration 7's index
+            "k",
+            "echo",
+            thread_id=None,
+            bound_to=None,
+            status=None,
+            status_after=None,
+            limit=5,
+            after_run=None,
+        ) == (1, ["run_1"])
         assert funduq.kyok.roster() == []  # migration 3's tables answer
     with psycopg.connect(stores.database_url, autocommit=True) as raw:
         assert raw.execute("SELECT version FROM schema_version").fetchall() == [

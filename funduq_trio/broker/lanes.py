@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -83,6 +83,15 @@ DELIVERY_BOUND = 5
 #: long, doubling up to RETRY_MAX_SECONDS.
 RETRY_SECONDS = 0.5
 RETRY_MAX_SECONDS = 8.0
+
+
+#: The phases a provider holds the run in (its events are read).
+_HOLDING = frozenset({Phase.HELD, Phase.STOPPING})
+#: A provider's answer to an offer, as the machine's input (an answer that
+#: is none of these is the lane's fault: KeyError).
+_ANSWER = {verdict.value: Input(verdict.value) for verdict in Verdict}
+#: The statuses that end a lane (a run settled or paused), for the metrics.
+_ENDS = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED})
 
 
 class MoveRefused(Exception):
@@ -124,7 +133,7 @@ class Feed:
     Older ones leave memory and ``first_seq`` moves past them: a follower
     behind that reads them from the record (``Funduq.follow``)."""
 
-    __slots__ = ("first_seq", "events", "closed", "_changed", "keep")
+    __slots__ = ("first_seq", "events", "closed", "_changed", "_closing", "keep")
 
     def __init__(self, first_seq: int, keep: int | None = None) -> None:
         #: The seq of the first event held (or of the next one, while none is).
@@ -134,6 +143,8 @@ class Feed:
         self.keep = keep
         # Made by the first follower to wait: a run nobody follows has none.
         self._changed: trio.Event | None = None
+        # Made by the first to wait for the end alone (``wait_closed``).
+        self._closing: trio.Event | None = None
 
     def _wake(self) -> None:
         if self._changed is not None:
@@ -151,6 +162,8 @@ class Feed:
     def close(self) -> None:
         self.closed = True
         self._wake()
+        if self._closing is not None:
+            self._closing.set()
 
     async def changed(self) -> None:
         """Wait for the next publish or the close."""
@@ -159,6 +172,15 @@ class Feed:
         if self._changed is None:
             self._changed = trio.Event()
         await self._changed.wait()
+
+    async def wait_closed(self) -> None:
+        """Wait for the close only: a waiter that reads no events is not woken
+        by each publish (a caller awaiting the run's end, ``Lane.ended``)."""
+        if self.closed:
+            return
+        if self._closing is None:
+            self._closing = trio.Event()
+        await self._closing.wait()
 
 
 class ThreadLanes:
@@ -323,8 +345,7 @@ class Lane:
 
     async def ended(self) -> None:
         """Wait until the lane has ended (the run settled or paused)."""
-        while not self.feed.closed:
-            await self.feed.changed()
+        await self.feed.wait_closed()
 
     # -- the inbox ---------------------------------------------------------------
 
@@ -476,7 +497,7 @@ class Lane:
                 message = await self._pending_wait()
                 if message is None:
                     continue
-            elif m.phase in (Phase.HELD, Phase.STOPPING):
+            elif m.phase in _HOLDING:
                 message = await self._receive(self._undelivered_at)
                 if message is None:
                     # Silence is not a verdict: counted against the provider,
@@ -490,7 +511,14 @@ class Lane:
 
     async def _on_message(self, message: Message) -> None:
         m = self.machine
-        if isinstance(message, Turn):
+        if isinstance(message, Report):  # the commonest first
+            raws = self._more_reports(message)
+            self._took_reports(len(raws))
+            if m.phase not in _HOLDING:
+                await self._do(m.handle(Input.REPORT))  # a run nobody holds: nothing
+                return
+            await self._report(raws)
+        elif isinstance(message, Turn):
             await self._do(m.handle(Input.TURN))
         elif isinstance(message, Wake):
             self._baton = self._baton or message.baton
@@ -498,13 +526,6 @@ class Lane:
         elif isinstance(message, Cancel):
             self._cancels.append(message)
             await self._do(m.handle(Input.CANCEL))
-        elif isinstance(message, Report):
-            raws = self._more_reports(message)
-            self._took_reports(len(raws))
-            if m.phase not in (Phase.HELD, Phase.STOPPING):
-                await self._do(m.handle(Input.REPORT))  # a run nobody holds: nothing
-                return
-            await self._report(raws)
         elif isinstance(message, Finish):
             await self._do(m.handle(Input.FINISH))
         elif isinstance(message, Gone):
@@ -622,10 +643,8 @@ class Lane:
         finally:
             self.awaiting_answer = self.cancel_pending = False
         if offer.verdict is not None:
-            await self._do(
-                m.handle(Input(Verdict(offer.verdict).value), reason=offer.reason or "refused")
-            )
-            if m.phase in (Phase.HELD, Phase.STOPPING):
+            await self._do(m.handle(_ANSWER[offer.verdict], reason=offer.reason or "refused"))
+            if m.phase in _HOLDING:
                 self._undelivered_at = (
                     trio.current_time() + self.f.settings.undelivered_window_seconds
                 )
@@ -637,53 +656,68 @@ class Lane:
     # -- carrying out the machine's actions ------------------------------------------
 
     async def _do(self, actions: list[rm.Action]) -> None:
+        """Carry out the machine's actions, in order. Each action's step is
+        looked up by its type (``_STEPS``); a step that must wait returns
+        what to await, the others are done when they return."""
         for action in actions:
-            if isinstance(action, rm.Move):
-                await self._move(action.to, stamp=action.stamp, soon=action.soon)
-            elif isinstance(action, rm.Settle):
-                await self._settle(action)
-            elif isinstance(action, rm.Pause):
-                self.metadata["interrupts"] = agui.interrupts_of(self._finished or {})
-                await self._move(
-                    Status.INPUT_REQUIRED,
-                    stamp="completed_at",
-                    messages=self.f.reply_messages(self),
-                )
-            elif isinstance(action, rm.SendOffer):
-                await self._send_offer()
-            elif isinstance(action, rm.Withdraw):
-                if self._place is not None and self._offer is not None:
-                    self._place.withdraw(self._offer)
-            elif isinstance(action, rm.ReleasePlace):
-                self._release_place(wake=action.wake)
-            elif isinstance(action, rm.Relay):
-                burst, self._burst = self._burst, []
-                await self._append(burst)
-            elif isinstance(action, rm.AskToStop):
-                if self._place is not None:
-                    self._place.cancel(self.run_id)
-            elif isinstance(action, rm.Count):
-                try:
-                    await self.f.providers.count(self.key, action.counter)
-                except Exception as exc:
-                    if not record_trouble(exc):
-                        raise
-                    log.warning(
-                        "run %s: could not record a %s strike: %s", self.run_id, action.counter, exc
-                    )
-            elif isinstance(action, rm.NoteCancel):
-                by = self._cancels[0].by if self._cancels else None
-                self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by
-            elif isinstance(action, rm.AnswerCancel):
-                if self._cancels:
-                    cancel = self._cancels.pop(0)
-                    if action.applied:
-                        cancel.applied(self.snapshot())
-                    else:
-                        cancel.refuse()
-            elif isinstance(action, rm.LeaveQueue):
-                if self.thread is not None:
-                    self.thread.leave(self)
+            step = _STEPS[type(action)](self, action)
+            if step is not None:
+                await step
+
+    def _do_move(self, action: rm.Move) -> Awaitable[None]:
+        return self._move(action.to, stamp=action.stamp, soon=action.soon)
+
+    async def _do_pause(self, action: rm.Pause) -> None:
+        self.metadata["interrupts"] = agui.interrupts_of(self._finished or {})
+        await self._move(
+            Status.INPUT_REQUIRED,
+            stamp="completed_at",
+            messages=self.f.reply_messages(self),
+        )
+
+    def _do_send_offer(self, action: rm.SendOffer) -> Awaitable[None]:
+        return self._send_offer()
+
+    def _do_withdraw(self, action: rm.Withdraw) -> None:
+        if self._place is not None and self._offer is not None:
+            self._place.withdraw(self._offer)
+
+    def _do_release_place(self, action: rm.ReleasePlace) -> None:
+        self._release_place(wake=action.wake)
+
+    def _do_relay(self, action: rm.Relay) -> Awaitable[None]:
+        burst, self._burst = self._burst, []
+        return self._append(burst)
+
+    def _do_ask_to_stop(self, action: rm.AskToStop) -> None:
+        if self._place is not None:
+            self._place.cancel(self.run_id)
+
+    async def _do_count(self, action: rm.Count) -> None:
+        try:
+            await self.f.providers.count(self.key, action.counter)
+        except Exception as exc:
+            if not record_trouble(exc):
+                raise
+            log.warning(
+                "run %s: could not record a %s strike: %s", self.run_id, action.counter, exc
+            )
+
+    def _do_note_cancel(self, action: rm.NoteCancel) -> None:
+        by = self._cancels[0].by if self._cancels else None
+        self.metadata.setdefault("funduq", {})["cancelRequestedBy"] = by
+
+    def _do_answer_cancel(self, action: rm.AnswerCancel) -> None:
+        if self._cancels:
+            cancel = self._cancels.pop(0)
+            if action.applied:
+                cancel.applied(self.snapshot())
+            else:
+                cancel.refuse()
+
+    def _do_leave_queue(self, action: rm.LeaveQueue) -> None:
+        if self.thread is not None:
+            self.thread.leave(self)
 
     async def _send_offer(self) -> None:
         session, offer = self._place, self._offer
@@ -759,7 +793,8 @@ class Lane:
     async def _append(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
-        await self._confirm()
+        if self._unconfirmed is not None:
+            await self._confirm()
         numbered = list(enumerate(events, start=self.next_seq))
         await self._retrying(lambda: self.f.record.append_events(self.run_id, numbered))
         self.next_seq += len(events)
@@ -776,7 +811,8 @@ class Lane:
         messages: list[tuple[Any, ...]] | None = None,
         soon: bool = False,
     ) -> None:
-        await self._confirm()
+        if self._unconfirmed is not None:
+            await self._confirm()
         when = time.time()
         record = self.f.record
         if soon:
@@ -801,7 +837,7 @@ class Lane:
         if stamp:
             self.stamps[stamp] = when
         self.f.metrics.events_recorded += len(events or ())
-        if to in (Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED):
+        if to in _ENDS:
             self.f.metrics.run_ended(to)
 
     def snapshot(self) -> dict[str, Any] | None:
@@ -877,3 +913,20 @@ class Lane:
             {"id": mid, "role": role, "content": "".join(parts)}
             for mid, (role, parts) in self._texts.items()
         ]
+
+
+#: Each action of the run machine and the lane's step that carries it out.
+_STEPS: dict[type[Any], Callable[[Lane, Any], Awaitable[None] | None]] = {
+    rm.Move: Lane._do_move,
+    rm.Settle: Lane._settle,
+    rm.Pause: Lane._do_pause,
+    rm.SendOffer: Lane._do_send_offer,
+    rm.Withdraw: Lane._do_withdraw,
+    rm.ReleasePlace: Lane._do_release_place,
+    rm.Relay: Lane._do_relay,
+    rm.AskToStop: Lane._do_ask_to_stop,
+    rm.Count: Lane._do_count,
+    rm.NoteCancel: Lane._do_note_cancel,
+    rm.AnswerCancel: Lane._do_answer_cancel,
+    rm.LeaveQueue: Lane._do_leave_queue,
+}

@@ -208,6 +208,15 @@ CREATE SEQUENCE run_arrivals;
 SELECT setval('run_arrivals', (SELECT COALESCE(MAX(arrival), 0) + 1 FROM runs), false);
 """,
     ),
+    _migration(
+        7,
+        """
+DROP INDEX runs_agent_status_time;
+DROP INDEX runs_agent;
+CREATE INDEX runs_agent_listing ON runs
+    (provider_key, agent_name, arrival, completed_at, started_at, created_at, id);
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").
@@ -363,7 +372,7 @@ def statements(sql: str) -> list[str]:
     return found
 
 
-#: The message the fence raises with (see migration 5).
+#: The message the fence raises with (see migration 6).
 NOT_LEADER = "funduq_not_leader"
 #: Active statuses whose runs need a leader (a paused run needs none until answered).
 NEEDS_LEADER = tuple(sorted(statuses.ACTIVE - {statuses.INPUT_REQUIRED}))

@@ -97,7 +97,7 @@ that as a fault.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from ..protocol import reasons
@@ -139,6 +139,10 @@ class Verdict(enum.StrEnum):
 
 
 class Phase(enum.Enum):
+    # Members are singletons compared by identity: hash them so too (Enum's
+    # own __hash__ is a Python call, and every input looks a phase up).
+    __hash__ = object.__hash__
+
     WAITING = "waiting"
     RESERVED = "reserved"
     OFFERED = "offered"
@@ -173,6 +177,8 @@ PHASE_OF: Final[dict[Status, Phase]] = {
 
 
 class Input(enum.Enum):
+    __hash__ = object.__hash__  # as Phase's
+
     TURN = "turn"  # the run heads its thread's queue
     WAKE = "wake"  # something changed for its agent: look again
     PLACE_FOUND = "place found"  # the shell spent a serving provider's place
@@ -300,6 +306,26 @@ class Row:
     next: Phase | None  # None: stays; FUNNEL rows name their next phase in FUNNEL
     actions: tuple[Action, ...] = ()
     funnel: bool = False
+    #: Derived once, when the table is built (``handle`` reads them per input):
+    #: the status the row's actions leave the run in (None: unchanged), and
+    #: whether an action needs the input's facts filled in (a Settle).
+    status: Status | None = field(init=False, compare=False, repr=False)
+    fills: bool = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", _status_after(self.actions))
+        object.__setattr__(self, "fills", any(isinstance(a, Settle) for a in self.actions))
+
+
+def _status_after(actions: tuple[Action, ...] | list[Action]) -> Status | None:
+    """The status a run is in once ``actions`` are carried out (None: as it was)."""
+    status = None
+    for action in actions:
+        if isinstance(action, (Move, Settle)):
+            status = action.to
+        elif isinstance(action, Pause):
+            status = Status.INPUT_REQUIRED
+    return status
 
 
 def _settle(reason: str | None, to: Status = Status.FAILED) -> Settle:
@@ -404,6 +430,13 @@ FUNNEL: Final[tuple[tuple[str | None, bool | None, Phase, Action], ...]] = (
 )
 
 
+# Enum members read per input, bound once (a class attribute costs a lookup
+# through the enum's metaclass each time).
+_WAITING, _OFFERED, _PAUSED, _SETTLED = Phase.WAITING, Phase.OFFERED, Phase.PAUSED, Phase.SETTLED
+_TURN, _WAKE, _DECLINED, _CANCEL = Input.TURN, Input.WAKE, Input.DECLINED, Input.CANCEL
+_REPORT, _MALFORMED = Input.REPORT, Input.MALFORMED
+
+
 class RunMachine:
     """One run's state. ``handle(input)`` -> the actions to carry out, in order."""
 
@@ -419,7 +452,7 @@ class RunMachine:
     )
 
     def __init__(self, status: Status | str = Status.QUEUED) -> None:
-        self.status = Status(status)
+        self.status = status if type(status) is Status else Status(status)
         self.phase = PHASE_OF[self.status]
         self.head = False
         self.declined = False
@@ -432,12 +465,13 @@ class RunMachine:
     @property
     def over(self) -> bool:
         """The lane has nothing more to do: the run settled or paused."""
-        return self.phase in (Phase.SETTLED, Phase.PAUSED)
+        phase = self.phase
+        return phase is _SETTLED or phase is _PAUSED
 
     @property
     def wants_place(self) -> bool:
         """Queued and heading its thread: it should be offered when it can."""
-        return self.phase is Phase.WAITING and self.head
+        return self.phase is _WAITING and self.head
 
     def handle(
         self,
@@ -456,46 +490,40 @@ class RunMachine:
                 f"{what.value!r} cannot happen to a run in phase {self.phase.value!r}"
             )
         # Facts first: the rows' actions read them.
-        if what is Input.TURN:
-            self.head = True
-        elif what is Input.WAKE:
-            self.declined = False
-        elif what is Input.DECLINED:
-            self.declined = True
-        elif (
-            what is Input.CANCEL
-            and self.phase is not Phase.SETTLED
-            and self.phase is not Phase.PAUSED
-        ):
-            self.cancel_requested = True
-            if self.phase is Phase.OFFERED:
-                self.deferred_cancels += 1
-        elif what in (Input.REPORT, Input.MALFORMED):
+        if what is _REPORT or what is _MALFORMED:
             self.reported_error = self.reported_error or errored
             if finished is not None:
                 self.outcome = finished
-        actions = [self._fill(a, reason) for a in row.actions]
+        elif what is _TURN:
+            self.head = True
+        elif what is _WAKE:
+            self.declined = False
+        elif what is _DECLINED:
+            self.declined = True
+        elif what is _CANCEL and self.phase is not _SETTLED and self.phase is not _PAUSED:
+            self.cancel_requested = True
+            if self.phase is _OFFERED:
+                self.deferred_cancels += 1
+        if row.fills:
+            actions = [self._fill(a, reason) for a in row.actions]
+        else:
+            actions = list(row.actions)
         if row.next is not None:
-            self._enter(row.next, actions)
+            self.phase = row.next
+            if row.status is not None:
+                self.status = row.status
         if row.funnel:
             phase, action = self._funnel()
             actions.append(self._fill(action, reason))
-            self._enter(phase, actions)
-        if self.deferred_cancels and self.phase is not Phase.OFFERED:
+            self.phase = phase
+            self.status = _status_after((action,)) or self.status
+        if self.deferred_cancels and self.phase is not _OFFERED:
             # A cancel read while the offer was out is applied now that the
             # answer's row has run, in the phase the answer led to.
             pending, self.deferred_cancels = self.deferred_cancels, 0
             for _ in range(pending):
-                actions += self.handle(Input.CANCEL)
+                actions += self.handle(_CANCEL)
         return actions
-
-    def _enter(self, phase: Phase, actions: list[Action]) -> None:
-        self.phase = phase
-        for action in actions:
-            if isinstance(action, (Move, Settle)):
-                self.status = action.to
-            elif isinstance(action, Pause):
-                self.status = Status.INPUT_REQUIRED
 
     def _fill(self, action: Action, reason: str | None) -> Action:
         if isinstance(action, Settle):

@@ -179,6 +179,24 @@ CREATE TABLE thread_leases (
 );
 """,
     ),
+    # The listing index of step 2 that moved on every stamp (a run's status
+    # time changes as it starts and as it ends) cost each run's writes more
+    # than any other: one index in arrival order serves both listings now.
+    # A run's entry stays where it is when the run is stamped (only answering
+    # a pause gives a run a new arrival); it holds the stamps and the id, so
+    # ListTasks counts, orders by status time and pages from the index alone
+    # (a top-N sort bounded by the page).
+    Migration(
+        7,
+        "one index serves both listings (an agent's runs by arrival and by status "
+        "time): the status-time index, rewritten at each run's start and end, goes",
+        """
+DROP INDEX runs_agent_status_time;
+DROP INDEX runs_agent;
+CREATE INDEX runs_agent_listing ON runs
+    (provider_key, agent_name, arrival, completed_at, started_at, created_at, id);
+""",
+    ),
     # Next: Migration(6, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 

@@ -95,14 +95,17 @@ def _bad_scalar(item: Any) -> bool:
 
 def _clean(value: Any, limit: float) -> bool:
     """The fast walk (every event and body takes it): True when nothing is
-    wrong. Scalars are checked in place, only containers are stacked; exact
-    types first (what `json.loads` makes), isinstance for anything else."""
-    if not isinstance(value, dict | list | tuple):
+    wrong. Scalars are checked in place, only nested containers are stacked
+    (a flat event stacks nothing); exact types first (what `json.loads`
+    makes), isinstance for anything else. Only a string that is not ASCII
+    can fail to be UTF-8: `isascii` is the check nearly every string takes."""
+    kind = type(value)
+    if kind is not dict and kind is not list and not isinstance(value, dict | list | tuple):
         return not _bad_scalar(value)
-    stack = [(value, 1)]
+    stack: list[tuple[Any, int]] = []
     push = stack.append
-    while stack:
-        item, depth = stack.pop()
+    item, depth = value, 1
+    while True:
         if depth > limit:
             return False
         if type(item) is dict or isinstance(item, dict):
@@ -132,7 +135,9 @@ def _clean(value: Any, limit: float) -> bool:
                     push((child, depth + 1))
                 elif _bad_scalar(child):
                     return False
-    return True
+        if not stack:
+            return True
+        item, depth = stack.pop()
 
 
 def _describe(value: Any, limit: float) -> str:

@@ -61,6 +61,8 @@ MOVES: Final[dict[Status, frozenset[Status]]] = {
     FAILED: frozenset({QUEUED, OFFERING, RUNNING, CANCELLING}),
 }
 
+_MOVES_BY_TEXT: Final[dict[str, frozenset[Status]]] = {to.value: src for to, src in MOVES.items()}
+
 ALL: Final[frozenset[Status]] = frozenset(Status)
 #: A terminal status is one nothing moves out of.
 TERMINAL: Final = frozenset(s for s in ALL if not any(s in src for src in MOVES.values()))
@@ -74,5 +76,9 @@ ORPHANED_BY_RESTART: Final = frozenset({OFFERING}) | HELD
 
 
 def sources(to: str) -> frozenset[Status]:
-    """The from-statuses a guarded write to ``to`` names."""
-    return MOVES[Status(to)]
+    """The from-statuses a guarded write to ``to`` names (ValueError: ``to``
+    is no status)."""
+    # A str finds its Status (a StrEnum hashes and compares as its text)
+    # without the enum's lookup; what is no status still raises ValueError.
+    found = _MOVES_BY_TEXT.get(to)
+    return found if found is not None else MOVES[Status(to)]
