@@ -36,6 +36,7 @@ from .kyok import mount_kyok
 from .operator import mount_operator_page
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
+from .sse import serve_streams
 
 
 def error_body(status: int, code: str, message: str, details: Any = None) -> dict[str, Any]:
@@ -122,7 +123,8 @@ def create_app(funduq: Funduq) -> QuartTrio:
     # ensure_ascii stays on: a body may carry lone surrogates ("\ud800" is valid
     # JSON), which only escaped output can echo back without failing to encode.
     app.extensions["funduq"] = funduq
-    app.asgi_app = CloseAfterResponse(app.asgi_app)  # type: ignore[method-assign]
+    # SSE streams are written by serve_streams once quart has answered (web/sse.py).
+    app.asgi_app = CloseAfterResponse(serve_streams(app.asgi_app))  # type: ignore[method-assign]
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
