@@ -123,8 +123,10 @@ def create_app(funduq: Funduq) -> QuartTrio:
     # ensure_ascii stays on: a body may carry lone surrogates ("\ud800" is valid
     # JSON), which only escaped output can echo back without failing to encode.
     app.extensions["funduq"] = funduq
-    # SSE streams are written by serve_streams once quart has answered (web/sse.py).
-    app.asgi_app = CloseAfterResponse(serve_streams(app.asgi_app))  # type: ignore[method-assign]
+    # SSE streams are written by serve_streams once quart has answered
+    # (web/sse.py); nobody cancels that writer during its last send, so only
+    # quart's responses need CloseAfterResponse.
+    app.asgi_app = serve_streams(CloseAfterResponse(app.asgi_app))  # type: ignore[method-assign]
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:

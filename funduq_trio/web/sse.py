@@ -297,14 +297,11 @@ class _Stream:
             aclose = getattr(bursts, "aclose", None)
             try:
                 async for burst in bursts:
+                    chunk = burst_chunk(burst)
+                    del burst  # not held while the next one is awaited
                     self.writing = True
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": burst_chunk(burst),
-                            "more_body": True,
-                        }
-                    )
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    del chunk
                     self.writing = False
                     self.last_write = trio.current_time()
             finally:
@@ -347,14 +344,21 @@ def serve_streams(app: Any) -> Any:
         if scope["type"] != "http":
             await app(scope, receive, send)
             return
-        exchange = _Exchange(scope, receive, send)
-        scope[STREAM_SLOT] = None
-        await app(scope, exchange.receive, exchange.send)
-        stream = scope.pop(STREAM_SLOT, None)
-        if stream is not None and not exchange.gone:
+        stream = await _answer(app, scope, receive, send)
+        if stream is not None:
             await stream.serve(receive, send)
 
     return asgi_app
+
+
+async def _answer(app: Any, scope: Any, receive: Receive, send: Send) -> _Stream | None:
+    """Let quart answer the request; the stream it handed over, if any (None
+    also when the caller left meanwhile). Nothing of quart's outlives this."""
+    exchange = _Exchange(scope, receive, send)
+    scope[STREAM_SLOT] = None
+    await app(scope, exchange.receive, exchange.send)
+    stream: _Stream | None = scope.pop(STREAM_SLOT, None)
+    return None if exchange.gone else stream
 
 
 class _Exchange:
