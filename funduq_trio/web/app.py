@@ -123,10 +123,7 @@ def create_app(funduq: Funduq) -> QuartTrio:
     # ensure_ascii stays on: a body may carry lone surrogates ("\ud800" is valid
     # JSON), which only escaped output can echo back without failing to encode.
     app.extensions["funduq"] = funduq
-    # SSE streams are written by serve_streams once quart has answered
-    # (web/sse.py); nobody cancels that writer during its last send, so only
-    # quart's responses need CloseAfterResponse.
-    app.asgi_app = serve_streams(CloseAfterResponse(app.asgi_app))  # type: ignore[method-assign]
+    app.asgi_app = CloseAfterResponse(app.asgi_app)  # type: ignore[method-assign]
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -171,4 +168,10 @@ def create_app(funduq: Funduq) -> QuartTrio:
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
     mount_kyok(app, funduq)
+    # Outermost: SSE streams are written by serve_streams once quart (and every
+    # layer above it, CloseAfterResponse and the provider link's router) has
+    # answered, so none of their frames waits as long as a stream (web/sse.py).
+    # Nobody cancels that writer during its last send: CloseAfterResponse's
+    # shield is for quart's responses.
+    app.asgi_app = serve_streams(app.asgi_app)
     return app
