@@ -246,7 +246,9 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for owner, size in owners.most_common(25):
         print(f"    {size / n / 1024:6.2f} KiB  {owner}")
     print("  top allocation sites (innermost frame in a named package):")
-    root = Path(h.__file__).resolve().parent.parent
+    import funduq_trio
+
+    root = Path(funduq_trio.__file__).resolve().parent.parent  # the tree measured
     for (file, line), size in sites.most_common(args.sites):
         source = ""
         for base in [root, *map(Path, sys.path)]:
