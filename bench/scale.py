@@ -422,7 +422,16 @@ def main() -> None:
     with h.fresh_dir("funduq-scale-") as tmp:
         workdir = Path(tmp)
         floor = None if args.no_baseline else h.trio_floor(args.waiting)
-        server = h.Server(workdir / "data")
+        # The bounds on waiting runs (docs/limits.md) are raised to the size
+        # asked for: at the defaults (1,000 per agent) the rest are refused.
+        room_for = str(max(10_000, args.waiting))
+        server = h.Server(
+            workdir / "data",
+            env={
+                "FUNDUQ_MAX_QUEUED_RUNS_PER_AGENT": room_for,
+                "FUNDUQ_MAX_QUEUED_RUNS": room_for,
+            },
+        )
         try:
             rounds = trio.run(drive, args, server)
         except* trio.TooSlowError:

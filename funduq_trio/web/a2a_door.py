@@ -441,13 +441,16 @@ class A2ADoor:
             and projection.last_seq >= recorded
         )
         # A stream lasts as long as its run: it keeps what it frames with (the
-        # call's id and dialect, the projection), not the parsed request or
-        # the opening record.
+        # call's id and dialect, the projection), not the parsed request, the
+        # opening record or this door (its agent view).
         call = dataclasses.replace(call, request=None, params={})
-        return self.stream(call, projection, opening=cursor is None, at_pause=at_pause)
+        return A2ADoor.stream(
+            self.funduq, call, projection, opening=cursor is None, at_pause=at_pause
+        )
 
+    @staticmethod
     async def stream(
-        self,
+        funduq: Any,
         call: Call,
         projection: TaskProjection,
         *,
@@ -471,9 +474,9 @@ class A2ADoor:
             if opening:
                 yield [framed(pb.StreamResponse(task=projection.task()), projection.last_seq)]
             if at_pause:
-                await self.funduq.wait_reopened(run_id, projection.last_seq)
+                await funduq.wait_reopened(run_id, projection.last_seq)
             while True:
-                follow = self.funduq.follow(run_id, after_seq=projection.last_seq)
+                follow = funduq.follow(run_id, after_seq=projection.last_seq)
                 async with contextlib.aclosing(follow) as bursts:
                     async for burst in bursts:
                         frames = [
@@ -483,7 +486,7 @@ class A2ADoor:
                         ]
                         if frames:
                             yield frames
-                record = await self.funduq.get_run(run_id)
+                record = await funduq.get_run(run_id)
                 if record is None:
                     raise TaskNotFoundError(data={"taskId": run_id})
                 # What the record has beyond the follow (a run reopened while
@@ -498,7 +501,7 @@ class A2ADoor:
                 status = record["status"]
                 if status in statuses.TERMINAL or status == statuses.INPUT_REQUIRED:
                     break
-                await self.funduq.wait_reopened(run_id, projection.last_seq)
+                await funduq.wait_reopened(run_id, projection.last_seq)
             yield [framed(projection.settle(record), projection.last_seq)]
         except A2AError as exc:
             yield [error_response(call, exc)]

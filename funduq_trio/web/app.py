@@ -36,6 +36,7 @@ from .kyok import mount_kyok
 from .operator import mount_operator_page
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
+from .sse import serve_streams
 
 
 def error_body(status: int, code: str, message: str, details: Any = None) -> dict[str, Any]:
@@ -167,4 +168,10 @@ def create_app(funduq: Funduq) -> QuartTrio:
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
     mount_kyok(app, funduq)
+    # Outermost: SSE streams are written by serve_streams once quart (and every
+    # layer above it, CloseAfterResponse and the provider link's router) has
+    # answered, so none of their frames waits as long as a stream (web/sse.py).
+    # Nobody cancels that writer during its last send: CloseAfterResponse's
+    # shield is for quart's responses.
+    app.asgi_app = serve_streams(app.asgi_app)
     return app

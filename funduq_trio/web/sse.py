@@ -29,22 +29,36 @@ Everything that can fail with a status code (404, 429, ...) must be decided
 Keepalive: a stream that has written nothing for the app's
 ``SSE_KEEPALIVE_SECONDS`` (FUNDUQ_SSE_KEEPALIVE_SECONDS) writes the comment
 ``: keepalive``, so a proxy with a read timeout does not cut a run that waits
-in the queue or thinks. SSE clients ignore comments. A generator cannot be
-read with a timeout (cancelling its ``__anext__`` ends it), so the stream's
-source is read by a task in the app's nursery and handed over a channel; the
-response waits on the channel with the timeout, and closing the response
-cancels that task, which closes the source.
+in the queue or thinks. SSE clients ignore comments.
+
+Serving: a stream lasts as long as the run it follows, which may wait in a
+queue for hours, so what it holds meanwhile is paid per waiting caller. In an
+app wrapped by `serve_streams` (`web/app.py` does), quart answers the request
+as any other -- routing, the door's checks, errors, the after-request hooks
+(CORS) and the response's status and headers -- and then hands the stream
+over: the response body quart iterates is empty, and iterating it leaves the
+stream in the ASGI scope. `serve_streams` then writes the stream itself on
+the connection's own task, straight onto hypercorn's ``send``, with one
+watcher task that reads ``receive`` (a disconnect cancels the writer, which
+closes the source) and writes the keepalive comments. Quart's request and
+response objects, its two tasks per request and its context are gone by
+then (bench/README.md, "What an open stream holds"). Without `serve_streams`
+(an app that mounts the doors on its own) the response streams through quart,
+its source read by a task in the app's nursery (`with_keepalive`): a
+generator cannot be read with a timeout (cancelling its ``__anext__`` ends
+it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+import math
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
-from quart import Response, current_app
+from quart import Response, current_app, request
 
 SSE_CONTENT_TYPE = "text/event-stream"
 
@@ -106,12 +120,17 @@ def _frame(item: Any) -> bytes:
     return sse_frame(item)
 
 
+def burst_chunk(burst: list[Any]) -> bytes:
+    """One burst of JSON-able items (or `Identified` ones) as one chunk of frames."""
+    return b"".join(_frame(item) for item in burst)
+
+
 async def sse_frames(bursts: AsyncIterable[list[Any]]) -> AsyncIterator[bytes]:
     """Encode each burst of JSON-able items (or `Identified` ones) as one
     chunk of frames; closing this closes `bursts`."""
     try:
         async for burst in bursts:
-            yield b"".join(_frame(item) for item in burst)
+            yield burst_chunk(burst)
     finally:
         aclose = getattr(bursts, "aclose", None)
         if aclose is not None:
@@ -193,15 +212,22 @@ def sse_response(
     JSON-able or `Identified` items, each written as one chunk), with a
     keepalive comment after the app's SSE_KEEPALIVE_SECONDS of silence.
 
-    The response has no timeout: a stream lasts as long as what it follows
-    (Quart's RESPONSE_TIMEOUT would otherwise cut it after 60 s).
+    In an app wrapped by `serve_streams` the body is handed over to it (see
+    the module's docstring); otherwise quart streams it. The response has no
+    timeout: a stream lasts as long as what it follows (Quart's
+    RESPONSE_TIMEOUT would otherwise cut it after 60 s).
     """
-    body: AsyncIterator[bytes] = sse_frames(bursts)
     interval = current_app.config.get(KEEPALIVE_CONFIG) or 0
-    # The app's nursery exists while hypercorn serves it (ASGI lifespan).
-    nursery = getattr(current_app, "nursery", None)
-    if interval > 0 and nursery is not None:
-        body = with_keepalive(body, interval, nursery)
+    scope = request.scope
+    body: Any
+    if STREAM_SLOT in scope:
+        body = _Handover(scope, _Stream(bursts, interval))
+    else:
+        body = sse_frames(bursts)
+        # The app's nursery exists while hypercorn serves it (ASGI lifespan).
+        nursery = getattr(current_app, "nursery", None)
+        if interval > 0 and nursery is not None:
+            body = with_keepalive(body, interval, nursery)
     response = Response(
         body,
         status=status,
@@ -210,3 +236,155 @@ def sse_response(
     )
     response.timeout = None
     return response
+
+
+# ------------------------------------------------------------ served on ASGI
+
+#: The ASGI scope key `serve_streams` sets on every HTTP request: present,
+#: `sse_response` hands its stream over; the stream is left there once
+#: quart has sent the response's start.
+STREAM_SLOT = "funduq.sse_stream"
+
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+Send = Callable[[Any], Awaitable[None]]
+Receive = Callable[[], Awaitable[Any]]
+
+
+class _Handover:
+    """The body quart iterates for a handed-over stream: empty. quart iterates
+    it only after sending the response's start (status and headers final), and
+    that is when the stream is left in the scope for `serve_streams`; a
+    response quart never sends hands nothing over."""
+
+    __slots__ = ("scope", "stream")
+
+    def __init__(self, scope: dict[str, Any], stream: _Stream) -> None:
+        self.scope: dict[str, Any] | None = scope
+        self.stream: _Stream | None = stream
+
+    def __aiter__(self) -> _Handover:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.scope is not None:
+            self.scope[STREAM_SLOT] = self.stream
+            self.scope = self.stream = None
+        raise StopAsyncIteration
+
+
+class _Stream:
+    """One handed-over stream, written on the connection's task (`serve`)."""
+
+    __slots__ = ("bursts", "interval", "last_write", "writing", "gone")
+
+    def __init__(self, bursts: AsyncIterable[list[Any]], interval: float) -> None:
+        self.bursts = bursts
+        self.interval = interval
+        self.last_write = 0.0
+        self.writing = False  # the writer is in a send
+        self.gone = False  # the caller disconnected
+
+    async def serve(self, receive: Receive, send: Send) -> None:
+        """Write the stream to its end, then end the response. A disconnect
+        cancels the writer and closes the source; nothing more is sent. A
+        cancellation from outside (the server shutting down) or an exception
+        from the source leaves the response cut, never ended as if complete."""
+        bursts, self.bursts = self.bursts, None  # type: ignore[assignment]
+        self.last_write = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch, receive, send, nursery.cancel_scope)
+            aclose = getattr(bursts, "aclose", None)
+            try:
+                async for burst in bursts:
+                    chunk = burst_chunk(burst)
+                    del burst  # not held while the next one is awaited
+                    self.writing = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    del chunk
+                    self.writing = False
+                    self.last_write = trio.current_time()
+            finally:
+                if aclose is not None:
+                    await aclose()
+            nursery.cancel_scope.cancel()  # the stream ended: the watcher stops
+        if not self.gone:
+            await send(_END)
+
+    async def _watch(self, receive: Receive, send: Send, writer: trio.CancelScope) -> None:
+        """Read the request's side until the caller goes (then cancel the
+        writer); write a keepalive whenever `interval` passes without a write."""
+        interval = self.interval
+        while True:
+            if interval <= 0:
+                deadline = math.inf
+            elif self.writing:  # a write in progress (a slow reader): look again later
+                deadline = trio.current_time() + interval
+            else:
+                deadline = self.last_write + interval
+            with trio.CancelScope(deadline=deadline):
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.gone = True
+                    writer.cancel()
+                    return
+                continue  # nothing else comes once the body is read
+            if not self.writing and trio.current_time() >= self.last_write + interval:
+                await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+                self.last_write = trio.current_time()
+
+
+def serve_streams(app: Any) -> Any:
+    """ASGI middleware in front of the quart app: a response made by
+    `sse_response` is written here once quart has sent its start (see the
+    module's docstring). Every other request and response passes through
+    untouched."""
+
+    async def asgi_app(scope: Any, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        stream = await _answer(app, scope, receive, send)
+        if stream is not None:
+            await stream.serve(receive, send)
+
+    return asgi_app
+
+
+async def _answer(app: Any, scope: Any, receive: Receive, send: Send) -> _Stream | None:
+    """Let quart answer the request; the stream it handed over, if any (None
+    also when the caller left meanwhile). Nothing of quart's outlives this."""
+    exchange = _Exchange(scope, receive, send)
+    scope[STREAM_SLOT] = None
+    await app(scope, exchange.receive, exchange.send)
+    stream: _Stream | None = scope.pop(STREAM_SLOT, None)
+    return None if exchange.gone else stream
+
+
+class _Exchange:
+    """One request's `receive` and `send` as quart sees them: the end of a
+    handed-over response is held back (the stream writes it), and a
+    disconnect quart read is remembered (the stream is then not served)."""
+
+    __slots__ = ("_scope", "_receive", "_send", "gone")
+
+    def __init__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self.gone = False
+
+    async def receive(self) -> Any:
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            self.gone = True
+        return message
+
+    async def send(self, message: Any) -> None:
+        if (
+            message["type"] == "http.response.body"
+            and not message.get("more_body", False)
+            and self._scope.get(STREAM_SLOT) is not None
+        ):
+            return  # the handed-over stream ends the response itself
+        await self._send(message)
