@@ -178,9 +178,11 @@ CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
     ),
     # docs/cluster.md. A thread's runs are ordered by the node holding its
     # lease; expiry is on the database's clock, so nodes' clocks never matter.
-    # funduq_lead is the fence: every write of a run calls it first and is
-    # refused unless the run's thread is the writer's (FOR SHARE: a takeover
-    # waits for a write in flight, and the new leader reads what it wrote).
+    # funduq_lead is the fence: a transaction that wrote a run's events or
+    # inserted a run calls it once per thread before COMMIT (a guarded move
+    # has the same check in its own UPDATE, see _FENCED_MOVE) and is refused
+    # unless the run's thread is the writer's (FOR SHARE: a takeover waits
+    # for a write in flight, and the new leader reads what it wrote).
     # Arrivals come from one sequence, so a thread's runs keep their order
     # when its lease moves from node to node.
     _migration(
@@ -375,7 +377,7 @@ def statements(sql: str) -> list[str]:
     return found
 
 
-#: The message the fence raises with (see migration 5).
+#: The message the fence raises with (see migration 6).
 NOT_LEADER = "funduq_not_leader"
 #: Active statuses whose runs need a leader (a paused run needs none until answered).
 NEEDS_LEADER = tuple(sorted(statuses.ACTIVE - {statuses.INPUT_REQUIRED}))
