@@ -183,10 +183,43 @@ async def measure(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         out["node_runs"] = [len(load.results) for load in loads]
         out["latency"] = [r["done"] - r["began"] for r in results if r["ok"]]
         run_ids = [r["run_id"] for r in results if r["run_id"]]
-        verified = await e2e.verify(client, urls[0], run_ids, 16, loads[0].events_per_run)
+        verified = await verify(urls[0], run_ids, loads[0].events_per_run)
         out["completed"] = verified["statuses"].get("completed", 0) - len(verified["short"])
         out["statuses"] = verified["statuses"]
     return out
+
+
+async def verify(url: str, run_ids: list[str], events_per_run: int) -> dict[str, Any]:
+    """`e2e.verify` on a client of its own, a request retried once when its
+    pooled connection turns out closed (seen after long loads)."""
+    statuses: dict[str, int] = {}
+    short: list[str] = []
+    queue = list(run_ids)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            run_id = queue.pop()
+            for attempt in range(3):
+                try:
+                    response = await client.get(f"{url}/runs/{run_id}")
+                    break
+                except httpx.TransportError as exc:
+                    if attempt == 2:
+                        raise
+                    print(f"  GET /runs/{run_id}: {exc!r}; again", file=sys.stderr)
+                    await trio.sleep(0.2)
+            record = response.json()
+            status = record.get("status", "missing")
+            statuses[status] = statuses.get(status, 0) + 1
+            if status == "completed" and len(record["events"]) != events_per_run:
+                short.append(run_id)
+
+    limits = httpx.Limits(max_connections=8, max_keepalive_connections=8)
+    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(worker, client)
+    return {"statuses": statuses, "short": short}
 
 
 async def one_config(
@@ -198,9 +231,10 @@ async def one_config(
         app = schema  # the nodes' connections, named for pg_stat_activity
         url += f"&application_name={app}"
     try:
-        cluster = await trio.to_thread.run_sync(
-            lambda: Cluster(work, nodes, url, args.providers, args.deltas, app)
-        )
+        # On this thread, blocking: the children die with the thread that
+        # started them (PR_SET_PDEATHSIG follows the parent thread), and a
+        # worker thread of trio's ends once idle a while.
+        cluster = Cluster(work, nodes, url, args.providers, args.deltas, app)
         try:
             return await measure(args, cluster)
         finally:
