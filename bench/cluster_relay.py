@@ -156,9 +156,10 @@ async def measure(args: argparse.Namespace, url: str, work: Path) -> dict[str, A
             link = await Link.open(nursery, a.ws_url)
             # B starts once the agent is recorded (it reads the roster at
             # start) and before any run (each start settles runs it finds held).
-            b = await trio.to_thread.run_sync(
-                lambda: h.Server(work / "b", env={"FUNDUQ_DATABASE_URL": url})
-            )
+            # Started on this thread, blocking: a child dies with the thread
+            # that started it (PR_SET_PDEATHSIG), and trio retires idle
+            # worker threads, which killed B in a long measurement.
+            b = h.Server(work / "b", env={"FUNDUQ_DATABASE_URL": url})
             try:
                 result = await lockstep(args, nursery, link, a.url, b.url)
             finally:

@@ -423,6 +423,47 @@ async def test_two_nodes_claiming_lapsed_threads_never_both_win_and_the_loser_is
         assert (await a.run_row("run_next")) is not None
 
 
+async def test_a_fenced_off_write_in_a_group_commit_undoes_itself_and_nothing_else(tmp_path, store):
+    """The fence refuses a stale write wherever it sits in a group commit: a
+    move (checked in its UPDATE) and an event append (checked once before
+    COMMIT), each queued beside writes of a thread the node does lead. The
+    batch is replayed one write at a time: the refused writes raise NotLeader
+    and change nothing, the others commit."""
+    assert stores.database_url is not None
+    url = stores.database_url
+    async with (
+        run_store(PostgresStore(url, node="node_a", lease_seconds=60)) as a,
+        run_store(PostgresStore(url, node="node_b", lease_seconds=60)) as b,
+    ):
+        mine, theirs = "thread_mine", "thread_theirs"
+        await a.insert_run(_run_row("run_mine", mine), (mine, "k" * 64, AGENT, None, 1.0), [])
+        await b.insert_run(_run_row("run_theirs", theirs), (theirs, "k" * 64, AGENT, None, 1.0), [])
+        event = json.dumps({"type": "RUN_STARTED"})
+
+        def stale_append(conn: Any) -> None:
+            a._fence(conn, "run_theirs")
+            conn.execute(
+                "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)", ("run_theirs", 1, event)
+            )
+
+        # Queued with no await between them: one group commit.
+        stale_move = a.move_soon("run_theirs", "offering")
+        good_move = a.move_soon("run_mine", "offering")
+        stale_events = a.write_soon(stale_append)
+        with pytest.raises(NotLeader):
+            await stale_move.result()
+        assert await good_move.result() is True
+        with pytest.raises(NotLeader):
+            await stale_events.result()
+        theirs_row, mine_row = await b.run_row("run_theirs"), await b.run_row("run_mine")
+        assert theirs_row is not None and theirs_row[4] == "queued"
+        assert mine_row is not None and mine_row[4] == "offering"
+        assert await b.events_after("run_theirs", 0, None, None) == []
+        # The leader's own writes of that run go through.
+        assert await b.move("run_theirs", "offering")
+        await b.append_events("run_theirs", [(1, {"type": "RUN_STARTED"})])
+
+
 async def test_a_lease_is_taken_with_the_run_in_one_transaction_and_arrivals_are_shared(
     tmp_path, store
 ):

@@ -178,9 +178,11 @@ CREATE INDEX spent_proofs_keep_until ON spent_proofs (keep_until);
     ),
     # docs/cluster.md. A thread's runs are ordered by the node holding its
     # lease; expiry is on the database's clock, so nodes' clocks never matter.
-    # funduq_lead is the fence: every write of a run calls it first and is
-    # refused unless the run's thread is the writer's (FOR SHARE: a takeover
-    # waits for a write in flight, and the new leader reads what it wrote).
+    # funduq_lead is the fence: a transaction that wrote a run's events or
+    # inserted a run calls it once per thread before COMMIT (a guarded move
+    # has the same check in its own UPDATE, see _FENCED_MOVE) and is refused
+    # unless the run's thread is the writer's (FOR SHARE: a takeover waits
+    # for a write in flight, and the new leader reads what it wrote).
     # Arrivals come from one sequence, so a thread's runs keep their order
     # when its lease moves from node to node.
     _migration(
@@ -277,7 +279,7 @@ class PgConnection:
     with sqlite3's ``execute``/``executemany`` shape. While ``pipeline`` is
     set (the writer's batches), statements are pipelined."""
 
-    __slots__ = ("raw", "_sql", "pipeline", "changes")
+    __slots__ = ("raw", "_sql", "pipeline", "changes", "fenced_runs", "fenced_threads")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
@@ -286,6 +288,18 @@ class PgConnection:
         #: The runs the open transaction changed: run id -> [last seq, status
         #: changed], told at its commit (``PostgresStore._notify``).
         self.changes: dict[str, list[Any]] = {}
+        #: The runs and threads the open transaction wrote that must be this
+        #: node's at its commit, checked once each just before it
+        #: (``PostgresStore._check_fences``).
+        self.fenced_runs: set[str] = set()
+        self.fenced_threads: set[str] = set()
+
+    def begin(self) -> None:
+        """A transaction starts: nothing to tell or check yet."""
+        self.changes.clear()
+        self.fenced_runs.clear()
+        self.fenced_threads.clear()
+        self.execute("BEGIN")
 
     def _convert(self, sql: str) -> str:
         converted = self._sql.get(sql)
@@ -386,6 +400,14 @@ _TAKE_LEASE = (
     "VALUES (?, ?, now() + make_interval(secs => ?)) "
     "ON CONFLICT (thread_id) DO UPDATE SET expires_at = EXCLUDED.expires_at "
     "WHERE thread_leases.node = EXCLUDED.node"
+)
+
+
+#: The fence in a guarded move's WHERE: the run's thread's lease is this
+#: node's, its row locked FOR SHARE for the rest of the transaction.
+_FENCED_MOVE = (
+    " AND EXISTS (SELECT 1 FROM thread_leases l WHERE l.thread_id = runs.thread_id "
+    "AND l.node = ? FOR SHARE)"
 )
 
 
@@ -493,17 +515,55 @@ class PostgresStore(SqlStore):
 
     # -- thread leases (docs/cluster.md) ---------------------------------------------------
 
+    # The fence (docs/cluster.md). A guarded move checks the lease in its own
+    # UPDATE (``_fenced_move``: the lease row locked FOR SHARE before the
+    # run's row is touched). Other writes of a run (event appends, a run's
+    # insert) only note its run or thread on the connection; one statement
+    # just before COMMIT (``_check_fences``) then locks each noted thread's
+    # lease row FOR SHARE and raises unless it names this node, which undoes
+    # the whole transaction. Either way a takeover (an UPDATE of the lease
+    # row) waits for a transaction that passed the fence to commit, and a
+    # write from a node that lost the lease changes nothing.
+
     def _lead(self, conn: Any, thread_id: str) -> None:
         if self.node is None:
             return
         conn.execute(_TAKE_LEASE, (thread_id, self.node, self.lease_seconds))
-        conn.execute("SELECT funduq_lead(?, ?)", (thread_id, self.node))
+        conn.fenced_threads.add(thread_id)
 
     def _fence(self, conn: Any, run_id: str) -> None:
+        if self.node is not None:
+            conn.fenced_runs.add(run_id)
+
+    def _fenced_move(self) -> tuple[str, tuple[Any, ...]]:
+        if self.node is None:
+            return "", ()
+        return _FENCED_MOVE, (self.node,)
+
+    def _refused(self, conn: Any, run_id: str) -> None:
         if self.node is None:
             return
+        row = conn.execute(
+            "SELECT r.thread_id, EXISTS (SELECT 1 FROM thread_leases l "
+            "WHERE l.thread_id = r.thread_id AND l.node = ?) FROM runs r WHERE r.id = ?",
+            (self.node, run_id),
+        ).fetchone()
+        if row is not None and not row[1]:
+            raise NotLeader(str(row[0]))
+
+    def _check_fences(self, conn: PgConnection) -> None:
+        """Before COMMIT: one statement for every run and thread the
+        transaction noted (``funduq_lead`` on each thread: FOR SHARE, raises
+        unless ours). Pipelined: a refusal surfaces at the commit's sync."""
+        if not conn.fenced_runs and not conn.fenced_threads:
+            return
+        runs, threads = sorted(conn.fenced_runs), sorted(conn.fenced_threads)
+        conn.fenced_runs.clear()
+        conn.fenced_threads.clear()
         conn.execute(
-            "SELECT funduq_lead((SELECT thread_id FROM runs WHERE id = ?), ?)", (run_id, self.node)
+            "SELECT funduq_lead(t, ?) FROM (SELECT thread_id FROM runs WHERE id = ANY(?) "
+            "UNION SELECT unnest(?::text[])) AS x(t)",
+            (self.node, runs, threads),
         )
 
     @staticmethod
@@ -511,6 +571,8 @@ class PostgresStore(SqlStore):
         """The fence's refusal as the broker reads it (None: another error)."""
         import psycopg
 
+        if isinstance(exc, NotLeader):
+            return exc
         if isinstance(exc, psycopg.errors.RaiseException) and NOT_LEADER in str(exc):
             what = str(exc).split(NOT_LEADER + ": ", 1)[-1].split(" is led by", 1)[0]
             return NotLeader(what.strip())
@@ -615,10 +677,10 @@ class PostgresStore(SqlStore):
         try:
             with conn.raw.pipeline() as pipeline:
                 conn.pipeline = pipeline
-                conn.changes.clear()
-                conn.execute("BEGIN")
+                conn.begin()
                 for op in ops:
                     op.result = op.fn(conn)
+                self._check_fences(conn)
                 self._notify(conn)
                 conn.execute("COMMIT")
             return
@@ -630,9 +692,9 @@ class PostgresStore(SqlStore):
         for op in ops:
             try:
                 conn = self._writer()
-                conn.changes.clear()
-                conn.execute("BEGIN")
+                conn.begin()
                 op.result = op.fn(conn)
+                self._check_fences(conn)
                 self._notify(conn)
                 conn.execute("COMMIT")
             except Exception as exc:  # noqa: BLE001 -- reported to that write's caller

@@ -486,7 +486,19 @@ class SqlStore:
         when it is ours, and refuse (NotLeader) otherwise."""
 
     def _fence(self, conn: Any, run_id: str) -> None:
-        """In a write: refuse (NotLeader) unless the run's thread is ours."""
+        """In a write: refuse (NotLeader) unless the run's thread is ours.
+        A store may check at the transaction's end (before COMMIT) instead
+        of at once: a refusal then undoes the whole transaction."""
+
+    def _fenced_move(self) -> tuple[str, tuple[Any, ...]]:
+        """The lease check folded into a guarded move's ``UPDATE runs``: a
+        condition ANDed to its WHERE (``runs.thread_id`` in scope) and its
+        parameters. Empty: no lease to check (a record of one process)."""
+        return "", ()
+
+    def _refused(self, conn: Any, run_id: str) -> None:
+        """In a write, after a guarded move changed no row: raise NotLeader
+        when the fence, not the status guard, was the reason."""
 
     async def renew_leases(self) -> list[str]:
         return []
@@ -700,9 +712,12 @@ class SqlStore:
         if caller_metadata is not None:
             sets.append("caller_metadata=?")
             args.append(caller_metadata)
+        # The lease check is in the UPDATE itself (one statement, and the
+        # lease row is locked before the run's, as a takeover locks them).
+        fence, fence_args = self._fenced_move()
         sql = (
             f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
-            f"({','.join('?' * len(src))})"
+            f"({','.join('?' * len(src))}){fence}"
         )
         rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
         changed = self._changed
@@ -710,9 +725,9 @@ class SqlStore:
         def apply(conn: Any) -> bool:
             if lead is not None:
                 self._lead(conn, lead)
-            else:
-                self._fence(conn, run_id)
-            moved = bool(conn.execute(sql, (*args, run_id, *src)).rowcount == 1)
+            moved = bool(conn.execute(sql, (*args, run_id, *src, *fence_args)).rowcount == 1)
+            if not moved:
+                self._refused(conn, run_id)
             if moved and rows:
                 conn.executemany(_INSERT_EVENT, rows)
             if moved and messages:
