@@ -331,7 +331,8 @@ class Funduq:
         """The node's one lease task: every ``lease_seconds / 3`` (and at once
         when a provider publishes agents here) renew every lease of this node
         in one statement, stop acting for threads another node took over, and
-        claim the lapsed leases of threads whose agent is served here. The
+        claim the lapsed leases of threads whose agent is served here; then
+        the same for the push configs' delivery leases (``Pushes.renew``). The
         record's troubles are logged and tried again; anything else ends the
         broker (a node that cannot keep its leases must not go on acting)."""
         task_status.started()
@@ -343,6 +344,14 @@ class Funduq:
                 if not record_trouble(exc):
                     raise
                 log.warning("thread leases: renewal failed (%s); trying again", exc)
+            if self.pushes is not None:
+                # The push configs' delivery leases ride the same round.
+                try:
+                    await self.pushes.renew()
+                except Exception as exc:
+                    if not record_trouble(exc):
+                        raise
+                    log.warning("push delivery leases: renewal failed (%s); trying again", exc)
             with trio.move_on_at(next_at):
                 await self._claim_now.wait()
             self._claim_now = trio.Event()
