@@ -200,7 +200,9 @@ class Pushes:
         #: The config each deliverer here delivers (by the same key).
         self._configs: dict[tuple[str, str], PushConfig] = {}
         #: Several nodes share the record: configs are delivered under a lease.
-        self.shared = bool(getattr(self.record, "shared", False))
+        self.shared = bool(getattr(self.record, "shared", False)) and (
+            getattr(self.record, "node", None) is not None
+        )
         self._resumed: dict[str, trio.Event] = {}
         #: Slots held by inline configs between `vet` and `create`.
         self._reserved = 0
@@ -276,7 +278,11 @@ class Pushes:
                 and config is not None
                 and config.state == DELIVERING
             ):
-                log.warning("push config %s/%s: delivered by another node now; letting go", *key)
+                log.warning(
+                    "push config %s/%s: no longer this node's to deliver (another node "
+                    "holds its lease, or it was deleted there); letting go",
+                    *key,
+                )
                 self._let_go(key)
         for row in claimed:
             config = _config(row)
