@@ -237,6 +237,63 @@ async def test_a_killed_delivering_node_s_config_is_taken_over_and_goes_on_in_or
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_stopping_lets_its_configs_go_and_another_resumes_them(
+    tmp_path, store
+) -> None:
+    """An orderly stop (SIGTERM) lets the node's delivery leases go as it
+    leaves, so another node's next round resumes its configs without waiting
+    a lease; the receiver gets every update once."""
+    assert stores.database_url is not None
+    script = Script()
+    async with (
+        push_receiver() as receiver,
+        cluster(
+            tmp_path, stores.database_url, lease_seconds=LEASE, push_allow_private=True
+        ) as nodes,
+        trio.open_nursery() as nursery,
+    ):
+        b = await nodes.start("b")
+        peer = Peer(b.provider_url, [AGENT], on_offer=script.on_offer)
+        await nursery.start(peer.serve)
+        async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
+            await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
+            a = await nodes.start("a")
+            sent = await A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}").send("go", message_id="m")
+            task_id = sent["result"]["task"]["id"]
+            await wait_status(http_b, task_id, {"running"})
+            async with httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a:
+                made = await A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}").call(
+                    "CreateTaskPushNotificationConfig",
+                    {"taskId": task_id, "id": "hook", "url": receiver.url},
+                )
+                assert "result" in made, made
+                await script.play("start")
+                await receiver.wait_for(1)
+            assert _lease_of(task_id) is not None
+            assert await a.stop() == 0
+            assert _lease_of(task_id) is None  # let go as A left
+            await eventually(
+                lambda: _at_least(http_b, "funduq_push_taken_over_total", 1), "B took it over"
+            )
+            await script.play("one", "finish")
+            await wait_status(http_b, task_id, {"completed"})
+            expected = await expected_updates(http_b, task_id)
+            await receiver.wait_for(len(expected))
+            await eventually(lambda: _zero(http_b, "funduq_push_delivering"), "B done")
+        assert receiver.bodies() == expected
+        nursery.cancel_scope.cancel()
+
+
+def _lease_of(task_id: str) -> str | None:
+    assert stores.database_url is not None
+    with psycopg.connect(stores.database_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT lease_node FROM push_configs WHERE task_id = %s", (task_id,)
+        ).fetchone()
+    assert row is not None
+    return row[0]
+
+
 async def _at_least(http: httpx.AsyncClient, name: str, value: float) -> bool:
     return await metric(http, name) >= value
 

@@ -637,6 +637,18 @@ class PostgresStore(SqlStore):
             return []
         return await self.write(self._claim_push_sync)
 
+    async def release_push_leases(self) -> None:
+        node = self.node
+        if node is None:
+            return
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE push_configs SET lease_node = NULL, lease_expires = NULL "
+                "WHERE lease_node = ? AND state = ?",
+                (node, PUSH_DELIVERING),
+            )
+        )
+
     async def renew_push_leases(
         self, keys: Sequence[tuple[str, str]]
     ) -> tuple[set[tuple[str, str]], list[Any]]:

@@ -301,6 +301,12 @@ class Store(Protocol):
         where ``shared``."""
         ...
 
+    async def release_push_leases(self) -> None:
+        """Let every delivery lease of this node go (at an orderly stop):
+        another node's next round resumes those configs at once. Only
+        where ``shared``."""
+        ...
+
     async def renew_push_leases(
         self, keys: Sequence[tuple[str, str]]
     ) -> tuple[set[tuple[str, str]], list[Any]]:
@@ -1077,6 +1083,9 @@ class SqlStore:
         )
 
     async def claim_push_configs(self) -> list[Any]:
+        raise NotImplementedError("push delivery leases are a shared record's")
+
+    async def release_push_leases(self) -> None:
         raise NotImplementedError("push delivery leases are a shared record's")
 
     async def renew_push_leases(
