@@ -200,6 +200,9 @@ class Funduq:
             await self.kyok.load()
             if self.settings.public_url:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
+            if self.record.shared:
+                # Runs after the nursery below ended, before the record closes.
+                self._stack.push_async_callback(self._let_push_leases_go)
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
@@ -331,7 +334,8 @@ class Funduq:
         """The node's one lease task: every ``lease_seconds / 3`` (and at once
         when a provider publishes agents here) renew every lease of this node
         in one statement, stop acting for threads another node took over, and
-        claim the lapsed leases of threads whose agent is served here. The
+        claim the lapsed leases of threads whose agent is served here; then
+        the same for the push configs' delivery leases (``Pushes.renew``). The
         record's troubles are logged and tried again; anything else ends the
         broker (a node that cannot keep its leases must not go on acting)."""
         task_status.started()
@@ -343,9 +347,30 @@ class Funduq:
                 if not record_trouble(exc):
                     raise
                 log.warning("thread leases: renewal failed (%s); trying again", exc)
+            if self.pushes is not None:
+                # The push configs' delivery leases ride the same round.
+                try:
+                    await self.pushes.renew()
+                except Exception as exc:
+                    if not record_trouble(exc):
+                        raise
+                    log.warning("push delivery leases: renewal failed (%s); trying again", exc)
             with trio.move_on_at(next_at):
                 await self._claim_now.wait()
             self._claim_now = trio.Event()
+
+    async def _let_push_leases_go(self) -> None:
+        """On the way out, once the push deliverers stopped: let this node's
+        delivery leases go, so another node's next lease round resumes the
+        configs from their cursors rather than a lease later. Bounded by a
+        lease (a record that does not answer leaves them to lapse)."""
+        if self.pushes is None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(self.settings.lease_seconds):
+            try:
+                await self.record.release_push_leases()
+            except Exception as exc:  # noqa: BLE001 -- they lapse instead
+                log.warning("push delivery leases not let go at stop (%s); they lapse", exc)
 
     def _wake_lease_task(self) -> None:
         """A provider published agents here: claim their lapsed threads now."""

@@ -34,7 +34,16 @@ import trio
 
 from ..protocol import statuses
 from . import schema
-from .store import NoRecord, NotLeader, PendingWrite, RecordUnreachable, SqlStore, _Write
+from .store import (
+    PUSH_COLUMNS,
+    PUSH_DELIVERING,
+    NoRecord,
+    NotLeader,
+    PendingWrite,
+    RecordUnreachable,
+    SqlStore,
+    _Write,
+)
 
 T = TypeVar("T")
 log = logging.getLogger("funduq.record")
@@ -217,6 +226,17 @@ DROP INDEX runs_agent_status_time;
 DROP INDEX runs_agent;
 CREATE INDEX runs_agent_listing ON runs
     (provider_key, agent_name, arrival, completed_at, started_at, created_at, id);
+""",
+    ),
+    # docs/cluster.md. A push config is delivered by the node holding its
+    # delivery lease (expiry on the database's clock); a node advances the
+    # config's cursor only while the lease is its own. Configs from before
+    # this step hold no lease: the first node to start claims them.
+    _migration(
+        8,
+        """
+ALTER TABLE push_configs ADD COLUMN lease_node TEXT;
+ALTER TABLE push_configs ADD COLUMN lease_expires TIMESTAMPTZ;
 """,
     ),
 )
@@ -651,6 +671,77 @@ class PostgresStore(SqlStore):
                 "DELETE FROM thread_leases WHERE thread_id = ? AND node = ?", (thread_id, node)
             )
         )
+
+    # -- push delivery leases (docs/cluster.md) ------------------------------------------
+
+    def _lease_push_config(self, conn: Any, task_id: str, config_id: str) -> None:
+        # Made (or replaced) here: delivered from here. A deliverer of the old
+        # config on another node finds its next cursor advance refused.
+        if self.node is None:
+            return
+        conn.execute(
+            "UPDATE push_configs SET lease_node = ?, "
+            "lease_expires = now() + make_interval(secs => ?) WHERE task_id = ? AND id = ?",
+            (self.node, self.lease_seconds, task_id, config_id),
+        )
+
+    def _push_fence(self) -> tuple[str, tuple[Any, ...]]:
+        if self.node is None:
+            return "", ()
+        return " AND lease_node = ?", (self.node,)
+
+    def _claim_push_sync(self, conn: Any) -> list[Any]:
+        # Row locks make one node the winner: a second claimer's UPDATE waits
+        # for the first's, then finds the lease no longer lapsed.
+        return list(
+            conn.execute(
+                "UPDATE push_configs SET lease_node = ?, "
+                "lease_expires = now() + make_interval(secs => ?) "
+                "WHERE state = ? AND (lease_node IS NULL OR lease_expires < now()) "
+                f"RETURNING {PUSH_COLUMNS}",
+                (self.node, self.lease_seconds, PUSH_DELIVERING),
+            ).fetchall()
+        )
+
+    async def claim_push_configs(self) -> list[Any]:
+        if self.node is None:
+            return []
+        return await self.write(self._claim_push_sync)
+
+    async def release_push_leases(self) -> None:
+        node = self.node
+        if node is None:
+            return
+        await self.write(
+            lambda c: c.execute(
+                "UPDATE push_configs SET lease_node = NULL, lease_expires = NULL "
+                "WHERE lease_node = ? AND state = ?",
+                (node, PUSH_DELIVERING),
+            )
+        )
+
+    async def renew_push_leases(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> tuple[set[tuple[str, str]], list[Any]]:
+        node, seconds = self.node, self.lease_seconds
+        if node is None:
+            return set(), []
+        tasks, ids = [k[0] for k in keys], [k[1] for k in keys]
+
+        def apply(conn: Any) -> tuple[set[tuple[str, str]], list[Any]]:
+            ours: set[tuple[str, str]] = set()
+            if keys:
+                rows = conn.execute(
+                    "UPDATE push_configs SET lease_expires = now() + make_interval(secs => ?) "
+                    "WHERE lease_node = ? AND (task_id, id) IN "
+                    '(SELECT t, i COLLATE "C" FROM unnest(?::text[], ?::text[]) AS k(t, i)) '
+                    "RETURNING task_id, id",
+                    (seconds, node, tasks, ids),
+                ).fetchall()
+                ours = {(str(r[0]), str(r[1])) for r in rows}
+            return ours, self._claim_push_sync(conn)
+
+        return await self.write(apply)
 
     # -- writing -----------------------------------------------------------------------
 

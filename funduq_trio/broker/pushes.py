@@ -16,6 +16,17 @@ again after `protocol.push.backoff_delay`; after FUNDUQ_PUSH_MAX_ATTEMPTS
 attempts at one update the config gives up: it is recorded `given_up` with the
 last error and nothing more goes to it. A config whose task ended and whose
 final status update was delivered is `done`.
+
+On a shared record (several nodes on one PostgreSQL, docs/cluster.md) each
+config is delivered by one node at a time: the one holding its delivery lease
+(a node and an expiry on the database's clock, in the config's row). The node
+that makes a config takes its lease in the same transaction; the facade's
+lease task renews the leases of every config delivered here and claims the
+lapsed ones (a dead node's) in one transaction a round (`renew`); a config
+that ends lets its lease go. A cursor advance (and a config's end) is fenced
+by the lease: a node whose lease another node took writes nothing, and its
+deliverer stops. The new holder goes on from the durable cursor, so across a
+takeover at most the update in flight repeats (same `jti`).
 """
 
 from __future__ import annotations
@@ -50,6 +61,10 @@ DELIVERING, DONE, GIVEN_UP = PUSH_DELIVERING, "done", "given_up"
 
 class _GiveUp(Exception):
     pass
+
+
+class _Lost(Exception):
+    """The config's delivery lease is another node's (or the config is gone)."""
 
 
 @dataclass
@@ -182,6 +197,12 @@ class Pushes:
         self._resolve = resolve
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[tuple[str, str], trio.CancelScope] = {}
+        #: The config each deliverer here delivers (by the same key).
+        self._configs: dict[tuple[str, str], PushConfig] = {}
+        #: Several nodes share the record: configs are delivered under a lease.
+        self.shared = bool(getattr(self.record, "shared", False)) and (
+            getattr(self.record, "node", None) is not None
+        )
         self._resumed: dict[str, trio.Event] = {}
         #: Slots held by inline configs between `vet` and `create`.
         self._reserved = 0
@@ -192,13 +213,23 @@ class Pushes:
         self.delivered = 0
         self.failed_attempts = 0
         self.given_up = 0
+        #: Configs this node took over from another (lapsed lease), and
+        #: configs it stopped delivering because another node took them.
+        self.taken_over = 0
+        self.let_go = 0
         self._changed = trio.Event()
 
     # -- life
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        # The table is the record's (schema migration 4 on either store).
-        rows = await self.record.push_configs_delivering()
+        # The table is the record's (schema migration 4 on either store). On
+        # a shared record only the configs nobody delivers (their lease lapsed
+        # or is nobody's) are this node's to resume.
+        if self.shared:
+            rows = await self.record.claim_push_configs()
+            self.taken_over += len(rows)
+        else:
+            rows = await self.record.push_configs_delivering()
         timeout = httpx.Timeout(self.settings.push_timeout_seconds)
         async with (
             httpx.AsyncClient(
@@ -220,6 +251,7 @@ class Pushes:
         assert self._nursery is not None
         scope = trio.CancelScope()
         self._scopes[(config.task_id, config.id)] = scope
+        self._configs[(config.task_id, config.id)] = config
         # In the broker's own context, not the HTTP request's that made the
         # config (a deliverer outlives it; see Funduq._start_lane).
         self.funduq._context.run(
@@ -228,6 +260,52 @@ class Pushes:
             config,
             scope,
         )
+
+    async def renew(self) -> None:
+        """One round of the delivery leases (a shared record; called by the
+        facade's lease task): renew those of the configs delivered here, stop
+        delivering those another node took (or that were deleted there), and
+        start delivering the lapsed ones this node claimed."""
+        if not self.shared or self._nursery is None:
+            return
+        snapshot = dict(self._scopes)
+        ours, claimed = await self.record.renew_push_leases(list(snapshot))
+        for key, scope in snapshot.items():
+            config = self._configs.get(key)
+            if (
+                key not in ours
+                and self._scopes.get(key) is scope
+                and config is not None
+                and config.state == DELIVERING
+            ):
+                log.warning(
+                    "push config %s/%s: no longer this node's to deliver (another node "
+                    "holds its lease, or it was deleted there); letting go",
+                    *key,
+                )
+                self._let_go(key)
+        for row in claimed:
+            config = _config(row)
+            key = (config.task_id, config.id)
+            if key in self._scopes:
+                continue  # delivered here: its lease lapsed while it went unrenewed
+            log.warning(
+                "push config %s/%s: its node stopped delivering it; taking over from %s",
+                *key,
+                config.cursor,
+            )
+            self.taken_over += 1
+            self._start(config)
+        if claimed:
+            self._note()
+
+    def _let_go(self, key: tuple[str, str]) -> None:
+        scope = self._scopes.pop(key, None)
+        self._configs.pop(key, None)
+        if scope is not None:
+            scope.cancel()
+            self.let_go += 1
+            self._note()
 
     def resumed(self, task_id: str) -> None:
         """The paused task took an answer: its deliverers follow it again."""
@@ -250,6 +328,20 @@ class Pushes:
                 self.given_up,
             ),
             "funduq_push_delivering": ("Push configs with a deliverer.", len(self._scopes)),
+            **(
+                {
+                    "funduq_push_taken_over_total": (
+                        "Push configs this node took over (their delivery lease lapsed).",
+                        self.taken_over,
+                    ),
+                    "funduq_push_let_go_total": (
+                        "Push configs this node stopped delivering: another node took them.",
+                        self.let_go,
+                    ),
+                }
+                if self.shared
+                else {}
+            ),
         }
 
     async def wait_until(self, condition: Callable[[], bool]) -> None:
@@ -392,6 +484,7 @@ class Pushes:
                     }[why]
                 )
             old = self._scopes.pop((task_id, config_id), None)
+            self._configs.pop((task_id, config_id), None)
             if old is not None:  # replaced: the old deliverer stops
                 old.cancel()
             self._start(row)  # its scope now holds the room the slot held
@@ -415,6 +508,7 @@ class Pushes:
         if not deleted:
             raise PushConfigNotFound(config_id)
         scope = self._scopes.pop((task_id, config_id), None)
+        self._configs.pop((task_id, config_id), None)
         if scope is not None:
             scope.cancel()
 
@@ -428,6 +522,15 @@ class Pushes:
                 await self._follow(config)
             except _GiveUp:
                 pass
+            except _Lost:
+                # Another node holds its lease now (it lapsed here), or the
+                # config was deleted or replaced there: nothing more from here.
+                log.warning(
+                    "push config %s/%s: no longer this node's to deliver (another node "
+                    "holds its lease, or it was deleted or replaced); letting go",
+                    *key,
+                )
+                self.let_go += 1
             except Exception:
                 log.exception("push deliverer of %s/%s failed", *key)
             finally:
@@ -437,6 +540,7 @@ class Pushes:
                     self._resumed.pop(config.task_id, None)
         if self._scopes.get(key) is scope:
             del self._scopes[key]
+            self._configs.pop(key, None)
         self._note()
 
     async def _follow(self, config: PushConfig) -> None:
@@ -534,7 +638,8 @@ class Pushes:
                 self._note()
                 raise _GiveUp
             await trio.sleep(push.backoff_delay(failures, self.settings.push_backoff_seconds))
-        await self.record.push_delivered(config.task_id, config.id, key, failures + 1)
+        if not await self.record.push_delivered(config.task_id, config.id, key, failures + 1):
+            raise _Lost
         config.cursor = key
         self.delivered += 1
         self._note()

@@ -197,7 +197,19 @@ CREATE INDEX runs_agent_listing ON runs
     (provider_key, agent_name, arrival, completed_at, started_at, created_at, id);
 """,
     ),
-    # Next: Migration(6, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+    # On SQLite the columns stay empty: one process delivers every config.
+    # On PostgreSQL (postgres.MIGRATIONS) they are the config's delivery
+    # lease: the node delivering it, and until when (docs/cluster.md).
+    Migration(
+        8,
+        "push deliveries in a cluster (issue #12): each push config's delivery "
+        "lease, so exactly one node delivers it at a time",
+        """
+ALTER TABLE push_configs ADD COLUMN lease_node TEXT;
+ALTER TABLE push_configs ADD COLUMN lease_expires REAL;
+""",
+    ),
+    # Next: Migration(9, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
 

@@ -294,11 +294,31 @@ class Store(Protocol):
 
     async def end_push_config(
         self, task_id: str, config_id: str, state: str, error: str | None
-    ) -> None: ...
+    ) -> bool: ...
 
     async def push_delivered(
         self, task_id: str, config_id: str, cursor: tuple[int, int], attempts: int
-    ) -> None: ...
+    ) -> bool: ...
+
+    async def claim_push_configs(self) -> list[Any]:
+        """Take the delivery lease of every config still delivering whose
+        lease lapsed or is nobody's; their rows (``PUSH_COLUMNS``). Only
+        where ``shared``."""
+        ...
+
+    async def release_push_leases(self) -> None:
+        """Let every delivery lease of this node go (at an orderly stop):
+        another node's next round resumes those configs at once. Only
+        where ``shared``."""
+        ...
+
+    async def renew_push_leases(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> tuple[set[tuple[str, str]], list[Any]]:
+        """One renewal round of the push delivery leases (only where
+        ``shared``): extend those of ``keys`` still this node's, then claim
+        the lapsed ones; (the keys extended, the claimed rows)."""
+        ...
 
     # -- reads
     async def providers_and_agents(self) -> tuple[list[Any], list[Any]]: ...
@@ -995,9 +1015,20 @@ class SqlStore:
                     PUSH_DELIVERING,
                 ),
             )
+            self._lease_push_config(conn, task_id, config_id)
             return None
 
         return cast(tuple[str, int] | None, await self.write(apply))
+
+    def _lease_push_config(self, conn: Any, task_id: str, config_id: str) -> None:
+        """Around a config's insert (or replacement), in its transaction: on a
+        shared record, make its delivery lease this node's. Nothing here."""
+
+    def _push_fence(self) -> tuple[str, tuple[Any, ...]]:
+        """A condition (and its arguments) that a push config's cursor
+        advance and end add to their ``WHERE``: on a shared record, "the
+        delivery lease is this node's". Nothing here: one process delivers."""
+        return "", ()
 
     async def push_config(self, task_id: str, config_id: str) -> Any:
         """One push config (``PUSH_COLUMNS``), or None."""
@@ -1040,26 +1071,52 @@ class SqlStore:
 
     async def end_push_config(
         self, task_id: str, config_id: str, state: str, error: str | None
-    ) -> None:
-        """A config stops delivering: done, or given up with its last error."""
-        await self.write(
-            lambda c: c.execute(
-                "UPDATE push_configs SET state=?, last_error=? WHERE task_id=? AND id=?",
-                (state, error, task_id, config_id),
+    ) -> bool:
+        """A config stops delivering: done, or given up with its last error
+        (its delivery lease, if any, let go). False when the config is gone
+        or (shared record) its lease is another node's: nothing was written."""
+        fence, args = self._push_fence()
+        return bool(
+            await self.write(
+                lambda c: (
+                    c.execute(
+                        "UPDATE push_configs SET state=?, last_error=?, lease_node=NULL, "
+                        f"lease_expires=NULL WHERE task_id=? AND id=?{fence}",
+                        (state, error, task_id, config_id, *args),
+                    ).rowcount
+                )
             )
         )
 
     async def push_delivered(
         self, task_id: str, config_id: str, cursor: tuple[int, int], attempts: int
-    ) -> None:
-        """The receiver acknowledged the update at ``cursor`` after ``attempts``."""
-        await self.write(
-            lambda c: c.execute(
-                "UPDATE push_configs SET cursor_seq=?, cursor_index=?, attempts=attempts+? "
-                "WHERE task_id=? AND id=?",
-                (cursor[0], cursor[1], attempts, task_id, config_id),
+    ) -> bool:
+        """The receiver acknowledged the update at ``cursor`` after
+        ``attempts``. False when the config is gone or (shared record) its
+        delivery lease is another node's: the cursor did not move."""
+        fence, args = self._push_fence()
+        return bool(
+            await self.write(
+                lambda c: (
+                    c.execute(
+                        "UPDATE push_configs SET cursor_seq=?, cursor_index=?, "
+                        f"attempts=attempts+? WHERE task_id=? AND id=?{fence}",
+                        (cursor[0], cursor[1], attempts, task_id, config_id, *args),
+                    ).rowcount
+                )
             )
         )
+
+    async def claim_push_configs(self) -> list[Any]:
+        raise NotImplementedError("push delivery leases are a shared record's")
+
+    async def release_push_leases(self) -> None:
+        raise NotImplementedError("push delivery leases are a shared record's")
+
+    async def renew_push_leases(
+        self, keys: Sequence[tuple[str, str]]
+    ) -> tuple[set[tuple[str, str]], list[Any]]:
+        raise NotImplementedError("push delivery leases are a shared record's")
 
     # -- the reads the broker makes -----------------------------------------------------
 
