@@ -56,6 +56,9 @@ from .watchers import RunWatchers
 
 log = logging.getLogger("funduq")
 
+#: How long an orderly stop may spend telling the cluster it leaves.
+LEAVE_SECONDS = 5.0
+
 #: Threads whose facts (segment head, message ids) stay cached while idle.
 THREAD_CACHE = 16384
 
@@ -133,6 +136,7 @@ class Funduq:
         self._roster_stale = trio.Event()
         self.forwarder: Forwarder | None = None
         self.cluster_secret = ""
+        self._leaving = False
         #: The operator's bearer token (see _load_operator_token).
         self.operator_token = ""
         self.record: Store
@@ -216,6 +220,7 @@ class Funduq:
                 self.cluster_secret = await self.record.cluster_secret()
                 self.forwarder = Forwarder(self.cluster_secret)
                 self._stack.push_async_callback(self.forwarder.aclose)
+                self._stack.push_async_callback(self._leave_cluster)
                 self.watchers = RunWatchers()
                 await self._nursery.start(self._listen, self._changed, self._caught_up)
                 self._nursery.start_soon(self._keep_roster)
@@ -393,9 +398,22 @@ class Funduq:
         """A provider published agents here: claim their lapsed threads now."""
         self._claim_now.set()
 
+    async def _leave_cluster(self) -> None:
+        """An orderly stop: other nodes stop forwarding here at once, rather
+        than once this node's heartbeat lapses."""
+        self._leaving = True
+        with trio.move_on_after(LEAVE_SECONDS):
+            try:
+                await self.record.leave()
+            except Exception as exc:
+                if not record_trouble(exc):
+                    raise
+                log.warning("cannot tell the cluster this node stops (%s)", exc)
+
     async def _renew_and_claim(self) -> None:
         served = tuple(sorted(self._served_pairs()))
-        await self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
+        if not self._leaving:
+            await self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
         self._served_told = served
         snapshot = self.leases.snapshot()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
@@ -624,7 +642,7 @@ class Funduq:
     async def roster(self) -> list[dict[str, Any]]:
         views = self.providers.roster()
         if self.record.shared:
-            # Online: served by a link on any live node of the cluster.
+            # Online: served by a link here, or on another live node.
             served = await self.record.served_anywhere()
             views = [
                 v if v.online or (v.key, v.name) not in served else replace(v, online=True)
@@ -811,7 +829,9 @@ class Funduq:
         Empty: here."""
         if not self.record.shared:
             return []
-        if thread_id is not None and keepable(thread_id) and not self.leases.leads(thread_id):
+        if thread_id is not None and self.leases.leads(thread_id):
+            return []  # ours to order, served here or not
+        if thread_id is not None and keepable(thread_id):
             leader = await self.record.thread_leader(thread_id)
             if leader is not None:
                 node, url, live = leader

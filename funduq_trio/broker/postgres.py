@@ -653,6 +653,18 @@ class PostgresStore(SqlStore):
 
         await self.write(apply)
 
+    async def leave(self) -> None:
+        node = self.node
+        if node is None:
+            return
+
+        def apply(conn: Any) -> None:
+            conn.execute("DELETE FROM served WHERE node = ?", (node,))
+            conn.execute("DELETE FROM cluster_nodes WHERE node = ?", (node,))
+            conn.execute("SELECT pg_notify(?, ?)", (self.channel, ROSTER_NOTICE))
+
+        await self.write(apply)
+
     async def cluster_secret(self) -> str:
         import secrets
 
@@ -694,10 +706,14 @@ class PostgresStore(SqlStore):
         return await self.read(read)
 
     async def served_anywhere(self) -> set[tuple[str, str]]:
+        node = self.node or ""
+
         def read(conn: Any) -> set[tuple[str, str]]:
             rows = conn.execute(
                 "SELECT DISTINCT s.provider_key, s.agent_name FROM served s "
-                "JOIN cluster_nodes n ON n.node = s.node WHERE n.expires_at > now()"
+                "JOIN cluster_nodes n ON n.node = s.node "
+                "WHERE n.expires_at > now() AND s.node <> ?",
+                (node,),
             ).fetchall()
             return {(str(r[0]), str(r[1])) for r in rows}
 

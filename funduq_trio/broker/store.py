@@ -234,6 +234,11 @@ class Store(Protocol):
         """The secret the nodes sign forwarded calls with (made once)."""
         ...
 
+    async def leave(self) -> None:
+        """This node stops: its heartbeat and what it serves are deleted
+        (and every node told), so nobody forwards here any more."""
+        ...
+
     async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
         """(node, its URL, whether its lease is live) of the thread's lease
         holder; None when nobody holds it."""
@@ -244,7 +249,8 @@ class Store(Protocol):
         ...
 
     async def served_anywhere(self) -> set[tuple[str, str]]:
-        """The (key, agent) some live node serves now."""
+        """The (key, agent) some other live node serves now (this node's
+        own links are the registry's to say, at once)."""
         ...
 
     async def ping(self) -> None:
@@ -540,6 +546,9 @@ class SqlStore:
 
     async def cluster_secret(self) -> str:
         return ""
+
+    async def leave(self) -> None:
+        return None
 
     async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
         return None
