@@ -413,7 +413,9 @@ class Funduq:
     async def _renew_and_claim(self) -> None:
         served = tuple(sorted(self._served_pairs()))
         if not self._leaving:
-            await self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
+            # Queued, not awaited: it rides the renewal's group commit (one
+            # round trip for both); a failure is the writer's to log.
+            self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
         self._served_told = served
         snapshot = self.leases.snapshot()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())

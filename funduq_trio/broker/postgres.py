@@ -616,12 +616,12 @@ class PostgresStore(SqlStore):
 
     # -- the cluster's roster and forwarding (docs/cluster.md) -------------------------
 
-    async def heartbeat(
+    def heartbeat(
         self, url: str, served: Sequence[tuple[str, str]], *, tell: bool = False
-    ) -> None:
+    ) -> PendingWrite | None:
         node, seconds = self.node, self.lease_seconds
         if node is None:
-            return
+            return None
 
         def apply(conn: Any) -> None:
             conn.execute(
@@ -651,7 +651,7 @@ class PostgresStore(SqlStore):
             if tell:
                 conn.execute("SELECT pg_notify(?, ?)", (self.channel, ROSTER_NOTICE))
 
-        await self.write(apply)
+        return self.write_soon(apply)
 
     async def leave(self) -> None:
         node = self.node

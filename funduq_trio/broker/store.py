@@ -222,12 +222,13 @@ class Store(Protocol):
 
     # -- the cluster's roster and forwarding (docs/cluster.md)
 
-    async def heartbeat(
+    def heartbeat(
         self, url: str, served: Sequence[tuple[str, str]], *, tell: bool = False
-    ) -> None:
+    ) -> PendingWrite | None:
         """This node is alive (for a lease's length), reached at ``url``, and
         its provider links serve ``served`` (key, agent) now, replacing what
-        it said before; with ``tell``, every node reads the roster again."""
+        it said before; with ``tell``, every node reads the roster again.
+        Queued first-in first-out (so it shares the next group commit)."""
         ...
 
     async def cluster_secret(self) -> str:
@@ -539,9 +540,9 @@ class SqlStore:
     # -- the cluster's roster and forwarding (docs/cluster.md): nothing on a
     # record of one process, which is the whole funduq
 
-    async def heartbeat(
+    def heartbeat(
         self, url: str, served: Sequence[tuple[str, str]], *, tell: bool = False
-    ) -> None:
+    ) -> PendingWrite | None:
         return None
 
     async def cluster_secret(self) -> str:
