@@ -74,6 +74,7 @@ FLAG_HELP = {
     "log_format": "text or json (one object per line)",
     "access_log": "log each HTTP request (true/false)",
     "node_name": "readable prefix of this process's node id in a cluster (default: node)",
+    "node_url": "URL the other nodes of a cluster reach this one at (default: where it serves)",
     "lease_seconds": "a thread's lease lasts this long unrenewed; a dead node's threads "
     "move on after it (PostgreSQL)",
 }

@@ -89,6 +89,9 @@ class Settings:
     #: How long a thread's lease lasts unrenewed: at most this long a dead
     #: node's threads wait before another node takes them over.
     lease_seconds: float = 10.0
+    #: Where the other nodes reach this one (its forwarded calls): unset,
+    #: the URL it serves on (as its start banner says).
+    node_url: str | None = None
 
     @property
     def database_is_postgres(self) -> bool:
@@ -166,6 +169,13 @@ class Settings:
             if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
                 found.append(
                     f"{env_name('public_url')}={self.public_url!r}: an absolute "
+                    "http(s) URL without query or fragment"
+                )
+        if self.node_url is not None:
+            url = urlsplit(self.node_url)
+            if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
+                found.append(
+                    f"{env_name('node_url')}={self.node_url!r}: an absolute "
                     "http(s) URL without query or fragment"
                 )
         if not self.lease_seconds > 0:

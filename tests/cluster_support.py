@@ -51,6 +51,12 @@ class Node:
     def provider_url(self) -> str:
         return "ws" + self.base_url[len("http") :] + "/ws/provider"
 
+    def a2a_url(self, provider: str, agent: str) -> str:
+        return f"{self.base_url}/a2a/{provider}/{agent}"
+
+    def agui_url(self, provider: str, agent: str) -> str:
+        return f"{self.base_url}/agui/{provider}/{agent}"
+
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "funduq_trio", "serve", "--host", "127.0.0.1", "--port", "0"]
         args += ["--data-dir", str(self.data_dir)]

@@ -3,8 +3,8 @@
 holding its lease; a node that starts takes only what nobody holds; a node
 killed with kill -9 loses nothing -- its threads move on once their lease
 lapses, what it held settles by the restart rules, queued runs are offered
-again; a caller on another node than a thread's leader is told so (503) and
-nothing is recorded; two nodes claiming one lapsed thread never both win.
+again; two nodes claiming one lapsed thread never both win. (Callers on
+another node than a thread's leader: test_cluster_forwarding.py.)
 
 The nodes are real processes (cluster_support.py) on a schema made for the
 test; the provider is played over the real link (`Peer`). Lease lapses are
@@ -36,7 +36,6 @@ from reliability_support import (
     get_run,
     started_event,
     text_events,
-    user_input,
     wait_status,
 )
 
@@ -221,69 +220,6 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
             assert done["status"] == "completed", done
             thread_json = (await http_b.get(f"/threads/{thread}")).json()
             assert [r["runId"] for r in thread_json["runs"]] == [*ids, fourth["id"]]
-            nursery.cancel_scope.cancel()
-
-
-async def test_a_caller_on_another_node_than_the_leader_is_told_and_nothing_is_recorded(
-    tmp_path, store
-):
-    """The cluster's current limit: a request for a thread led by another
-    live node is refused 503 `thread_led_elsewhere` (forwarding it to the
-    leader is the next stage), and it records nothing."""
-    assert stores.database_url is not None
-    script = Script()
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
-        a = await nodes.start("a")
-        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
-        async with (
-            trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-        ):
-            await nursery.start(peer.serve)
-            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
-            held = await send(a2a, "hold it")
-            await wait_status(http_a, held["id"], {"running"})
-            thread = held["contextId"]
-            b = await nodes.start("b")  # knows the agent from the record
-            async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
-                a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
-                before = (await http_b.get(f"/threads/{thread}")).json()
-
-                answer = await a2a_b.send("on b", message_id="msg-on-b", context_id=thread)
-                assert led_elsewhere(answer), answer
-                r = await http_b.post(
-                    f"/agui/{peer.fingerprint}/{AGENT}",
-                    json=user_input("on b too", thread_id=thread, message_id="msg-on-b-2"),
-                )
-                assert r.status_code == 503, r.text
-                assert r.json()["error"]["code"] == "thread_led_elsewhere", r.text
-                cancel = await a2a_b.cancel(held["id"])
-                assert led_elsewhere(cancel), cancel
-
-                after = (await http_b.get(f"/threads/{thread}")).json()
-                assert after == before
-                run = await get_run(http_b, held["id"])
-                assert run is not None and run["status"] == "running", run
-                assert "cancelRequestedBy" not in run["metadata"].get("funduq", {})
-
-                # A lets go of the thread once it is idle: B may take it then.
-                script.release.set()
-                await wait_status(http_b, held["id"], {"completed"})
-                taken: dict[str, Any] = {}
-
-                async def b_takes_it() -> bool:
-                    answer = await a2a_b.send("on b later", message_id="msg-b-3", context_id=thread)
-                    if "error" in answer:
-                        assert led_elsewhere(answer), answer
-                        return False
-                    taken.update(answer["result"]["task"])
-                    return True
-
-                await eventually(b_takes_it, "B taking the thread A released")
-                # Recorded through B; nobody serves the agent on B (offers across
-                # nodes are a later stage), so it fails at once, as offline.
-                run = await wait_status(http_b, taken["id"], TERMINAL)
-                assert run["metadata"].get("failureReason") == "agent_offline", run
             nursery.cancel_scope.cancel()
 
 

@@ -1,7 +1,8 @@
 """Two brokers on one PostgreSQL record, in one process (docs/cluster.md): a
 thread moves between nodes only while idle; a start, an answer or a cancel
-for a thread the other node leads is refused `ThreadLedElsewhere` with
-nothing recorded; a node taking a thread again reads its history afresh
+for a thread the other node leads, when that node cannot be reached (these
+brokers serve no HTTP, so they never said where they are), is refused
+`ThreadLedElsewhere` with nothing recorded; a node taking a thread again reads its history afresh
 (the other node added to it meanwhile). The real processes are
 test_cluster.py's; this one reaches the paths a door cannot time."""
 

@@ -28,6 +28,7 @@ import stores
 import trio
 from a2a.types import a2a_pb2 as pb
 from push_support import push_receiver
+from reliability_support import eventually
 from support import http_client, raw_provider, running_server, user_input
 from test_a2a_door import a2a_client
 from test_streams_survive import chunks, finished, sse_items, started, text_start
@@ -54,6 +55,17 @@ async def two_nodes(
         async with running_server(tmp_path, database_url=url, **overrides) as b:
             assert a.funduq.watchers is not None and b.funduq.watchers is not None
             yield a, b, provider
+
+
+async def released(node: ServerInfo, thread_id: str) -> None:
+    """Until the thread's lease is released (its lane ended at the pause): an
+    answer arriving while another node still leads the thread is forwarded
+    there (docs/cluster.md), and these tests mean B to take it."""
+
+    async def free() -> bool:
+        return await node.funduq.record.thread_leader(thread_id) is None
+
+    await eventually(free, f"thread {thread_id} released")
 
 
 async def collect(
@@ -354,6 +366,7 @@ async def test_a_run_paused_on_its_lanes_node_and_answered_on_another_is_followe
         nursery.start_soon(subscribe, a2a_a, task["id"], send_sub)
         assert (await on_sub.receive()).task.status.state == S.TASK_STATE_INPUT_REQUIRED
 
+        await released(b, task["contextId"])
         url_b = b.a2a_url(provider.fingerprint, "asker")
         answer = {**message("yes", taskId=task["id"]), "configuration": {"returnImmediately": True}}
         again = (await http.post(url_b, json=rpc("SendMessage", answer))).json()
@@ -403,6 +416,7 @@ async def test_a_push_deliverer_at_a_pause_wakes_when_another_node_takes_the_ans
         assert task["status"]["state"] == "TASK_STATE_INPUT_REQUIRED"
         await receiver.wait_for(2)  # RUN_STARTED's update, then the pause
 
+        await released(b, task["contextId"])
         url_b = b.a2a_url(provider.fingerprint, "asker")
         again = await http.post(url_b, json=rpc("SendMessage", message("yes", taskId=task["id"])))
         assert again.json()["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"

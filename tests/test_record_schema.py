@@ -178,7 +178,7 @@ def test_step_7_replaces_the_two_listing_indexes_with_one_and_keeps_every_run(tm
         [(1, "run_a", "completed", 1.0, 2.0, 3.0), (2, "run_b", "running", 1.5, 1.6, None)],
     )
     before = conn.execute("SELECT * FROM runs ORDER BY arrival").fetchall()
-    assert schema.upgrade(conn) == [7, 8]
+    assert schema.upgrade(conn) == [7, 8, 9]
     indexes = {
         r[0]
         for r in conn.execute(

@@ -100,7 +100,7 @@ class PushConfigNotFound(FunduqError):
 
 
 class ThreadLedElsewhere(FunduqError):
-    """Another funduq node on the same PostgreSQL leads this thread right now
-    (holds its lease, docs/cluster.md): this node cannot start, answer or
-    cancel its runs. Nothing was recorded. Retry on the node that leads it
-    (forwarding there is the cluster's next stage), or once its lease moves."""
+    """Another funduq node on the same PostgreSQL leads this thread (holds its
+    lease) or alone serves its agent, and the request could not be forwarded
+    there (docs/cluster.md, "Forwarding"): that node does not answer. Nothing
+    was recorded. Retry shortly, or once its lease lapses."""

@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -28,6 +28,7 @@ from ..secret_file import load_or_create
 from . import authority
 from .admission import WaitingRuns
 from .authority import Reader
+from .cluster import Forwarder, Unreachable
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
@@ -50,10 +51,13 @@ from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .pushes import Pushes
 from .run_machine import Input, Move, RunMachine, Settle
 from .spends import Spends
-from .store import NotLeader, Store, dumps, iso, keepable, open_store, record_trouble
+from .store import ROSTER_NOTICE, NotLeader, Store, dumps, iso, keepable, open_store, record_trouble
 from .watchers import RunWatchers
 
 log = logging.getLogger("funduq")
+
+#: How long an orderly stop may spend telling the cluster it leaves.
+LEAVE_SECONDS = 5.0
 
 #: Threads whose facts (segment head, message ids) stay cached while idle.
 THREAD_CACHE = 16384
@@ -124,6 +128,15 @@ class Funduq:
         self.node = new_node_id(settings.node_name)
         self.leases = Leases(self.node, settings.lease_seconds)
         self._claim_now = trio.Event()
+        #: Where other nodes reach this one (FUNDUQ_NODE_URL, else where it
+        #: serves), the roster it last told the record, the forwarder of
+        #: calls to other nodes and the secret they are signed with.
+        self.node_url = settings.node_url or ""
+        self._served_told: tuple[tuple[str, str], ...] | None = None
+        self._roster_stale = trio.Event()
+        self.forwarder: Forwarder | None = None
+        self.cluster_secret = ""
+        self._leaving = False
         #: The operator's bearer token (see _load_operator_token).
         self.operator_token = ""
         self.record: Store
@@ -207,8 +220,13 @@ class Funduq:
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             if self.record.shared:
+                self.cluster_secret = await self.record.cluster_secret()
+                self.forwarder = Forwarder(self.cluster_secret)
+                self._stack.push_async_callback(self.forwarder.aclose)
+                self._stack.push_async_callback(self._leave_cluster)
                 self.watchers = RunWatchers()
-                await self._nursery.start(self._listen, self.watchers.wake, self.watchers.wake_all)
+                await self._nursery.start(self._listen, self._changed, self._caught_up)
+                self._nursery.start_soon(self._keep_roster)
                 self.metrics.cluster = True
                 self.providers.on_served = self._wake_lease_task
                 await self._nursery.start(self._keep_leases)
@@ -233,6 +251,31 @@ class Funduq:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         await self.record.listen(changed, caught_up, task_status=task_status)
+
+    def _changed(self, run_id: str) -> None:
+        """A notification: a run changed, or (ROSTER_NOTICE) the roster."""
+        if run_id == ROSTER_NOTICE:
+            self._roster_stale.set()
+        elif self.watchers is not None:
+            self.watchers.wake(run_id)
+
+    def _caught_up(self) -> None:
+        self._roster_stale.set()
+        if self.watchers is not None:
+            self.watchers.wake_all()
+
+    async def _keep_roster(self) -> None:
+        """Read the agents again whenever a node's links publish or drop some
+        (ROSTER_NOTICE), so every node's doors know every agent."""
+        while True:
+            await self._roster_stale.wait()
+            self._roster_stale = trio.Event()
+            try:
+                await self.providers.refresh()
+            except Exception as exc:
+                if not record_trouble(exc):
+                    raise
+                log.warning("roster: cannot read it again (%s); at the next change", exc)
 
     def _load_identity(self) -> Identity:
         if self.settings.identity_key:
@@ -261,9 +304,13 @@ class Funduq:
 
     def served_at(self, url: str) -> None:
         """The server is listening at `url`: KYOK's baseUrl, unless
-        FUNDUQ_PUBLIC_URL says where agents reach funduq instead."""
+        FUNDUQ_PUBLIC_URL says where agents reach funduq instead; and where
+        other nodes reach this one, unless FUNDUQ_NODE_URL says otherwise."""
         if not self.settings.public_url:
             self.kyok.base_url = url.rstrip("/") + "/kyok/v1"
+        if not self.settings.node_url:
+            self.node_url = url
+        self._claim_now.set()  # tell the record at once
 
     async def _restore(self) -> None:
         """After a restart: what nobody can still be holding fails
@@ -376,7 +423,25 @@ class Funduq:
         """A provider published agents here: claim their lapsed threads now."""
         self._claim_now.set()
 
+    async def _leave_cluster(self) -> None:
+        """An orderly stop: other nodes stop forwarding here at once, rather
+        than once this node's heartbeat lapses."""
+        self._leaving = True
+        with trio.move_on_after(LEAVE_SECONDS):
+            try:
+                await self.record.leave()
+            except Exception as exc:
+                if not record_trouble(exc):
+                    raise
+                log.warning("cannot tell the cluster this node stops (%s)", exc)
+
     async def _renew_and_claim(self) -> None:
+        served = tuple(sorted(self._served_pairs()))
+        if not self._leaving:
+            # Queued, not awaited: it rides the renewal's group commit (one
+            # round trip for both); a failure is the writer's to log.
+            self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
+        self._served_told = served
         snapshot = self.leases.snapshot()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
         self.metrics.lease_renewals += 1
@@ -390,6 +455,15 @@ class Funduq:
             if won:
                 self.leases.taken(won)
                 await self._restore_threads(won)
+
+    def _served_pairs(self) -> list[tuple[str, str]]:
+        """The (key, agent) a provider attached here serves."""
+        return [
+            (key, name)
+            for key, session in self.providers.sessions.items()
+            if session.live
+            for name in session.agents
+        ]
 
     def _served_agents(self) -> list[str]:
         """The agents a provider attached here serves, as "key/name"."""
@@ -593,7 +667,15 @@ class Funduq:
         return None if key is None else self.providers.view(key, agent)
 
     async def roster(self) -> list[dict[str, Any]]:
-        return [v.as_json() for v in self.providers.roster()]
+        views = self.providers.roster()
+        if self.record.shared:
+            # Online: served by a link here, or on another live node.
+            served = await self.record.served_anywhere()
+            views = [
+                v if v.online or (v.key, v.name) not in served else replace(v, online=True)
+                for v in views
+            ]
+        return [v.as_json() for v in views]
 
     def provider_quality(self) -> list[dict[str, Any]]:
         """Every provider funduq has met: online or not, its quality counters
@@ -629,11 +711,32 @@ class Funduq:
         thread_id: str | None = None,
         metadata: dict[str, Any] | None = None,
         create_unknown_thread: bool = False,
+        forwarded: bool = False,
     ) -> RunTicket:
         view = self.find_agent(provider, agent)
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
+        if not forwarded:
+            # Carried out where the thread is led, or where the agent is
+            # served (docs/cluster.md, "Forwarding"); everything -- authority,
+            # limits -- is checked there, once.
+            urls = await self._where_to(key, agent, thread_id)
+            if urls:
+                found = await self._forward(
+                    urls,
+                    "start_run",
+                    {
+                        "provider": key,
+                        "agent": agent,
+                        "run_input": run_input,
+                        "thread_id": thread_id,
+                        "metadata": metadata,
+                        "create_unknown_thread": create_unknown_thread,
+                    },
+                    thread_id,
+                )
+                return RunTicket(str(found["runId"]), str(found["threadId"]))
         await self._writable()
         _check_carriable(metadata, thread_id)
         run_input = _read_run_input(run_input)
@@ -744,6 +847,47 @@ class Funduq:
                 "run %s queued on thread %s for %s/%s", run_id, tid, fingerprint_of(key), agent
             )
         return RunTicket(run_id, tid)
+
+    async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
+        """The URLs of the nodes a caller's request about this thread (None: a
+        new one) of this agent is carried out on when not here: the thread's
+        leader when it is another live node; else, when no link here serves
+        the agent, the nodes whose links do ("the lease follows the link").
+        Empty: here."""
+        if not self.record.shared:
+            return []
+        if thread_id is not None and self.leases.leads(thread_id):
+            return []  # ours to order, served here or not
+        if thread_id is not None and keepable(thread_id):
+            leader = await self.record.thread_leader(thread_id)
+            if leader is not None:
+                node, url, live = leader
+                if node != self.node and live:
+                    if not url:
+                        raise ThreadLedElsewhere(
+                            f"thread {thread_id} is led by funduq node {node}, which has "
+                            "not said where it can be reached; retry shortly"
+                        )
+                    return [url]
+        if self.providers.serving(key, agent) is None:
+            return [url for _, url in await self.record.serving_nodes(key, agent)]
+        return []
+
+    async def _forward(
+        self, urls: list[str], op: str, args: dict[str, Any], thread_id: str | None
+    ) -> Any:
+        """Carry out ``op`` on another node (docs/cluster.md): its result, or
+        the broker error it raised, raised here as the same exception."""
+        assert self.forwarder is not None
+        self.metrics.calls_forwarded += 1
+        try:
+            return await self.forwarder.call(urls, op, args)
+        except Unreachable as exc:
+            what = f"thread {thread_id}" if thread_id else "this agent"
+            raise ThreadLedElsewhere(
+                f"{what} is served by another funduq node right now, which cannot be "
+                f"reached ({exc}); retry shortly"
+            ) from None
 
     def _still_waiting(self, run_id: str) -> bool:
         """Whether a charged run still waits in funduq (see WaitingRuns): not
@@ -1037,9 +1181,20 @@ class Funduq:
                 await news.wait()
             return lane
 
-    async def cancel_run(self, run_id: str, *, proof: Any = None) -> dict[str, Any]:
+    async def cancel_run(
+        self, run_id: str, *, proof: Any = None, forwarded: bool = False
+    ) -> dict[str, Any]:
         """Ask to stop a run. Authority is checked before anything about the
-        run's state is revealed."""
+        run's state is revealed (on the node that leads the run's thread: a
+        cancel arriving elsewhere is forwarded there first)."""
+        if self.record.shared and not forwarded and run_id not in self.lanes:
+            thread_id = await self.record.run_thread(run_id)
+            leader = None if thread_id is None else await self.record.thread_leader(thread_id)
+            if leader is not None and leader[0] != self.node and leader[2] and leader[1]:
+                found = await self._forward(
+                    [leader[1]], "cancel_run", {"run_id": run_id, "proof": proof}, thread_id
+                )
+                return dict(found)
         facts = await self._run_facts(run_id)
         if facts is None:
             raise RunNotFound(run_id)
@@ -1059,8 +1214,8 @@ class Funduq:
                 lane = self.lanes.get(run_id)
                 if lane is None:
                     raise ThreadLedElsewhere(
-                        f"run {run_id} is led by another funduq node right now; retry on "
-                        "the node that leads its thread"
+                        f"run {run_id} is led by another funduq node right now, which "
+                        "cannot be reached; retry shortly"
                     )
         if lane is None or lane.status not in st.MOVES[st.CANCELLED] | st.HELD:
             raise _not_cancellable(run_id)
@@ -1140,11 +1295,33 @@ class Funduq:
         *,
         metadata: dict[str, Any] | None = None,
         thread_id: str | None = None,
+        forwarded: bool = False,
     ) -> RunTicket:
         """Answer a paused run: the same run id is queued again, offered in its
         thread's order, its event log continuing. `thread_id`, when the caller
         names one, must be the run's (checked after the authority check, so a
-        stranger learns nothing from naming the wrong one)."""
+        stranger learns nothing from naming the wrong one). Carried out where
+        the run's thread is led, or its agent served (forwarded there)."""
+        if self.record.shared and not forwarded and run_id not in self.lanes:
+            found_row = await self.record.run_row(run_id)
+            if found_row is not None:
+                known = _run_row(found_row)
+                urls = await self._where_to(
+                    known["provider_key"], known["agent_name"], known["thread_id"]
+                )
+                if urls:
+                    found = await self._forward(
+                        urls,
+                        "answer_pause",
+                        {
+                            "run_id": run_id,
+                            "run_input": run_input,
+                            "metadata": metadata,
+                            "thread_id": thread_id,
+                        },
+                        known["thread_id"],
+                    )
+                    return RunTicket(str(found["runId"]), str(found["threadId"]))
         facts = await self._run_facts(run_id)
         if facts is None:
             raise RunNotFound(run_id)

@@ -82,6 +82,8 @@ class Metrics:
         self.lease_renewals = 0
         self.threads_taken_over = 0
         self.threads_let_go = 0
+        self.calls_forwarded = 0
+        self.calls_taken = 0
 
     def run_ended(self, status: str) -> None:
         self.runs_ended[status] = self.runs_ended.get(status, 0) + 1
@@ -168,6 +170,18 @@ class Metrics:
                 "counter",
                 "Threads this node stopped acting for because another node took them over.",
                 [("", self.threads_let_go)],
+            )
+            family(
+                "funduq_calls_forwarded_total",
+                "counter",
+                "Callers' requests this node sent to another node to carry out.",
+                [("", self.calls_forwarded)],
+            )
+            family(
+                "funduq_calls_taken_total",
+                "counter",
+                "Requests another node forwarded here, signed, and carried out.",
+                [("", self.calls_taken)],
             )
         for name, (help_text, value) in gauges.items():
             family(name, "gauge", help_text, [("", value)])

@@ -37,6 +37,7 @@ from . import schema
 from .store import (
     PUSH_COLUMNS,
     PUSH_DELIVERING,
+    ROSTER_NOTICE,
     NoRecord,
     NotLeader,
     PendingWrite,
@@ -237,6 +238,31 @@ CREATE INDEX runs_agent_listing ON runs
         """
 ALTER TABLE push_configs ADD COLUMN lease_node TEXT;
 ALTER TABLE push_configs ADD COLUMN lease_expires TIMESTAMPTZ;
+""",
+    ),
+    # docs/cluster.md, "Forwarding": each node's heartbeat and the URL other
+    # nodes reach it at; the agents each node's provider links serve now (a
+    # dead node's rows are ignored once its heartbeat lapsed, then swept);
+    # the secret forwarded calls between nodes are signed with, made once.
+    _migration(
+        9,
+        """
+CREATE TABLE cluster_nodes (
+    node TEXT PRIMARY KEY,
+    url TEXT NOT NULL DEFAULT '',
+    expires_at TIMESTAMPTZ NOT NULL
+);
+CREATE TABLE served (
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    node TEXT NOT NULL,
+    PRIMARY KEY (provider_key, agent_name, node)
+);
+CREATE INDEX served_node ON served (node);
+CREATE TABLE cluster_secret (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    secret TEXT NOT NULL
+);
 """,
     ),
 )
@@ -742,6 +768,111 @@ class PostgresStore(SqlStore):
             return ours, self._claim_push_sync(conn)
 
         return await self.write(apply)
+
+    # -- the cluster's roster and forwarding (docs/cluster.md) -------------------------
+
+    def heartbeat(
+        self, url: str, served: Sequence[tuple[str, str]], *, tell: bool = False
+    ) -> PendingWrite | None:
+        node, seconds = self.node, self.lease_seconds
+        if node is None:
+            return None
+
+        def apply(conn: Any) -> None:
+            conn.execute(
+                "INSERT INTO cluster_nodes (node, url, expires_at) "
+                "VALUES (?, ?, now() + make_interval(secs => ?)) ON CONFLICT (node) "
+                "DO UPDATE SET url = EXCLUDED.url, expires_at = EXCLUDED.expires_at",
+                (node, url, seconds),
+            )
+            # Dead nodes: their heartbeat lapsed a while ago (a live one that
+            # could not renew in time writes its rows again when it can).
+            conn.execute(
+                "DELETE FROM cluster_nodes WHERE expires_at < now() - make_interval(secs => ?)",
+                (10 * seconds,),
+            )
+            conn.execute(
+                "DELETE FROM served s WHERE NOT EXISTS "
+                "(SELECT 1 FROM cluster_nodes n WHERE n.node = s.node)"
+            )
+            # Said again at every heartbeat: a node whose rows were swept
+            # while it could not reach the record is back in the roster.
+            conn.execute("DELETE FROM served WHERE node = ?", (node,))
+            for key, agent in served:
+                conn.execute(
+                    "INSERT INTO served (provider_key, agent_name, node) VALUES (?, ?, ?)",
+                    (key, agent, node),
+                )
+            if tell:
+                conn.execute("SELECT pg_notify(?, ?)", (self.channel, ROSTER_NOTICE))
+
+        return self.write_soon(apply)
+
+    async def leave(self) -> None:
+        node = self.node
+        if node is None:
+            return
+
+        def apply(conn: Any) -> None:
+            conn.execute("DELETE FROM served WHERE node = ?", (node,))
+            conn.execute("DELETE FROM cluster_nodes WHERE node = ?", (node,))
+            conn.execute("SELECT pg_notify(?, ?)", (self.channel, ROSTER_NOTICE))
+
+        await self.write(apply)
+
+    async def cluster_secret(self) -> str:
+        import secrets
+
+        made = secrets.token_hex(32)
+
+        def apply(conn: Any) -> str:
+            conn.execute(
+                "INSERT INTO cluster_secret (id, secret) VALUES (1, ?) ON CONFLICT (id) DO NOTHING",
+                (made,),
+            )
+            row = conn.execute("SELECT secret FROM cluster_secret WHERE id = 1").fetchone()
+            return str(row[0])
+
+        return await self.write(apply)
+
+    async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
+        def read(conn: Any) -> tuple[str, str, bool] | None:
+            row = conn.execute(
+                "SELECT l.node, COALESCE(n.url, ''), l.expires_at > now() FROM thread_leases l "
+                "LEFT JOIN cluster_nodes n ON n.node = l.node WHERE l.thread_id = ?",
+                (thread_id,),
+            ).fetchone()
+            return None if row is None else (str(row[0]), str(row[1]), bool(row[2]))
+
+        return await self.read(read)
+
+    async def serving_nodes(self, key: str, agent: str) -> list[tuple[str, str]]:
+        node = self.node or ""
+
+        def read(conn: Any) -> list[tuple[str, str]]:
+            rows = conn.execute(
+                "SELECT n.node, n.url FROM served s JOIN cluster_nodes n ON n.node = s.node "
+                "WHERE s.provider_key = ? AND s.agent_name = ? AND s.node <> ? "
+                "AND n.expires_at > now() AND n.url <> '' ORDER BY random()",
+                (key, agent, node),
+            ).fetchall()
+            return [(str(r[0]), str(r[1])) for r in rows]
+
+        return await self.read(read)
+
+    async def served_anywhere(self) -> set[tuple[str, str]]:
+        node = self.node or ""
+
+        def read(conn: Any) -> set[tuple[str, str]]:
+            rows = conn.execute(
+                "SELECT DISTINCT s.provider_key, s.agent_name FROM served s "
+                "JOIN cluster_nodes n ON n.node = s.node "
+                "WHERE n.expires_at > now() AND s.node <> ?",
+                (node,),
+            ).fetchall()
+            return {(str(r[0]), str(r[1])) for r in rows}
+
+        return await self.read(read)
 
     # -- writing -----------------------------------------------------------------------
 

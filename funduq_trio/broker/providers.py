@@ -328,6 +328,22 @@ class Providers:
             }
         self.started_at = trio.current_time()
 
+    async def refresh(self) -> None:
+        """Read the published agents again (another node of a cluster took a
+        provider's register): what this node did not know joins what it
+        knows; its counters stay its own."""
+        providers, agents = await self.record.providers_and_agents()
+        for key, fp, *counts in providers:
+            self.counters.setdefault(key, dict(zip(COUNTERS, map(int, counts), strict=True)))
+            self.by_fingerprint[fp] = key
+        for key, name, description, card, metadata in agents:
+            self.agents[(key, name)] = {
+                "name": name,
+                "description": description,
+                "card": json.loads(card),
+                "metadata": json.loads(metadata),
+            }
+
     # -- lookups -------------------------------------------------------------
 
     def resolve_key(self, provider: str) -> str | None:
@@ -431,6 +447,8 @@ class Providers:
         for lane in list(session.held.values()):
             lane.tell(Gone())
         self.wake(key)
+        if self.on_served is not None:
+            self.on_served()
 
     # -- waiting lanes -----------------------------------------------------------
 

@@ -209,7 +209,30 @@ ALTER TABLE push_configs ADD COLUMN lease_node TEXT;
 ALTER TABLE push_configs ADD COLUMN lease_expires REAL;
 """,
     ),
-    # Next: Migration(9, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+    # On SQLite these stay empty too (one process is the whole funduq).
+    Migration(
+        9,
+        "any node takes callers (issue #12): the nodes and where they serve, "
+        "which agents each serves now, and the secret nodes sign forwarded calls with",
+        """
+CREATE TABLE cluster_nodes (
+    node TEXT PRIMARY KEY,
+    url TEXT NOT NULL DEFAULT '',
+    expires_at REAL NOT NULL
+);
+CREATE TABLE served (
+    provider_key TEXT NOT NULL,
+    agent_name TEXT NOT NULL,
+    node TEXT NOT NULL,
+    PRIMARY KEY (provider_key, agent_name, node)
+) WITHOUT ROWID;
+CREATE TABLE cluster_secret (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    secret TEXT NOT NULL
+);
+""",
+    ),
+    # Next: Migration(10, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
 

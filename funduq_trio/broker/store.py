@@ -96,6 +96,11 @@ class NoRecord(RuntimeError):
     funduq's schema. Nothing was created."""
 
 
+#: A notification on the runs' channel that is no run's: the roster changed
+#: (a node's links publish or drop agents); every node reads it again.
+ROSTER_NOTICE = "!roster"
+
+
 class NotLeader(RuntimeError):
     """The record refused a write of a thread's run because this node does
     not hold the thread's lease (another node leads it, docs/cluster.md):
@@ -218,6 +223,40 @@ class Store(Protocol):
 
     def release_lease(self, thread_id: str) -> PendingWrite | None:
         """Give up the thread's lease (queued first-in first-out)."""
+        ...
+
+    # -- the cluster's roster and forwarding (docs/cluster.md)
+
+    def heartbeat(
+        self, url: str, served: Sequence[tuple[str, str]], *, tell: bool = False
+    ) -> PendingWrite | None:
+        """This node is alive (for a lease's length), reached at ``url``, and
+        its provider links serve ``served`` (key, agent) now, replacing what
+        it said before; with ``tell``, every node reads the roster again.
+        Queued first-in first-out (so it shares the next group commit)."""
+        ...
+
+    async def cluster_secret(self) -> str:
+        """The secret the nodes sign forwarded calls with (made once)."""
+        ...
+
+    async def leave(self) -> None:
+        """This node stops: its heartbeat and what it serves are deleted
+        (and every node told), so nobody forwards here any more."""
+        ...
+
+    async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
+        """(node, its URL, whether its lease is live) of the thread's lease
+        holder; None when nobody holds it."""
+        ...
+
+    async def serving_nodes(self, key: str, agent: str) -> list[tuple[str, str]]:
+        """(node, URL) of the other live nodes whose links serve the agent."""
+        ...
+
+    async def served_anywhere(self) -> set[tuple[str, str]]:
+        """The (key, agent) some other live node serves now (this node's
+        own links are the registry's to say, at once)."""
         ...
 
     async def ping(self) -> None:
@@ -534,6 +573,29 @@ class SqlStore:
 
     def release_lease(self, thread_id: str) -> PendingWrite | None:
         return None
+
+    # -- the cluster's roster and forwarding (docs/cluster.md): nothing on a
+    # record of one process, which is the whole funduq
+
+    def heartbeat(
+        self, url: str, served: Sequence[tuple[str, str]], *, tell: bool = False
+    ) -> PendingWrite | None:
+        return None
+
+    async def cluster_secret(self) -> str:
+        return ""
+
+    async def leave(self) -> None:
+        return None
+
+    async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
+        return None
+
+    async def serving_nodes(self, key: str, agent: str) -> list[tuple[str, str]]:
+        return []
+
+    async def served_anywhere(self) -> set[tuple[str, str]]:
+        return set()
 
     # -- writing ------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .cluster_route import mount_cluster_route
 from .cors import mount_cors
 from .door_errors import door_answer
 from .kyok import mount_kyok
@@ -168,6 +169,8 @@ def create_app(funduq: Funduq) -> QuartTrio:
     mount_agui_door(app, funduq)
     mount_provider_socket(app, funduq)
     mount_kyok(app, funduq)
+    mount_cluster_route(app, funduq)
+
     # Outermost: SSE streams are written by serve_streams once quart (and every
     # layer above it, CloseAfterResponse and the provider link's router) has
     # answered, so none of their frames waits as long as a stream (web/sse.py).

@@ -123,15 +123,15 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
             data={"reason": "record_unavailable"},
         ),
     ),
-    # Another node of the cluster leads the thread (docs/cluster.md): "not
-    # here, not now" -- until requests are forwarded to the leading node.
+    # Another node of the cluster leads the thread, and forwarding the
+    # request there failed (docs/cluster.md): "not now".
     e.ThreadLedElsewhere: DoorAnswer(
         503,
         "thread_led_elsewhere",
         lambda exc, _: UnsupportedOperationError(
             message=str(exc)
-            or "Another funduq node leads this conversation right now; retry on the "
-            "node that leads it",
+            or "Another funduq node leads this conversation right now and cannot be "
+            "reached; retry shortly",
             data={"reason": "thread_led_elsewhere"},
         ),
     ),
