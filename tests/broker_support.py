@@ -165,16 +165,7 @@ async def quiet(budget: int = 50_000) -> None:
             calm = 0
             while calm < 2:
                 await trio.testing.wait_all_tasks_blocked()
-                if limiter.borrowed_tokens:
-                    # A worker thread (a PostgreSQL call, a checkpoint) is
-                    # still out: this loop spins until it is back -- which
-                    # also keeps an autojumping clock still -- and those
-                    # steps are the wait's, not the broker's, so they are
-                    # not counted. On a loaded host one call can take long.
-                    steps.count = 0
-                    calm = 0
-                else:
-                    calm += 1
+                calm = calm + 1 if limiter.borrowed_tokens == 0 else 0
         finally:
             trio.lowlevel.remove_instrument(steps)
     if scope.cancelled_caught:
