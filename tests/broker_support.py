@@ -154,9 +154,11 @@ class BusyLoop(AssertionError):
     pass
 
 
-async def quiet(budget: int = 50_000) -> None:
+async def quiet(budget: int = 500_000) -> None:
     """Let the broker do everything it can do without time passing. A broker
-    still busy after ``budget`` task steps is spinning: the test fails."""
+    still busy after ``budget`` task steps is spinning: the test fails. The
+    budget is large because this loop itself spins while a worker thread (a
+    PostgreSQL commit) is out, and one commit can take a while on a busy host."""
     limiter = trio.to_thread.current_default_thread_limiter()
     with trio.CancelScope() as scope:
         steps = _Steps(scope, budget)
