@@ -56,8 +56,6 @@ from .watchers import RunWatchers
 
 log = logging.getLogger("funduq")
 
-#: How long an orderly stop may spend telling the cluster it leaves.
-LEAVE_SECONDS = 5.0
 
 #: Threads whose facts (segment head, message ids) stay cached while idle.
 THREAD_CACHE = 16384
@@ -215,7 +213,7 @@ class Funduq:
                 self.kyok.base_url = self.settings.public_url.rstrip("/") + "/kyok/v1"
             if self.record.shared:
                 # Runs after the nursery below ended, before the record closes.
-                self._stack.push_async_callback(self._let_push_leases_go)
+                self._stack.callback(self._let_push_leases_go)
             self._nursery = await self._stack.enter_async_context(trio.open_nursery())
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
@@ -223,7 +221,7 @@ class Funduq:
                 self.cluster_secret = await self.record.cluster_secret()
                 self.forwarder = Forwarder(self.cluster_secret)
                 self._stack.push_async_callback(self.forwarder.aclose)
-                self._stack.push_async_callback(self._leave_cluster)
+                self._stack.callback(self._leave_cluster)
                 self.watchers = RunWatchers()
                 await self._nursery.start(self._listen, self._changed, self._caught_up)
                 self._nursery.start_soon(self._keep_roster)
@@ -406,34 +404,24 @@ class Funduq:
                 await self._claim_now.wait()
             self._claim_now = trio.Event()
 
-    async def _let_push_leases_go(self) -> None:
+    def _let_push_leases_go(self) -> None:
         """On the way out, once the push deliverers stopped: let this node's
         delivery leases go, so another node's next lease round resumes the
-        configs from their cursors rather than a lease later. Bounded by a
-        lease (a record that does not answer leaves them to lapse)."""
-        if self.pushes is None:
-            return
-        with trio.CancelScope(shield=True), trio.move_on_after(self.settings.lease_seconds):
-            try:
-                await self.record.release_push_leases()
-            except Exception as exc:  # noqa: BLE001 -- they lapse instead
-                log.warning("push delivery leases not let go at stop (%s); they lapse", exc)
+        configs from their cursors rather than a lease later. Queued: the
+        record's last flush commits it even when a cancellation stopped the
+        writer (a record that does not answer leaves them to lapse)."""
+        if self.pushes is not None:
+            self.record.release_push_leases()
 
     def _wake_lease_task(self) -> None:
         """A provider published agents here: claim their lapsed threads now."""
         self._claim_now.set()
 
-    async def _leave_cluster(self) -> None:
+    def _leave_cluster(self) -> None:
         """An orderly stop: other nodes stop forwarding here at once, rather
-        than once this node's heartbeat lapses."""
+        than once this node's heartbeat lapses. Queued, as above."""
         self._leaving = True
-        with trio.move_on_after(LEAVE_SECONDS):
-            try:
-                await self.record.leave()
-            except Exception as exc:
-                if not record_trouble(exc):
-                    raise
-                log.warning("cannot tell the cluster this node stops (%s)", exc)
+        self.record.leave()
 
     async def _renew_and_claim(self) -> None:
         served = tuple(sorted(self._served_pairs()))

@@ -734,11 +734,11 @@ class PostgresStore(SqlStore):
             return []
         return await self.write(self._claim_push_sync)
 
-    async def release_push_leases(self) -> None:
+    def release_push_leases(self) -> None:
         node = self.node
         if node is None:
             return
-        await self.write(
+        self.write_soon(
             lambda c: c.execute(
                 "UPDATE push_configs SET lease_node = NULL, lease_expires = NULL "
                 "WHERE lease_node = ? AND state = ?",
@@ -808,7 +808,7 @@ class PostgresStore(SqlStore):
 
         return self.write_soon(apply)
 
-    async def leave(self) -> None:
+    def leave(self) -> None:
         node = self.node
         if node is None:
             return
@@ -818,7 +818,7 @@ class PostgresStore(SqlStore):
             conn.execute("DELETE FROM cluster_nodes WHERE node = ?", (node,))
             conn.execute("SELECT pg_notify(?, ?)", (self.channel, ROSTER_NOTICE))
 
-        await self.write(apply)
+        self.write_soon(apply)
 
     async def cluster_secret(self) -> str:
         import secrets

@@ -240,9 +240,11 @@ class Store(Protocol):
         """The secret the nodes sign forwarded calls with (made once)."""
         ...
 
-    async def leave(self) -> None:
+    def leave(self) -> None:
         """This node stops: its heartbeat and what it serves are deleted
-        (and every node told), so nobody forwards here any more."""
+        (and every node told), so nobody forwards here any more. Queued,
+        not awaited: a stop may come as a cancellation that has already
+        stopped the writer, and the record's last flush commits it then."""
         ...
 
     async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
@@ -345,10 +347,10 @@ class Store(Protocol):
         where ``shared``."""
         ...
 
-    async def release_push_leases(self) -> None:
-        """Let every delivery lease of this node go (at an orderly stop):
-        another node's next round resumes those configs at once. Only
-        where ``shared``."""
+    def release_push_leases(self) -> None:
+        """Let every delivery lease of this node go (at a stop): another
+        node's next round resumes those configs at once. Only where
+        ``shared``. Queued like ``leave``."""
         ...
 
     async def renew_push_leases(
@@ -585,7 +587,7 @@ class SqlStore:
     async def cluster_secret(self) -> str:
         return ""
 
-    async def leave(self) -> None:
+    def leave(self) -> None:
         return None
 
     async def thread_leader(self, thread_id: str) -> tuple[str, str, bool] | None:
@@ -1172,7 +1174,7 @@ class SqlStore:
     async def claim_push_configs(self) -> list[Any]:
         raise NotImplementedError("push delivery leases are a shared record's")
 
-    async def release_push_leases(self) -> None:
+    def release_push_leases(self) -> None:
         raise NotImplementedError("push delivery leases are a shared record's")
 
     async def renew_push_leases(
