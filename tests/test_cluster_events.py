@@ -477,7 +477,11 @@ async def test_one_notification_per_run_per_transaction_and_only_on_commit(tmp_p
                 )
                 nursery.start_soon(lambda: store.move("run_2", "queued"))  # refused
             assert store.commits == commits + 1
-            listener.execute("SELECT pg_notify(%s, 'end')", (store.channel,))
+            # 'end' comes from another connection: a query run on the listener
+            # itself would read (and, on psycopg 3.2.1, drop) notifications
+            # already waiting on its socket; notifies() alone reads them all.
+            with psycopg.connect(stores.database_url, autocommit=True) as other:
+                other.execute("SELECT pg_notify(%s, 'end')", (store.channel,))
             payloads = []
             for notice in listener.notifies(timeout=30):  # a safety net, never reached
                 if notice.payload == "end":
