@@ -15,6 +15,8 @@ from typing import Any
 import psycopg
 import pytest
 import stores
+import trio
+import trio.testing
 from broker_support import (
     AGENT,
     Provider,
@@ -43,7 +45,10 @@ async def take(funduq: Funduq, p: Provider, run_id: str) -> None:
 
 
 async def committed(funduq: Funduq) -> None:
-    """Everything the node queued for the record (a lease's release) is in."""
+    """Everything the node queued for the record (a lease's release) is in.
+    First every task runs until it blocks: a lane that settled its run (which
+    wakes ``wait_run``) releases its thread's lease only as it ends."""
+    await trio.testing.wait_all_tasks_blocked()
     await funduq.record.probe()
 
 
