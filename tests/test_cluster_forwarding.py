@@ -18,16 +18,14 @@ import json
 import time
 from collections import defaultdict
 
-import httpx
 import psycopg
 import pytest
 import stores
 import trio
 from a2a.types import a2a_pb2 as pb
-from cluster_support import cluster
+from cluster_support import cluster, metric, online
 from reliability_support import (
     A2A,
-    HTTP_TIMEOUT,
     TERMINAL,
     AguiStream,
     Offer,
@@ -47,7 +45,6 @@ from test_a2a_door import a2a_client, send_request
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
-LEASE = 2.0
 AGENT = "scripted"
 
 
@@ -98,18 +95,6 @@ class Script:
             )
 
 
-async def online(http: httpx.AsyncClient, fingerprint: str) -> bool:
-    roster = (await http.get("/agents")).json()["agents"]
-    return any(a["fingerprint"] == fingerprint and a["online"] for a in roster)
-
-
-async def metric(http: httpx.AsyncClient, name: str) -> float:
-    for line in (await http.get("/metrics")).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def streamed_text(events: list[pb.StreamResponse]) -> str:
     return "".join(
         part.text
@@ -131,18 +116,17 @@ async def test_a_caller_on_a_node_without_the_provider_is_served_through_the_nod
     agent (pushed), and B's callers -- a2a-sdk's streaming client, AG-UI --
     send on a new thread and then on the same thread; each message is
     carried out on A, and the replies stream to the caller on B, in order."""
-    assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+            a.client() as http_a,
+            b.client() as http_b,
         ):
             await nursery.start(peer.serve)
             await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
@@ -198,18 +182,17 @@ async def test_a_caller_on_a_node_without_the_provider_is_served_through_the_nod
 async def test_a_cancel_and_an_answer_sent_to_another_node_reach_the_provider(tmp_path, store):
     """A cancel sent to B for a run running on A reaches the provider and the
     run settles cancelled, once; a pause answered through B resumes on A."""
-    assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+            a.client() as http_a,
+            b.client() as http_b,
         ):
             await nursery.start(peer.serve)
             await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
@@ -257,10 +240,9 @@ async def test_callers_spread_over_three_nodes_keep_each_threads_order(tmp_path,
     serves nothing; C serves the agent but must not order A's threads). Each
     thread's runs are offered, recorded and answered in the order they were
     sent, and each run ends once."""
-    assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         c = await nodes.start("c")
@@ -275,9 +257,9 @@ async def test_callers_spread_over_three_nodes_keep_each_threads_order(tmp_path,
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
-            httpx.AsyncClient(base_url=c.base_url, timeout=HTTP_TIMEOUT) as http_c,
+            a.client() as http_a,
+            b.client() as http_b,
+            c.client() as http_c,
         ):
             await nursery.start(peer.serve)
             await nursery.start(twin.serve)
@@ -353,13 +335,12 @@ async def test_forged_calls_between_nodes_are_refused_and_change_nothing(tmp_pat
     """The internal route takes only calls signed with the cluster's secret,
     made now: absent, forged, stale or replayed-for-another-op signatures
     are refused 401 and record nothing."""
-    assert stores.database_url is not None
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         peer = Peer(a.provider_url, [AGENT], max_concurrent_runs=1)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http,
+            a.client() as http,
         ):
             await nursery.start(peer.serve)
             args = {
@@ -403,14 +384,14 @@ async def test_a_leader_that_cannot_be_reached_is_answered_503_and_nothing_is_re
     assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+            b.client() as http_b,
         ):
             await nursery.start(peer.serve)
             await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
