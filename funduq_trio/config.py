@@ -149,8 +149,14 @@ class Settings:
         for name in at_least_one:
             if getattr(self, name) < 1:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be at least 1")
-        for name in ("handshake_timeout_seconds", "body_timeout_seconds"):
-            if not getattr(self, name) > 0:
+        # Seconds that must be more than 0: below 0 and nan were said above.
+        for name in (
+            "handshake_timeout_seconds",
+            "body_timeout_seconds",
+            "lease_seconds",
+            "push_timeout_seconds",
+        ):
+            if getattr(self, name) == 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be more than 0")
         for key in self.provider_keys or ():
             if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
@@ -164,31 +170,17 @@ class Settings:
             )
         if self.kyok_secret is not None and len(self.kyok_secret) < 32:
             found.append(f"{env_name('kyok_secret')}: at least 32 characters, please")
-        if self.public_url is not None:
-            url = urlsplit(self.public_url)
-            if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
+        for name in ("public_url", "node_url"):
+            value = getattr(self, name)
+            if value is not None and not _absolute_http_url(value):
                 found.append(
-                    f"{env_name('public_url')}={self.public_url!r}: an absolute "
-                    "http(s) URL without query or fragment"
+                    f"{env_name(name)}={value!r}: an absolute http(s) URL without query or "
+                    "fragment (and a port, if any, of 1..65535)"
                 )
-        if self.node_url is not None:
-            url = urlsplit(self.node_url)
-            if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
-                found.append(
-                    f"{env_name('node_url')}={self.node_url!r}: an absolute "
-                    "http(s) URL without query or fragment"
-                )
-        if not self.lease_seconds > 0:
-            found.append(f"{env_name('lease_seconds')}={self.lease_seconds}: must be more than 0")
         if self.node_name is not None and not NODE_NAME.fullmatch(self.node_name):
             found.append(
                 f"{env_name('node_name')}={self.node_name!r}: 1 to 64 letters, digits, "
                 "'-', '_' or '.'"
-            )
-        if not self.push_timeout_seconds > 0:
-            found.append(
-                f"{env_name('push_timeout_seconds')}={self.push_timeout_seconds}: "
-                "must be more than 0"
             )
         if self.identity_key is not None and not re.fullmatch(
             r"[0-9a-fA-F]{64}", self.identity_key.strip()
@@ -244,6 +236,17 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 #: The URL schemes of the PostgreSQL store.
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def _absolute_http_url(value: str) -> bool:
+    """An http(s) URL with a host, no query or fragment, and a usable port."""
+    url = urlsplit(value)
+    try:
+        port = url.port  # a port out of 0..65535 raises
+    except ValueError:
+        return False
+    good_scheme = url.scheme in ("http", "https") and bool(url.hostname)
+    return good_scheme and port != 0 and not url.query and not url.fragment
 
 
 def shown_url(url: str) -> str:

@@ -127,47 +127,105 @@ async def settled(funduq: Funduq, run_id: str) -> dict[str, Any]:
 
 # -- deterministic stepping under MockClock -------------------------------------------
 #
-# The record runs SQLite off the trio thread, so "every task is blocked" is not yet
-# "nothing more will happen": a task may be waiting on a worker thread. `quiet()`
-# waits until every task is blocked AND no worker thread is out (each holds a token
-# of trio's default thread limiter). With `mock_clock` (no autojump) time then stands
-# still, so what a test reads after `quiet()` is what the broker does with no more
-# time passing -- and a broker that never gets there fails the test instead of
-# hanging it.
+# The record runs its database calls off the trio thread (SQLite when another
+# process holds the write lock, every PostgreSQL commit and read), so "every
+# task is blocked" is not yet "nothing more will happen": a task may be waiting
+# on a worker thread. `quiet()` waits until every task is blocked AND no worker
+# thread is out (each holds a token of trio's default thread limiter). With
+# `mock_clock` (no autojump) time then stands still, so what a test reads after
+# `quiet()` is what the broker does with no more time passing -- and a broker
+# that never gets there fails the test instead of hanging it.
+#
+# While a thread is out, `quiet()` sleeps until it is back instead of polling
+# `wait_all_tasks_blocked()`: polling spins the trio thread, which holds the GIL
+# the worker thread needs after each of its C calls, so the spin slows the very
+# commit it waits for (200 PostgreSQL round trips: 4 ms blocked, 7-11 ms
+# spinning, on an idle host; worse the busier it is), and its own steps drown
+# the broker's in the busy-loop count. Sleeping, nothing of ours
+# runs: the steps counted are the broker's alone, and a broker that keeps going
+# back to a worker thread without time passing still runs out of budget. The
+# clock is held meanwhile by a task parked in `wait_all_tasks_blocked()`, which
+# an autojumping MockClock treats as busy (trio.testing.MockClock's docs) -- the
+# thread's work is not a reason for virtual time to pass.
 
 
 class _Steps(trio.abc.Instrument):
     """Counts task steps, and cancels ``scope`` once there were too many: the
-    broker was busy for that long without time passing (a busy loop)."""
+    broker was busy for that long without time passing (a busy loop). Sets
+    ``threads_back`` (when there is one) after the step that returned the
+    last worker thread's token."""
 
-    def __init__(self, scope: trio.CancelScope, budget: int) -> None:
-        self.scope, self.budget, self.count = scope, budget, 0
+    def __init__(self, scope: trio.CancelScope, budget: int, limiter: trio.CapacityLimiter) -> None:
+        self.scope, self.budget, self.limiter, self.count = scope, budget, limiter, 0
         self.token = trio.lowlevel.current_trio_token()
+        self.threads_back: trio.Event | None = None
 
     def before_task_step(self, task: Any) -> None:
         self.count += 1
         if self.count == self.budget:
             self.token.run_sync_soon(self.scope.cancel)
 
+    def after_task_step(self, task: Any) -> None:
+        # Instruments may not wake tasks themselves: the set is queued.
+        if self.threads_back is not None and self.limiter.borrowed_tokens == 0:
+            self.token.run_sync_soon(self.threads_back.set)
+            self.threads_back = None
+
+    async def until_threads_are_back(self, stuck_after: float) -> None:
+        back = self.threads_back = trio.Event()
+        stuck = False
+        async with trio.open_nursery() as nursery:
+
+            async def hold_the_clock() -> None:
+                # Parked in wait_all_tasks_blocked, this task keeps an
+                # autojumping clock where it is; it wakes only after
+                # ``stuck_after`` real seconds with nothing at all happening.
+                nonlocal stuck
+                await trio.testing.wait_all_tasks_blocked(stuck_after)
+                stuck = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(hold_the_clock)
+            await back.wait()
+            nursery.cancel_scope.cancel()
+        if stuck:
+            raise ThreadStuck(
+                f"a worker thread was out for {stuck_after:.0f} s with nothing else "
+                "happening (a database call that never returns: a lock wait?)"
+            )
+
 
 class BusyLoop(AssertionError):
     pass
 
 
-async def quiet(budget: int = 500_000) -> None:
+class ThreadStuck(AssertionError):
+    pass
+
+
+#: Real seconds a worker thread may stay out while nothing else happens, before
+#: quiet() gives up on it: far beyond one database call on a loaded host.
+STUCK_SECONDS = 60.0
+
+
+async def quiet(budget: int = 5_000, stuck_after: float = STUCK_SECONDS) -> None:
     """Let the broker do everything it can do without time passing. A broker
-    still busy after ``budget`` task steps is spinning: the test fails. The
-    budget is large because this loop itself spins while a worker thread (a
-    PostgreSQL commit) is out, and one commit can take a while on a busy host."""
+    still busy after ``budget`` task steps is spinning: the test fails (the
+    broker tests' busiest settle takes under 100). So does a worker thread
+    out for ``stuck_after`` real seconds with nothing else happening."""
     limiter = trio.to_thread.current_default_thread_limiter()
     with trio.CancelScope() as scope:
-        steps = _Steps(scope, budget)
+        steps = _Steps(scope, budget, limiter)
         trio.lowlevel.add_instrument(steps)
         try:
             calm = 0
             while calm < 2:
                 await trio.testing.wait_all_tasks_blocked()
-                calm = calm + 1 if limiter.borrowed_tokens == 0 else 0
+                if limiter.borrowed_tokens:
+                    calm = 0
+                    await steps.until_threads_are_back(stuck_after)
+                else:
+                    calm += 1
         finally:
             trio.lowlevel.remove_instrument(steps)
     if scope.cancelled_caught:

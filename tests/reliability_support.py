@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -737,11 +738,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """`python -m funduq_trio serve` as a child process on a fixed port, its
-    stderr drained into `lines` (and a log file) so it can never block."""
+#: The start banner's first line (server.banner).
+BANNER = re.compile(r"funduq-trio \S* ?serving on (http://\S+)")
 
-    def __init__(self, data_dir: Path, port: int, log_path: Path, **settings: Any) -> None:
+
+class ServerProcess:
+    """`python -m funduq_trio serve` as a child process, its stderr drained
+    into `lines` (and a log file) so it can never block. On a fixed ``port``
+    its URLs are known before it starts (a restart keeps them); on port 0
+    its URL is read from the start banner."""
+
+    def __init__(
+        self, data_dir: Path, port: int, log_path: Path, *, name: str = "server", **settings: Any
+    ) -> None:
+        self.name = name
         self.data_dir = data_dir
         self.port = port
         self.log_path = log_path
@@ -753,26 +763,19 @@ class ServerProcess:
         self.exited = trio.Event()
 
     @property
-    def provider_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/ws/provider"
+    def base_url(self) -> str:
+        if self.port:
+            return f"http://127.0.0.1:{self.port}"
+        assert self.url is not None, f"{self.name} is not serving"
+        return self.url
 
     @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def provider_url(self) -> str:
+        return "ws" + self.base_url[len("http") :] + "/ws/provider"
 
     def argv(self) -> list[str]:
-        args = [
-            sys.executable,
-            "-m",
-            "funduq_trio",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--data-dir",
-            str(self.data_dir),
-        ]
+        args = [sys.executable, "-m", "funduq_trio", "serve", "--host", "127.0.0.1"]
+        args += ["--port", str(self.port), "--data-dir", str(self.data_dir)]
         for name, value in self.settings.items():
             args += ["--" + name.replace("_", "-"), str(value)]
         return args
@@ -790,9 +793,9 @@ class ServerProcess:
         nursery.start_soon(self._drain)
         with trio.move_on_after(SAFETY):
             await self._serving.wait()
-        if not self._serving.is_set():
+        if self.url is None:  # no banner: still starting after SAFETY, or exited
             self.kill9()
-            raise AssertionError("server did not start:\n" + "\n".join(self.lines[-30:]))
+            raise AssertionError(f"{self.name} did not start:\n" + "\n".join(self.lines[-30:]))
 
     async def _drain(self) -> None:
         assert self.process is not None and self.process.stderr is not None
@@ -805,15 +808,20 @@ class ServerProcess:
                 for raw in complete:
                     line = raw.decode("utf-8", "replace")
                     self.lines.append(line)
-                    if "serving on " in line and not self._serving.is_set():
-                        self.url = line.split("serving on ", 1)[1].strip()
+                    found = BANNER.search(line)
+                    if found and self.url is None:
+                        self.url = found.group(1)
                         self._serving.set()
         await self.process.wait()
         self.exited.set()
         self._serving.set()
 
+    def logged(self, text: str) -> list[str]:
+        return [line for line in self.lines if text in line]
+
     def kill9(self) -> None:
-        """SIGKILL: no shutdown path runs, the record is left as the crash left it."""
+        """SIGKILL: no shutdown path runs, the record is left as the crash left
+        it (on a shared record, its leases are left to lapse)."""
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signal.SIGKILL)
 
@@ -827,9 +835,7 @@ class ServerProcess:
             await self.process.wait()
         if self.process.returncode is None:
             self.kill9()
-            await self.process.wait()
-        await self.exited.wait()
-        return self.process.returncode
+        return await self.wait_dead()
 
     async def wait_dead(self) -> int | None:
         assert self.process is not None

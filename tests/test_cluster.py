@@ -17,15 +17,13 @@ import json
 import time
 from typing import Any
 
-import httpx
 import psycopg
 import pytest
 import stores
 import trio
-from cluster_support import cluster
+from cluster_support import cluster, metric, online
 from reliability_support import (
     A2A,
-    HTTP_TIMEOUT,
     RUN_ERROR,
     TERMINAL,
     Offer,
@@ -45,9 +43,6 @@ from funduq_trio.broker.store import NotLeader, run_store
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
-#: Short enough that a killed node's threads move on within a test, long
-#: enough that a busy host renews in time (a lease is renewed every third).
-LEASE = 2.0
 AGENT = "scripted"
 
 
@@ -78,19 +73,6 @@ async def send(a2a: A2A, text: str, *, context_id: str | None = None) -> dict[st
     return answer["result"]["task"]
 
 
-async def online(http: httpx.AsyncClient, fingerprint: str) -> bool:
-    roster = (await http.get("/agents")).json()["agents"]
-    return any(a["fingerprint"] == fingerprint and a["online"] for a in roster)
-
-
-async def metric(http: httpx.AsyncClient, name: str) -> float:
-    """One sample of `GET /metrics` (0 when absent)."""
-    for line in (await http.get("/metrics")).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def led_elsewhere(answer: dict[str, Any]) -> bool:
     """An A2A 1.0 error answer whose reason (in `error.data`, a
     google.rpc.ErrorInfo's metadata) is `thread_led_elsewhere`."""
@@ -111,14 +93,13 @@ def a_settled_run_once(run: dict[str, Any], status: str, reason: str | None = No
 async def test_a_second_node_leaves_the_first_nodes_running_run_alone(tmp_path, store):
     """Before leases, every node settled every active run of the record as
     orphaned at its start: a second node killed the first one's runs."""
-    assert stores.database_url is not None
     script = Script()
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+            a.client() as http_a,
         ):
             await nursery.start(peer.serve)
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
@@ -131,7 +112,7 @@ async def test_a_second_node_leaves_the_first_nodes_running_run_alone(tmp_path, 
             # whole time: a lease A failed to renew would be taken now.
             twin = Peer(b.provider_url, [AGENT], identity=peer.identity)
             nursery.start_soon(twin.serve)
-            async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
+            async with b.client() as http_b:
                 await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
                 assert b.logged("runs orphaned") == [], b.lines
                 # Three leases' worth of B's lease task renewing and claiming
@@ -165,9 +146,8 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
     once its lease lapses the node the provider reconnected to takes the
     thread over, the running run fails orphaned_by_restart exactly once, and
     the queued ones are offered through the new node in their order."""
-    assert stores.database_url is not None
     script = Script()
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         # Room for one: the second and third runs wait queued behind the first.
@@ -180,8 +160,8 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
         )
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+            a.client() as http_a,
+            b.client() as http_b,
         ):
             await nursery.start(peer.serve)
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
@@ -230,12 +210,12 @@ async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more
     asked to stop; whatever the provider still sends is recorded nowhere."""
     assert stores.database_url is not None
     script = Script()
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+            a.client() as http_a,
         ):
             await nursery.start(peer.serve)
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")

@@ -17,6 +17,9 @@ import hmac
 import json
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -24,10 +27,9 @@ import pytest
 import stores
 import trio
 from a2a.types import a2a_pb2 as pb
-from cluster_support import cluster
+from cluster_support import Node, cluster, metric, online
 from reliability_support import (
     A2A,
-    HTTP_TIMEOUT,
     TERMINAL,
     AguiStream,
     Offer,
@@ -47,7 +49,6 @@ from test_a2a_door import a2a_client, send_request
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
-LEASE = 2.0
 AGENT = "scripted"
 
 
@@ -98,16 +99,26 @@ class Script:
             )
 
 
-async def online(http: httpx.AsyncClient, fingerprint: str) -> bool:
-    roster = (await http.get("/agents")).json()["agents"]
-    return any(a["fingerprint"] == fingerprint and a["online"] for a in roster)
-
-
-async def metric(http: httpx.AsyncClient, name: str) -> float:
-    for line in (await http.get("/metrics")).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+@asynccontextmanager
+async def provider_on_a(
+    tmp_path: Path,
+) -> AsyncIterator[
+    tuple[Node, Node, Peer, Script, httpx.AsyncClient, httpx.AsyncClient, trio.Nursery]
+]:
+    """Nodes A and B, the scripted provider attached to A and its agent online
+    on B; a client of each node, and a nursery cancelled on the way out."""
+    peers: list[Peer] = []
+    script = Script(peers)
+    async with cluster(tmp_path) as nodes:
+        a = await nodes.start("a")
+        b = await nodes.start("b")
+        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
+        peers.append(peer)
+        async with trio.open_nursery() as nursery, a.client() as http_a, b.client() as http_b:
+            await nursery.start(peer.serve)
+            await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
+            yield a, b, peer, script, http_a, http_b, nursery
+            nursery.cancel_scope.cancel()
 
 
 def streamed_text(events: list[pb.StreamResponse]) -> str:
@@ -131,123 +142,90 @@ async def test_a_caller_on_a_node_without_the_provider_is_served_through_the_nod
     agent (pushed), and B's callers -- a2a-sdk's streaming client, AG-UI --
     send on a new thread and then on the same thread; each message is
     carried out on A, and the replies stream to the caller on B, in order."""
-    assert stores.database_url is not None
-    peers: list[Peer] = []
-    script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
-        peers.append(peer)
-        async with (
-            trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
-        ):
-            await nursery.start(peer.serve)
-            await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
+    async with provider_on_a(tmp_path) as (a, b, peer, script, http_a, http_b, nursery):
+        async with a2a_client(b, peer.fingerprint, AGENT) as client:
+            first = [e async for e in client.send_message(send_request("one"))]
+            task = first[0].task
+            assert streamed_text(first) == "re:one"
+            assert final_state(first) == pb.TaskState.TASK_STATE_COMPLETED
+            second = [
+                e
+                async for e in client.send_message(send_request("two", context_id=task.context_id))
+            ]
+            assert second[0].task.context_id == task.context_id
+            assert streamed_text(second) == "re:two"
+            assert final_state(second) == pb.TaskState.TASK_STATE_COMPLETED
 
-            async with a2a_client(b, peer.fingerprint, AGENT) as client:
-                first = [e async for e in client.send_message(send_request("one"))]
-                task = first[0].task
-                assert streamed_text(first) == "re:one"
-                assert final_state(first) == pb.TaskState.TASK_STATE_COMPLETED
-                second = [
-                    e
-                    async for e in client.send_message(
-                        send_request("two", context_id=task.context_id)
-                    )
-                ]
-                assert second[0].task.context_id == task.context_id
-                assert streamed_text(second) == "re:two"
-                assert final_state(second) == pb.TaskState.TASK_STATE_COMPLETED
+        thread = (await http_b.get(f"/threads/{task.context_id}")).json()
+        assert [r["runId"] for r in thread["runs"]] == [task.id, second[0].task.id]
+        contents = [m.get("content") for m in thread["messages"]]
+        assert contents == ["one", "re:one", "two", "re:two"], contents
 
-            thread = (await http_b.get(f"/threads/{task.context_id}")).json()
-            assert [r["runId"] for r in thread["runs"]] == [task.id, second[0].task.id]
-            contents = [m.get("content") for m in thread["messages"]]
-            assert contents == ["one", "re:one", "two", "re:two"], contents
+        # AG-UI on B: a new thread (funduq names it), then the same one.
+        url = b.agui_url(peer.fingerprint, AGENT)
+        streams: list[AguiStream] = []
+        agui_thread_id = "thread-new-on-b"
+        for i, text in enumerate(["three", "four"]):
+            stream = AguiStream(text)
+            body = user_input(text, thread_id=agui_thread_id, message_id=f"m-{i}")
+            await nursery.start(stream.run, http_b, url, body)
+            await stream.done.wait()
+            assert stream.status == 200 and stream.ended_cleanly, stream.error_body
+            types = [e["type"] for e in stream.events]
+            assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED", types
+            deltas = [e["delta"] for e in stream.events if e["type"] == "TEXT_MESSAGE_CONTENT"]
+            assert deltas == [f"re:{text}"]
+            streams.append(stream)
+            assert stream.thread_id is not None
+            agui_thread_id = stream.thread_id
+        agui_thread = (await http_b.get(f"/threads/{agui_thread_id}")).json()
+        assert [r["runId"] for r in agui_thread["runs"]] == [s.run_id for s in streams]
+        assert [r["status"] for r in agui_thread["runs"]] == ["completed"] * 2
 
-            # AG-UI on B: a new thread (funduq names it), then the same one.
-            url = b.agui_url(peer.fingerprint, AGENT)
-            streams: list[AguiStream] = []
-            agui_thread_id = "thread-new-on-b"
-            for i, text in enumerate(["three", "four"]):
-                stream = AguiStream(text)
-                body = user_input(text, thread_id=agui_thread_id, message_id=f"m-{i}")
-                await nursery.start(stream.run, http_b, url, body)
-                await stream.done.wait()
-                assert stream.status == 200 and stream.ended_cleanly, stream.error_body
-                types = [e["type"] for e in stream.events]
-                assert types[0] == "RUN_STARTED" and types[-1] == "RUN_FINISHED", types
-                deltas = [e["delta"] for e in stream.events if e["type"] == "TEXT_MESSAGE_CONTENT"]
-                assert deltas == [f"re:{text}"]
-                streams.append(stream)
-                assert stream.thread_id is not None
-                agui_thread_id = stream.thread_id
-            agui_thread = (await http_b.get(f"/threads/{agui_thread_id}")).json()
-            assert [r["runId"] for r in agui_thread["runs"]] == [s.run_id for s in streams]
-            assert [r["status"] for r in agui_thread["runs"]] == ["completed"] * 2
-
-            assert script.offered[task.context_id] == ["one", "two"]
-            assert await metric(http_b, "funduq_calls_forwarded_total") >= 4
-            assert await metric(http_a, "funduq_calls_taken_total") >= 4
-            assert b.logged("Traceback") == [], b.lines
-            nursery.cancel_scope.cancel()
+        assert script.offered[task.context_id] == ["one", "two"]
+        assert await metric(http_b, "funduq_calls_forwarded_total") >= 4
+        assert await metric(http_a, "funduq_calls_taken_total") >= 4
+        assert b.logged("Traceback") == [], b.lines
 
 
 async def test_a_cancel_and_an_answer_sent_to_another_node_reach_the_provider(tmp_path, store):
     """A cancel sent to B for a run running on A reaches the provider and the
     run settles cancelled, once; a pause answered through B resumes on A."""
-    assert stores.database_url is not None
-    peers: list[Peer] = []
-    script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
-        peers.append(peer)
-        async with (
-            trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
-        ):
-            await nursery.start(peer.serve)
-            await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
-            a2a_a = A2A(http_a, a.a2a_url(peer.fingerprint, AGENT))
-            a2a_b = A2A(http_b, b.a2a_url(peer.fingerprint, AGENT))
+    async with provider_on_a(tmp_path) as (a, b, peer, script, http_a, http_b, nursery):
+        a2a_a = A2A(http_a, a.a2a_url(peer.fingerprint, AGENT))
+        a2a_b = A2A(http_b, b.a2a_url(peer.fingerprint, AGENT))
 
-            # Started on A; cancelled through B.
-            held = (await a2a_a.send("hold on", message_id="msg-hold"))["result"]["task"]
-            await wait_status(http_b, held["id"], {"running"})
-            cancel = await a2a_b.cancel(held["id"])
-            assert "result" in cancel, cancel
-            await peer.wait_cancel(held["id"])
-            done = await wait_status(http_b, held["id"], TERMINAL)
-            assert done["status"] == "cancelled", done
-            assert event_types(done).count("RUN_FINISHED") == 0
-            assert "RUN_ERROR" not in event_types(done)
-            # A second cancel, now that it ended: refused as on one node.
-            again = await a2a_b.cancel(held["id"])
-            assert again["error"]["code"] == -32002, again  # TaskNotCancelableError
+        # Started on A; cancelled through B.
+        held = (await a2a_a.send("hold on", message_id="msg-hold"))["result"]["task"]
+        await wait_status(http_b, held["id"], {"running"})
+        cancel = await a2a_b.cancel(held["id"])
+        assert "result" in cancel, cancel
+        await peer.wait_cancel(held["id"])
+        done = await wait_status(http_b, held["id"], TERMINAL)
+        assert done["status"] == "cancelled", done
+        assert event_types(done).count("RUN_FINISHED") == 0
+        assert "RUN_ERROR" not in event_types(done)
+        # A second cancel, now that it ended: refused as on one node.
+        again = await a2a_b.cancel(held["id"])
+        assert again["error"]["code"] == -32002, again  # TaskNotCancelableError
 
-            # Paused on A (asked through A's door); answered through B.
-            asked = (await a2a_a.send("ask me", message_id="msg-ask"))["result"]["task"]
-            paused = await wait_status(http_b, asked["id"], {"input-required"})
-            assert paused["status"] == "input-required"
-            answer = await a2a_b.send(
-                "yes",
-                message_id="msg-yes",
-                task_id=asked["id"],
-                context_id=asked["contextId"],
-                immediately=False,
-            )
-            assert "result" in answer, answer
-            assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
-            run = await get_run(http_b, asked["id"])
-            assert run is not None and run["status"] == "completed", run
-            assert event_types(run).count("RUN_FINISHED") == 2  # the pause's and the end's
-            assert [o.link.number for o in peer.offers_of(asked["id"])] == [1, 1]
-            nursery.cancel_scope.cancel()
+        # Paused on A (asked through A's door); answered through B.
+        asked = (await a2a_a.send("ask me", message_id="msg-ask"))["result"]["task"]
+        paused = await wait_status(http_b, asked["id"], {"input-required"})
+        assert paused["status"] == "input-required"
+        answer = await a2a_b.send(
+            "yes",
+            message_id="msg-yes",
+            task_id=asked["id"],
+            context_id=asked["contextId"],
+            immediately=False,
+        )
+        assert "result" in answer, answer
+        assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+        run = await get_run(http_b, asked["id"])
+        assert run is not None and run["status"] == "completed", run
+        assert event_types(run).count("RUN_FINISHED") == 2  # the pause's and the end's
+        assert [o.link.number for o in peer.offers_of(asked["id"])] == [1, 1]
 
 
 async def test_callers_spread_over_three_nodes_keep_each_threads_order(tmp_path, store):
@@ -257,10 +235,9 @@ async def test_callers_spread_over_three_nodes_keep_each_threads_order(tmp_path,
     serves nothing; C serves the agent but must not order A's threads). Each
     thread's runs are offered, recorded and answered in the order they were
     sent, and each run ends once."""
-    assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         c = await nodes.start("c")
@@ -275,9 +252,9 @@ async def test_callers_spread_over_three_nodes_keep_each_threads_order(tmp_path,
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
-            httpx.AsyncClient(base_url=c.base_url, timeout=HTTP_TIMEOUT) as http_c,
+            a.client() as http_a,
+            b.client() as http_b,
+            c.client() as http_c,
         ):
             await nursery.start(peer.serve)
             await nursery.start(twin.serve)
@@ -353,13 +330,12 @@ async def test_forged_calls_between_nodes_are_refused_and_change_nothing(tmp_pat
     """The internal route takes only calls signed with the cluster's secret,
     made now: absent, forged, stale or replayed-for-another-op signatures
     are refused 401 and record nothing."""
-    assert stores.database_url is not None
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         peer = Peer(a.provider_url, [AGENT], max_concurrent_runs=1)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http,
+            a.client() as http,
         ):
             await nursery.start(peer.serve)
             args = {
@@ -401,49 +377,36 @@ async def test_a_leader_that_cannot_be_reached_is_answered_503_and_nothing_is_re
     lease row naming a node whose URL nobody listens on) is refused 503
     `thread_led_elsewhere`, and nothing is recorded."""
     assert stores.database_url is not None
-    peers: list[Peer] = []
-    script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=4)
-        peers.append(peer)
-        async with (
-            trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
-        ):
-            await nursery.start(peer.serve)
-            await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
-            a2a_b = A2A(http_b, b.a2a_url(peer.fingerprint, AGENT))
-            first = (await a2a_b.send("hello", message_id="msg-1"))["result"]["task"]
-            await wait_status(http_b, first["id"], {"completed"})
-            thread = first["contextId"]
-            assert stores.database_url is not None
-            with psycopg.connect(stores.database_url, autocommit=True) as conn:
-                conn.execute(
-                    "INSERT INTO cluster_nodes (node, url, expires_at) "
-                    "VALUES ('node_gone', %s, now() + interval '1 hour')",
-                    (f"http://127.0.0.1:{free_port()}",),
-                )
-                conn.execute(
-                    "INSERT INTO thread_leases (thread_id, node, expires_at) "
-                    "VALUES (%s, 'node_gone', now() + interval '1 hour') "
-                    "ON CONFLICT (thread_id) DO UPDATE SET node = EXCLUDED.node, "
-                    "expires_at = EXCLUDED.expires_at",
-                    (thread,),
-                )
-            before = (await http_b.get(f"/threads/{thread}")).json()
-            answer = await a2a_b.send("again", message_id="msg-2", context_id=thread)
-            details = (answer.get("error") or {}).get("data") or []
-            assert any(
-                d.get("metadata", {}).get("reason") == "thread_led_elsewhere" for d in details
-            ), answer
-            r = await http_b.post(
-                b.agui_url(peer.fingerprint, AGENT),
-                json=user_input("again too", thread_id=thread, message_id="msg-3"),
+    async with provider_on_a(tmp_path) as (_, b, peer, script, _, http_b, _):
+        a2a_b = A2A(http_b, b.a2a_url(peer.fingerprint, AGENT))
+        first = (await a2a_b.send("hello", message_id="msg-1"))["result"]["task"]
+        await wait_status(http_b, first["id"], {"completed"})
+        thread = first["contextId"]
+        assert stores.database_url is not None
+        with psycopg.connect(stores.database_url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO cluster_nodes (node, url, expires_at) "
+                "VALUES ('node_gone', %s, now() + interval '1 hour')",
+                (f"http://127.0.0.1:{free_port()}",),
             )
-            assert r.status_code == 503, r.text
-            assert r.json()["error"]["code"] == "thread_led_elsewhere", r.text
-            assert "cannot be reached" in r.json()["error"]["message"], r.text
-            assert (await http_b.get(f"/threads/{thread}")).json() == before
-            nursery.cancel_scope.cancel()
+            conn.execute(
+                "INSERT INTO thread_leases (thread_id, node, expires_at) "
+                "VALUES (%s, 'node_gone', now() + interval '1 hour') "
+                "ON CONFLICT (thread_id) DO UPDATE SET node = EXCLUDED.node, "
+                "expires_at = EXCLUDED.expires_at",
+                (thread,),
+            )
+        before = (await http_b.get(f"/threads/{thread}")).json()
+        answer = await a2a_b.send("again", message_id="msg-2", context_id=thread)
+        details = (answer.get("error") or {}).get("data") or []
+        assert any(
+            d.get("metadata", {}).get("reason") == "thread_led_elsewhere" for d in details
+        ), answer
+        r = await http_b.post(
+            b.agui_url(peer.fingerprint, AGENT),
+            json=user_input("again too", thread_id=thread, message_id="msg-3"),
+        )
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "thread_led_elsewhere", r.text
+        assert "cannot be reached" in r.json()["error"]["message"], r.text
+        assert (await http_b.get(f"/threads/{thread}")).json() == before

@@ -21,12 +21,11 @@ import psycopg
 import pytest
 import stores
 import trio
-from cluster_support import cluster
+from cluster_support import cluster, metric, online
 from google.protobuf.json_format import MessageToDict
 from push_support import push_receiver
 from reliability_support import (
     A2A,
-    HTTP_TIMEOUT,
     Offer,
     Peer,
     eventually,
@@ -42,9 +41,6 @@ from funduq_trio.protocol import a2a
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
-#: Short enough that a killed node's configs move on within a test, long
-#: enough that a busy host renews in time (a lease is renewed every third).
-LEASE = 2.0
 AGENT = "scripted"
 
 
@@ -76,19 +72,6 @@ class Script:
             await self.steps_in.send(step)
 
 
-async def metric(http: httpx.AsyncClient, name: str) -> float:
-    """One sample of `GET /metrics` (0 when absent)."""
-    for line in (await http.get("/metrics")).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
-async def online(http: httpx.AsyncClient, fingerprint: str) -> bool:
-    roster = (await http.get("/agents")).json()["agents"]
-    return any(a["fingerprint"] == fingerprint and a["online"] for a in roster)
-
-
 async def expected_updates(http: httpx.AsyncClient, task_id: str) -> list[dict[str, Any]]:
     """Every update a stream of the (ended) task carries after its snapshot:
     each event's, then the final status -- what the receiver must get."""
@@ -105,20 +88,17 @@ async def test_each_update_reaches_the_receiver_once_with_two_and_three_nodes(
     """A config made on A is delivered by A alone: B, running all along, and
     C, started while the config delivers (before delivery leases, a node
     starting resumed every config still delivering), send nothing."""
-    assert stores.database_url is not None
     script = Script()
     async with (
         push_receiver() as receiver,
-        cluster(
-            tmp_path, stores.database_url, lease_seconds=LEASE, push_allow_private=True
-        ) as nodes,
+        cluster(tmp_path, push_allow_private=True) as nodes,
         trio.open_nursery() as nursery,
     ):
         a = await nodes.start("a")
         b = await nodes.start("b")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer)
         await nursery.start(peer.serve)
-        async with httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a:
+        async with a.client() as http_a:
             await eventually(lambda: online(http_a, peer.fingerprint), "the agent online on A")
             a2a_a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
             push = {"url": receiver.url, "token": "tok"}
@@ -143,10 +123,7 @@ async def test_each_update_reaches_the_receiver_once_with_two_and_three_nodes(
             expected = await expected_updates(http_a, task_id)
             await receiver.wait_for(len(expected))
 
-            https = {
-                node.name: httpx.AsyncClient(base_url=node.base_url, timeout=HTTP_TIMEOUT)
-                for node in (a, b, c)
-            }
+            https = {node.name: node.client() for node in (a, b, c)}
             try:
                 # Every node's deliverers done: nothing more can come.
                 for http in https.values():
@@ -184,19 +161,16 @@ async def test_a_killed_delivering_node_s_config_is_taken_over_and_goes_on_in_or
     every remaining update in order, none twice (A's last acknowledged
     update was committed before the kill: see docs/cluster.md for the one
     update that can repeat when it was not)."""
-    assert stores.database_url is not None
     script = Script()
     async with (
         push_receiver() as receiver,
-        cluster(
-            tmp_path, stores.database_url, lease_seconds=LEASE, push_allow_private=True
-        ) as nodes,
+        cluster(tmp_path, push_allow_private=True) as nodes,
         trio.open_nursery() as nursery,
     ):
         b = await nodes.start("b")
         peer = Peer(b.provider_url, [AGENT], on_offer=script.on_offer)
         await nursery.start(peer.serve)
-        async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
+        async with b.client() as http_b:
             await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
             a = await nodes.start("a")  # its door knows the agent from the record
             a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
@@ -204,7 +178,7 @@ async def test_a_killed_delivering_node_s_config_is_taken_over_and_goes_on_in_or
             task_id = sent["result"]["task"]["id"]
             await script.offered.wait()
             await wait_status(http_b, task_id, {"running"})
-            async with httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a:
+            async with a.client() as http_a:
                 a2a_a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
                 made = await a2a_a.call(
                     "CreateTaskPushNotificationConfig",
@@ -243,25 +217,22 @@ async def test_a_node_stopping_lets_its_configs_go_and_another_resumes_them(
     """An orderly stop (SIGTERM) lets the node's delivery leases go as it
     leaves, so another node's next round resumes its configs without waiting
     a lease; the receiver gets every update once."""
-    assert stores.database_url is not None
     script = Script()
     async with (
         push_receiver() as receiver,
-        cluster(
-            tmp_path, stores.database_url, lease_seconds=LEASE, push_allow_private=True
-        ) as nodes,
+        cluster(tmp_path, push_allow_private=True) as nodes,
         trio.open_nursery() as nursery,
     ):
         b = await nodes.start("b")
         peer = Peer(b.provider_url, [AGENT], on_offer=script.on_offer)
         await nursery.start(peer.serve)
-        async with httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b:
+        async with b.client() as http_b:
             await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
             a = await nodes.start("a")
             sent = await A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}").send("go", message_id="m")
             task_id = sent["result"]["task"]["id"]
             await wait_status(http_b, task_id, {"running"})
-            async with httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a:
+            async with a.client() as http_a:
                 made = await A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}").call(
                     "CreateTaskPushNotificationConfig",
                     {"taskId": task_id, "id": "hook", "url": receiver.url},

@@ -64,6 +64,32 @@ async def serve_cli(argv: list[str], cwd: Path, env: dict[str, str] | None = Non
             {"FUNDUQ_DATA_DIR": "a-file/below"},
             "FUNDUQ_DATA_DIR=a-file/below: cannot create or write in a-file/below",
         ),
+        # The cluster's settings (docs/cluster.md), each bad value alone.
+        (
+            [],
+            {"FUNDUQ_NODE_NAME": "node a"},
+            "FUNDUQ_NODE_NAME='node a': 1 to 64 letters, digits, '-', '_' or '.'",
+        ),
+        (["--node-name", "n" * 65], {}, f"--node-name {'n' * 65!r}: 1 to 64 letters"),
+        ([], {"FUNDUQ_LEASE_SECONDS": "soon"}, "FUNDUQ_LEASE_SECONDS=soon: must be a number"),
+        ([], {"FUNDUQ_LEASE_SECONDS": "0"}, "FUNDUQ_LEASE_SECONDS=0.0: must be more than 0"),
+        ([], {"FUNDUQ_LEASE_SECONDS": "-3"}, "FUNDUQ_LEASE_SECONDS=-3.0: must not be negative"),
+        ([], {"FUNDUQ_LEASE_SECONDS": "nan"}, "FUNDUQ_LEASE_SECONDS=nan: must be a finite number"),
+        (
+            [],
+            {"FUNDUQ_NODE_URL": "node-b:8000"},
+            "FUNDUQ_NODE_URL='node-b:8000': an absolute http(s) URL",
+        ),
+        (
+            [],
+            {"FUNDUQ_NODE_URL": "http://node-b:80000"},
+            "FUNDUQ_NODE_URL='http://node-b:80000': an absolute http(s) URL",
+        ),
+        (
+            ["--node-url", "http://node-b:8000/?x=1"],
+            {},
+            "--node-url 'http://node-b:8000/?x=1': an absolute http(s) URL",
+        ),
         # Root may write anywhere a disk allows: /proc allows nothing new.
         (
             ["--data-dir", "/proc/funduq-data"],
@@ -82,6 +108,8 @@ async def test_each_start_up_error_is_one_line_and_leaves_nothing(tmp_path, argv
     assert done.returncode == 2
     assert stderr.count("\n") == 1, stderr
     assert stderr.startswith(f"funduq-trio serve: error: {line}"), stderr
+    setting = line.split("=")[0].split(" ")[0]
+    assert stderr.count(setting) == 1, stderr  # said once, not once per check it fails
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing created
 
 

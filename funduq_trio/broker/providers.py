@@ -314,18 +314,9 @@ class Providers:
         self.started_at = 0.0
 
     async def load(self) -> None:
-        """Read counters and published agents back from the record (start-up)."""
-        providers, agents = await self.record.providers_and_agents()
-        for key, fp, *counts in providers:
-            self.counters[key] = dict(zip(COUNTERS, map(int, counts), strict=True))
-            self.by_fingerprint[fp] = key
-        for key, name, description, card, metadata in agents:
-            self.agents[(key, name)] = {
-                "name": name,
-                "description": description,
-                "card": json.loads(card),
-                "metadata": json.loads(metadata),
-            }
+        """Read counters and published agents back from the record (start-up:
+        nothing is known yet, so every counter read is taken)."""
+        await self.refresh()
         self.started_at = trio.current_time()
 
     async def refresh(self) -> None:

@@ -48,46 +48,51 @@ def _task(task_id: str | None) -> dict[str, str] | None:
     return {"taskId": task_id} if task_id else None
 
 
+def _says(
+    http_status: int, code: str, error: type[A2AError], default: str, reason: str | None = None
+) -> DoorAnswer:
+    """The common row: the A2A ``error`` carries the exception's own message
+    (``default`` when it has none) and, given one, ``reason`` as its data."""
+
+    def a2a(exc: Exception, _: str | None) -> A2AError:
+        return error(message=str(exc) or default, data={"reason": reason} if reason else None)
+
+    return DoorAnswer(http_status, code, a2a)
+
+
 DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
-    e.AgentNotFound: DoorAnswer(
+    e.AgentNotFound: _says(
         404,
         "agent_not_found",
-        lambda exc, _: InvalidRequestError(
-            message=str(exc) or "No such agent at this endpoint", data={"reason": "agent_not_found"}
-        ),
+        InvalidRequestError,
+        "No such agent at this endpoint",
+        reason="agent_not_found",
     ),
-    e.UnknownThread: DoorAnswer(
+    e.UnknownThread: _says(
         404,
         "thread_not_found",
-        lambda exc, _: InvalidParamsError(
-            message=str(exc) or "contextId names no conversation with this agent",
-            data={"reason": "unknown_context"},
-        ),
+        InvalidParamsError,
+        "contextId names no conversation with this agent",
+        reason="unknown_context",
     ),
     e.RunNotFound: DoorAnswer(
         404, "run_not_found", lambda _, task_id: TaskNotFoundError(data=_task(task_id))
     ),
-    e.InvalidRunInput: DoorAnswer(
-        400,
-        "invalid_run_input",
-        lambda exc, _: InvalidParamsError(message=str(exc) or "invalid run input"),
-    ),
-    e.InvalidKyokOptIn: DoorAnswer(
+    e.InvalidRunInput: _says(400, "invalid_run_input", InvalidParamsError, "invalid run input"),
+    e.InvalidKyokOptIn: _says(
         400,
         "invalid_kyok_opt_in",
-        lambda exc, _: InvalidParamsError(
-            message=str(exc) or "invalid kyok opt-in", data={"reason": "invalid_kyok_opt_in"}
-        ),
+        InvalidParamsError,
+        "invalid kyok opt-in",
+        reason="invalid_kyok_opt_in",
     ),
-    e.ThreadQueueFull: DoorAnswer(
+    e.ThreadQueueFull: _says(
         429,
         "thread_queue_full",
-        lambda exc, _: UnsupportedOperationError(
-            message=str(exc)
-            or "This conversation already holds as many pending messages as it "
-            "may; send again once one has been taken up",
-            data={"reason": "thread_queue_full"},
-        ),
+        UnsupportedOperationError,
+        "This conversation already holds as many pending messages as it may; send again "
+        "once one has been taken up",
+        reason="thread_queue_full",
     ),
     # Deliberately the same answer whatever state the run is in.
     e.NotAuthorized: DoorAnswer(
@@ -115,25 +120,22 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
             message=f"Task {task_id} is not waiting for input" if task_id else str(exc)
         ),
     ),
-    e.RecordUnavailable: DoorAnswer(
+    e.RecordUnavailable: _says(
         503,
         "record_unavailable",
-        lambda exc, _: InternalError(
-            message=str(exc) or "funduq cannot record anything right now; retry later",
-            data={"reason": "record_unavailable"},
-        ),
+        InternalError,
+        "funduq cannot record anything right now; retry later",
+        reason="record_unavailable",
     ),
     # Another node of the cluster leads the thread, and forwarding the
     # request there failed (docs/cluster.md): "not now".
-    e.ThreadLedElsewhere: DoorAnswer(
+    e.ThreadLedElsewhere: _says(
         503,
         "thread_led_elsewhere",
-        lambda exc, _: UnsupportedOperationError(
-            message=str(exc)
-            or "Another funduq node leads this conversation right now and cannot be "
-            "reached; retry shortly",
-            data={"reason": "thread_led_elsewhere"},
-        ),
+        UnsupportedOperationError,
+        "Another funduq node leads this conversation right now and cannot be reached; "
+        "retry shortly",
+        reason="thread_led_elsewhere",
     ),
     # funduq itself is full (docs/limits.md): like a full thread, "not now".
     **{
@@ -156,18 +158,13 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
         )
     },
     # Answered on the provider link (err), never at a door; here for completeness.
-    e.TooManyAgents: DoorAnswer(
-        400,
-        "too_many_agents",
-        lambda exc, _: InvalidParamsError(message=str(exc) or "too many agents"),
-    ),
-    e.ProofsBusy: DoorAnswer(
+    e.TooManyAgents: _says(400, "too_many_agents", InvalidParamsError, "too many agents"),
+    e.ProofsBusy: _says(
         503,
         "proofs_busy",
-        lambda exc, _: UnsupportedOperationError(
-            message=str(exc) or "funduq cannot accept another proof right now; retry later",
-            data={"reason": "proofs_busy"},
-        ),
+        UnsupportedOperationError,
+        "funduq cannot accept another proof right now; retry later",
+        reason="proofs_busy",
     ),
     # The answers a2a-sdk's own server gives a refused or unknown push config.
     e.PushRefused: DoorAnswer(
@@ -180,14 +177,10 @@ DOOR_ANSWERS: dict[type[Exception], DoorAnswer] = {
         "push_config_not_found",
         lambda exc, _: TaskNotFoundError(message="Push notification config not found"),
     ),
-    e.FunduqError: DoorAnswer(
-        400, "bad_request", lambda exc, _: InternalError(message=str(exc) or "bad request")
-    ),
+    e.FunduqError: _says(400, "bad_request", InternalError, "bad request"),
 }
 
-_UNKNOWN = DoorAnswer(
-    500, "internal_error", lambda exc, _: InternalError(message=str(exc) or "internal error")
-)
+_UNKNOWN = _says(500, "internal_error", InternalError, "internal error")
 
 
 def door_answer(exc: BaseException) -> DoorAnswer:
