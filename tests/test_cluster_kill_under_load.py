@@ -10,14 +10,12 @@ observable conditions, never a sleep and an assertion.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import stores
 import trio
-from cluster_support import cluster
+from cluster_support import cluster, online
 from reliability_support import (
     A2A,
-    HTTP_TIMEOUT,
     TERMINAL,
     Peer,
     event_types,
@@ -26,7 +24,7 @@ from reliability_support import (
     wait_status,
 )
 from test_cluster import a_settled_run_once
-from test_cluster_forwarding import AGENT, LEASE, Script, online
+from test_cluster_forwarding import AGENT, Script
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
@@ -65,7 +63,7 @@ async def test_a_node_killed_under_load_loses_nothing_and_keeps_every_threads_or
     assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         c = await nodes.start("c")
@@ -86,9 +84,9 @@ async def test_a_node_killed_under_load_loses_nothing_and_keeps_every_threads_or
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
-            httpx.AsyncClient(base_url=c.base_url, timeout=HTTP_TIMEOUT) as http_c,
+            a.client() as http_a,
+            b.client() as http_b,
+            c.client() as http_c,
         ):
             await nursery.start(peer.serve)
             await nursery.start(twin.serve)
