@@ -153,11 +153,14 @@ class Settings:
         for name in (
             "handshake_timeout_seconds",
             "body_timeout_seconds",
-            "lease_seconds",
             "push_timeout_seconds",
         ):
             if getattr(self, name) == 0:
                 found.append(f"{env_name(name)}={getattr(self, name)}: must be more than 0")
+        # A lease is renewed every third of it: under a second, one slow
+        # database round trip would hand a node's threads to another.
+        if 0 <= self.lease_seconds < 1:
+            found.append(f"{env_name('lease_seconds')}={self.lease_seconds}: must be at least 1")
         for key in self.provider_keys or ():
             if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
                 found.append(

@@ -72,7 +72,8 @@ async def serve_cli(argv: list[str], cwd: Path, env: dict[str, str] | None = Non
         ),
         (["--node-name", "n" * 65], {}, f"--node-name {'n' * 65!r}: 1 to 64 letters"),
         ([], {"FUNDUQ_LEASE_SECONDS": "soon"}, "FUNDUQ_LEASE_SECONDS=soon: must be a number"),
-        ([], {"FUNDUQ_LEASE_SECONDS": "0"}, "FUNDUQ_LEASE_SECONDS=0.0: must be more than 0"),
+        ([], {"FUNDUQ_LEASE_SECONDS": "0"}, "FUNDUQ_LEASE_SECONDS=0.0: must be at least 1"),
+        ([], {"FUNDUQ_LEASE_SECONDS": "0.01"}, "FUNDUQ_LEASE_SECONDS=0.01: must be at least 1"),
         ([], {"FUNDUQ_LEASE_SECONDS": "-3"}, "FUNDUQ_LEASE_SECONDS=-3.0: must not be negative"),
         ([], {"FUNDUQ_LEASE_SECONDS": "nan"}, "FUNDUQ_LEASE_SECONDS=nan: must be a finite number"),
         (
