@@ -36,6 +36,9 @@ ROUTE = "/internal/cluster/"
 OPS = frozenset({"start_run", "answer_pause", "cancel_run"})
 #: A signature is taken only while its time is this close to the receiver's.
 FRESH_SECONDS = 60.0
+#: Who signed a call between nodes, as the spent proofs name it: each signed
+#: call is taken once, by one node (``Funduq.spend_cluster_call``).
+CLUSTER_SIGNER = "funduq-cluster"
 #: How long a forwarded call may take (a cancel waits for its lane to read it).
 FORWARD_TIMEOUT_SECONDS = 30.0
 

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection, Iterator
@@ -28,7 +29,7 @@ from ..secret_file import load_or_create
 from . import authority
 from .admission import WaitingRuns
 from .authority import Reader
-from .cluster import Forwarder, Unreachable
+from .cluster import CLUSTER_SIGNER, FRESH_SECONDS, Forwarder, Unreachable
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
@@ -157,6 +158,14 @@ class Funduq:
         # the store delays only other listings and presented chains, never a
         # bound thread's reads, cancels and answers.
         self.spent_by_anyone = Spends(authority.SpentProofs(settings.max_spent_proofs))
+        #: Signed calls between nodes taken here: each works once, on every
+        #: node (a captured call sent again is refused). Only a call the
+        #: cluster's secret signed is ever spent, so no per-key share.
+        self.spent_calls = Spends(
+            authority.SpentProofs(
+                settings.max_spent_proofs, window=FRESH_SECONDS, per_key=settings.max_spent_proofs
+            )
+        )
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -192,6 +201,7 @@ class Funduq:
             )
             self.spent.share(self.record)
             self.spent_by_anyone.share(self.record)
+            self.spent_calls.share(self.record)
             self.providers = Providers(
                 self.record,
                 self.settings.quality_allowance,
@@ -860,6 +870,16 @@ class Funduq:
         if self.providers.serving(key, agent) is None:
             return [url for _, url in await self.record.serving_nodes(key, agent)]
         return []
+
+    async def spend_cluster_call(self, stamp: str, signature: str) -> None:
+        """Spend a signed call between nodes (its signature verified, its
+        stamp fresh) for the whole cluster: NotAuthorized when it was taken
+        before, here or on another node; RecordUnavailable when the record
+        cannot take the spending (the call is then not carried out)."""
+        at = math.ceil(float(stamp))
+        await self.spent_calls.check(
+            lambda spent: spent.spend(CLUSTER_SIGNER, signature, at, time.time())
+        )
 
     async def _forward(
         self, urls: list[str], op: str, args: dict[str, Any], thread_id: str | None

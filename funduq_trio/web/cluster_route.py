@@ -1,7 +1,8 @@
 """The internal route between the nodes of a cluster (docs/cluster.md,
 "Forwarding"): ``POST /internal/cluster/{op}``, signed with the cluster's
-secret (``broker/cluster.py``). Anything unsigned, signed otherwise or stale
-is refused 401 and changes nothing; on a record of one process (SQLite) the
+secret (``broker/cluster.py``). Anything unsigned, signed otherwise, stale
+or taken before (each signed call is spent once across the cluster, in the
+shared record's spent proofs) is refused 401 and changes nothing; on a record of one process (SQLite) the
 route is not there (404).
 
 A signed call runs the facade's own call with ``forwarded=True`` (so it is
@@ -17,7 +18,7 @@ from typing import Any
 from quart import Response, jsonify, request
 
 from ..broker import cluster
-from ..broker.errors import FunduqError
+from ..broker.errors import FunduqError, NotAuthorized, ProofsBusy, RecordUnavailable
 from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 
@@ -30,18 +31,25 @@ def mount_cluster_route(app: Any, funduq: Funduq) -> None:
         if not funduq.record.shared or op not in cluster.OPS:
             return json_error(404, "not_found", "no such route")
         body = await request.get_data()
-        if not cluster.signed(
-            funduq.cluster_secret,
-            op,
-            request.headers.get(cluster.TIME_HEADER),
-            request.headers.get(cluster.SIGNATURE_HEADER),
-            body,
-        ):
-            return json_error(
-                401,
-                "not_signed",
-                "a call between funduq nodes must be signed with the cluster's secret",
-            )
+        stamp = request.headers.get(cluster.TIME_HEADER)
+        signature = request.headers.get(cluster.SIGNATURE_HEADER)
+        refusal = json_error(
+            401,
+            "not_signed",
+            "a call between funduq nodes must be signed with the cluster's secret, "
+            "made now, and is taken once",
+        )
+        if not cluster.signed(funduq.cluster_secret, op, stamp, signature, body):
+            return refusal
+        assert stamp is not None and signature is not None
+        try:
+            # Spent before anything else: a captured call sent again, to this
+            # node or another, is refused as any bad signature.
+            await funduq.spend_cluster_call(stamp, signature)
+        except NotAuthorized:
+            return refusal
+        except (RecordUnavailable, ProofsBusy) as exc:
+            return json_error(503, "record_unavailable", str(exc))
         try:
             args = json.loads(body)
             if not isinstance(args, dict):
