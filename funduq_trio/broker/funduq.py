@@ -29,7 +29,13 @@ from ..secret_file import load_or_create
 from . import authority
 from .admission import WaitingRuns
 from .authority import Reader
-from .cluster import CLUSTER_SIGNER, FRESH_SECONDS, Forwarder, Unreachable
+from .cluster import (
+    CLUSTER_SIGNER,
+    FRESH_SECONDS,
+    Forwarder,
+    Unreachable,
+    cluster_kyok_secret,
+)
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
@@ -195,10 +201,18 @@ class Funduq:
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
-            secret = await trio.to_thread.run_sync(self._load_kyok_secret)
+            secret = b""
+            if self.settings.kyok_secret or not self.settings.database_is_postgres:
+                secret = await trio.to_thread.run_sync(self._load_kyok_secret)
             self.record = await self._stack.enter_async_context(
                 open_store(self.settings, node=self.node)
             )
+            if self.record.shared:
+                self.cluster_secret = await self.record.cluster_secret()
+                if not self.settings.kyok_secret:
+                    # Every node mints and reads the same tokens, so a
+                    # completion may reach any of them (docs/cluster.md, KYOK).
+                    secret = cluster_kyok_secret(self.cluster_secret)
             self.spent.share(self.record)
             self.spent_by_anyone.share(self.record)
             self.spent_calls.share(self.record)
@@ -228,7 +242,6 @@ class Funduq:
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             if self.record.shared:
-                self.cluster_secret = await self.record.cluster_secret()
                 self.forwarder = Forwarder(self.cluster_secret)
                 self._stack.push_async_callback(self.forwarder.aclose)
                 self._stack.callback(self._leave_cluster)
@@ -1251,6 +1264,26 @@ class Funduq:
         run = await self.get_run(run_id)
         assert run is not None
         return run
+
+    async def kyok_leader(self, run_id: str) -> str | None:
+        """Where a KYOK completion for this run is carried out when not here:
+        the URL of the live node leading the run's thread (docs/cluster.md,
+        "KYOK from any node"). None: here -- a record of one process, a run
+        laned here, or one nobody else leads (``kyok_run`` then answers)."""
+        if not self.record.shared or run_id in self.lanes:
+            return None
+        thread_id = await self.record.run_thread(run_id)
+        leader = None if thread_id is None else await self.record.thread_leader(thread_id)
+        if leader is None or leader[0] == self.node or not leader[2] or run_id in self.lanes:
+            return None
+        if not leader[1]:
+            raise KyokRefusal(
+                503,
+                "thread_led_elsewhere",
+                f"run {run_id} is led by funduq node {leader[0]}, which has not said "
+                "where it can be reached; retry shortly",
+            )
+        return leader[1]
 
     def kyok_run(self, grant: Grant) -> KyokRun:
         """The run a KYOK grant names, if a completion may be spent on it now:

@@ -2,13 +2,15 @@
 "Forwarding"): ``POST /internal/cluster/{op}``, signed with the cluster's
 secret (``broker/cluster.py``). Anything unsigned, signed otherwise, stale
 or taken before (each signed call is spent once across the cluster, in the
-shared record's spent proofs) is refused 401 and changes nothing; on a record of one process (SQLite) the
-route is not there (404).
+shared record's spent proofs) is refused 401 and changes nothing; on a
+record of one process (SQLite) the route is not there (404).
 
 A signed call runs the facade's own call with ``forwarded=True`` (so it is
 carried out here, never sent on) and answers ``{"ok": result}`` or
 ``{"error": {class, message, details}}`` for a broker error, which the
-forwarding node raises again as the same exception."""
+forwarding node raises again as the same exception. ``kyok_complete`` (a
+KYOK completion for a run led here) is answered as ``/kyok/v1/chat/completions``
+answers, streamed as it comes, for the relaying node to pass on."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..broker import cluster
 from ..broker.errors import FunduqError, NotAuthorized, ProofsBusy, RecordUnavailable
 from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
+from .kyok import complete_forwarded
 
 
 def mount_cluster_route(app: Any, funduq: Funduq) -> None:
@@ -57,6 +60,9 @@ def mount_cluster_route(app: Any, funduq: Funduq) -> None:
         except ValueError as exc:
             return json_error(400, "invalid_json", f"a forwarded call's body: {exc}")
         funduq.metrics.calls_taken += 1
+        if op == "kyok_complete":
+            # Answered as the KYOK route answers, streamed as it comes.
+            return await complete_forwarded(funduq, args)
         try:
             result = await _carry_out(funduq, op, args)
         except (FunduqError, InvalidActorChain) as exc:
