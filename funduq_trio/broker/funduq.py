@@ -133,6 +133,9 @@ class Funduq:
         self.node = new_node_id(settings.node_name)
         self.leases = Leases(self.node, settings.lease_seconds)
         self._claim_now = trio.Event()
+        #: What is served changed (here, or on another node): look for threads
+        #: led here whose agent only another node serves now (_hand_over).
+        self._handover_due = False
         #: Where other nodes reach this one (FUNDUQ_NODE_URL, else where it
         #: serves), the roster it last told the record, the forwarder of
         #: calls to other nodes and the secret they are signed with.
@@ -277,6 +280,7 @@ class Funduq:
         """A notification: a run changed, or (ROSTER_NOTICE) the roster."""
         if run_id == ROSTER_NOTICE:
             self._roster_stale.set()
+            self._wake_lease_task()  # another node may serve what we lead
         elif self.watchers is not None:
             self.watchers.wake(run_id)
 
@@ -437,7 +441,10 @@ class Funduq:
             self.record.release_push_leases()
 
     def _wake_lease_task(self) -> None:
-        """A provider published agents here: claim their lapsed threads now."""
+        """What is served changed -- a provider published agents here or its
+        link dropped, or another node's roster changed: claim lapsed threads
+        and hand over unserved ones now."""
+        self._handover_due = True
         self._claim_now.set()
 
     def _leave_cluster(self) -> None:
@@ -447,11 +454,16 @@ class Funduq:
         self.record.leave()
 
     async def _renew_and_claim(self) -> None:
+        handed = await self._hand_over() if self._handover_due else 0
         served = tuple(sorted(self._served_pairs()))
         if not self._leaving:
             # Queued, not awaited: it rides the renewal's group commit (one
-            # round trip for both); a failure is the writer's to log.
-            self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
+            # round trip for both); a failure is the writer's to log. Threads
+            # handed over are told too, after their release: the serving
+            # nodes' lease tasks wake and claim them.
+            self.record.heartbeat(
+                self.node_url, served, tell=served != self._served_told or handed > 0
+            )
         self._served_told = served
         snapshot = self.leases.snapshot()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
@@ -462,10 +474,57 @@ class Funduq:
             self.record.release_lease(tid)
         agents = self._served_agents()
         if agents:
-            won = await self.record.claim_threads(agents=agents)
+            # Lapsed leases, and threads nobody leads though they have runs
+            # needing a leader (another node handed them over).
+            won = await self.record.claim_threads(agents=agents, unleased=True)
             if won:
                 self.leases.taken(won)
                 await self._restore_threads(won)
+
+    async def _hand_over(self) -> int:
+        """Let go of the threads led here whose agent no link here serves any
+        more, with no run of theirs in flight (every lane queued) and no
+        request of theirs at work here, while a live node's links serve the
+        agent: their lanes here end without writing and their leases are
+        released, so a serving node's claim round takes them and offers their
+        queued runs through its links ("the lease follows the link"). How many
+        threads were let go."""
+        served = set(self._served_pairs())
+        idle: dict[tuple[str, str], list[str]] = {}
+        for tid, thread in self.threads.items():
+            if tid in self._reserved or tid in self._answering or not thread.pending:
+                continue
+            lanes = thread.pending
+            if len(lanes) != thread.lanes or any(lane.status != st.QUEUED for lane in lanes):
+                continue  # a run in flight (or settling): it ends here first
+            pair = (lanes[0].key, lanes[0].agent)
+            if pair not in served:
+                idle.setdefault(pair, []).append(tid)
+        handed = 0
+        for (key, agent), tids in idle.items():
+            if not await self.record.serving_nodes(key, agent):
+                continue  # nobody else serves it: its runs wait here (grace window)
+            for tid in tids:
+                still = self.threads.get(tid)
+                if (
+                    still is None
+                    or tid in self._reserved
+                    or tid in self._answering
+                    or any(lane.status != st.QUEUED for lane in still.pending)
+                    or self.providers.serving(key, agent) is not None
+                ):
+                    continue  # changed while we read
+                del self.threads[tid]
+                still.depose()
+                self.leases.lost(tid)
+                self.record.release_lease(tid)
+                self._thread_info.pop(tid, None)
+                handed += 1
+        self._handover_due = False
+        if handed:
+            self.metrics.threads_handed_over += handed
+            log.info("handed over %d threads whose agent another node serves now", handed)
+        return handed
 
     def _served_pairs(self) -> list[tuple[str, str]]:
         """The (key, agent) a provider attached here serves."""
@@ -1035,53 +1094,63 @@ class Funduq:
                 if len(recorded) < page:
                     return
             return
-        if lane is None:
-            assert self.watchers is not None
-            # Shared record: the run may be live on another node. Read it by
-            # seq; once read up, wait for news of it (the watch is taken
-            # before the first read, so none slips past).
-            with self.watchers.watch(run_id) as news:
-                while (lane := self.lanes.get(run_id)) is None:
-                    found = await self.record.run_events(run_id, last, page)
-                    if found is None:
-                        raise RunNotFound(run_id)
-                    status, rows = found
-                    if rows:
-                        last = rows[-1][0]
-                        yield [(s, json.loads(e)) for s, e in rows]
-                        if len(rows) == page:
-                            continue  # more to read before waiting
-                    if status in st.TERMINAL and len(rows) < page:
-                        return  # read after the run ended: nothing can follow
-                    if status == st.INPUT_REQUIRED and not rows:
-                        return  # paused, and read up to the pause
-                    if status != st.INPUT_REQUIRED:
-                        await news.wait()
-            # A lane here holds the run now (answered on this node): its feed.
-        feed = lane.feed
         while True:
-            if last < feed.first_seq - 1:
-                # Behind what the feed holds in memory (it keeps only the
-                # latest events, or the run was reopened after a pause): the
-                # record has these, since an event reaches the feed only once
-                # recorded. A page at a time; the feed may move on meanwhile.
-                recorded = await self._events(run_id, last, feed.first_seq, limit=page)
-                if not recorded:  # pragma: no cover -- the record holds every published seq
-                    last = feed.first_seq - 1
+            if lane is None:
+                assert self.watchers is not None
+                # Shared record: the run may be live on another node. Read it by
+                # seq; once read up, wait for news of it (the watch is taken
+                # before the first read, so none slips past).
+                with self.watchers.watch(run_id) as news:
+                    while (lane := self.lanes.get(run_id)) is None:
+                        found = await self.record.run_events(run_id, last, page)
+                        if found is None:
+                            raise RunNotFound(run_id)
+                        status, rows = found
+                        if rows:
+                            last = rows[-1][0]
+                            yield [(s, json.loads(e)) for s, e in rows]
+                            if len(rows) == page:
+                                continue  # more to read before waiting
+                        if status in st.TERMINAL and len(rows) < page:
+                            return  # read after the run ended: nothing can follow
+                        if status == st.INPUT_REQUIRED and not rows:
+                            return  # paused, and read up to the pause
+                        if status != st.INPUT_REQUIRED:
+                            await news.wait()
+                # A lane here holds the run now (answered on this node): its feed.
+            feed = lane.feed
+            while True:
+                if last < feed.first_seq - 1:
+                    # Behind what the feed holds in memory (it keeps only the
+                    # latest events, or the run was reopened after a pause): the
+                    # record has these, since an event reaches the feed only once
+                    # recorded. A page at a time; the feed may move on meanwhile.
+                    recorded = await self._events(run_id, last, feed.first_seq, limit=page)
+                    if not recorded:  # pragma: no cover -- the record holds every published seq
+                        last = feed.first_seq - 1
+                        continue
+                    last = recorded[-1][0]
+                    yield recorded
                     continue
-                last = recorded[-1][0]
-                yield recorded
-                continue
-            events = feed.events
-            index = bisect.bisect_right(events, last, key=lambda item: item[0])
-            if index < len(events):
-                burst = events[index:]
-                last = burst[-1][0]
-                yield burst
-                continue  # more may have come (and the feed closed) meanwhile
-            if feed.closed:
+                events = feed.events
+                index = bisect.bisect_right(events, last, key=lambda item: item[0])
+                if index < len(events):
+                    burst = events[index:]
+                    last = burst[-1][0]
+                    yield burst
+                    continue  # more may have come (and the feed closed) meanwhile
+                if feed.closed:
+                    break
+                await feed.changed()
+            if (
+                self.watchers is None
+                or lane.status in st.TERMINAL
+                or lane.status == st.INPUT_REQUIRED
+            ):
                 return
-            await feed.changed()
+            # The lane let go of the run unsettled (another node leads its
+            # thread now, taken over or handed over): follow it in the record.
+            lane = None
 
     @contextlib.contextmanager
     def _watch_reopen(self, run_id: str) -> Iterator[trio.Event]:
