@@ -429,8 +429,8 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
     running and two queued runs: the running run ends with the link, and A --
     alive, serving the agent no more while B does -- hands the thread over:
     its queued runs are offered through B in their order, at once (not after
-    the unserved window, which is long here), and a caller following a queued
-    run on A sees it end."""
+    the unserved window, which is long here), and callers waiting on A -- one
+    following a queued run, one blocked in A2A's SendMessage -- see theirs end."""
     assert stores.database_url is not None
     script = Script()
     async with cluster(
@@ -469,6 +469,18 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
                             followed.append(json.loads(line[len("data: ") :]))
 
             nursery.start_soon(follow_on_a)
+            blocked: list[dict[str, Any]] = []
+
+            async def blocking_send_on_a() -> None:
+                answer = await a2a.send(
+                    "fourth", message_id="msg-fourth", context_id=thread, immediately=False
+                )
+                blocked.append(answer)
+
+            nursery.start_soon(blocking_send_on_a)
+            await eventually(
+                lambda: _runs_on(http_a, thread, 4), "the blocking send's run queued on A"
+            )
             peer.set_url(b.provider_url)  # where it reconnects
             assert peer.link is not None
             await peer.link.drop()
@@ -479,8 +491,11 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
             assert runs[first["id"]]["status"] == "failed", runs[first["id"]]
             for run_id in ids[1:]:
                 a_settled_run_once(runs[run_id], "completed")
+            await eventually(lambda: _true(bool(blocked)), "the blocking send answered on A")
+            fourth = blocked[0]["result"]["task"]
+            assert fourth["status"]["state"] == "TASK_STATE_COMPLETED", fourth
             on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
-            assert on_b == ids[1:], on_b
+            assert on_b == [*ids[1:], fourth["id"]], on_b
             assert await metric(http_a, "funduq_threads_handed_over_total") == 1
             assert await metric(http_b, "funduq_threads_taken_over_total") == 1
             await eventually(
@@ -488,6 +503,14 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
             )
             assert [e["type"] for e in followed].count("RUN_FINISHED") == 1
             nursery.cancel_scope.cancel()
+
+
+async def _runs_on(http: httpx.AsyncClient, thread: str, count: int) -> bool:
+    return len((await http.get(f"/threads/{thread}")).json()["runs"]) >= count
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def _followed_to_the_end(events: list[dict[str, Any]]) -> bool:

@@ -1243,13 +1243,21 @@ class Funduq:
     async def wait_run(self, run_id: str) -> dict[str, Any]:
         """Wait until the run settles or pauses; return its record."""
         lane = self.lanes.get(run_id)
-        if lane is None and self.watchers is not None:
-            lane = await self._wait_elsewhere(self.watchers, run_id)
-        if lane is not None:
+        while True:
+            if lane is None and self.watchers is not None:
+                lane = await self._wait_elsewhere(self.watchers, run_id)
+            if lane is None:
+                break
             await lane.ended()
+            if self.watchers is not None and lane.status not in st.TERMINAL | {st.INPUT_REQUIRED}:
+                # The lane let go of the run unsettled (another node leads
+                # its thread now): wait for it there.
+                lane = None
+                continue
             run = lane.snapshot()
             if run is not None:
                 return run
+            break
         run = await self.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
