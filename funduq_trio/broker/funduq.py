@@ -489,6 +489,8 @@ class Funduq:
         released, so a serving node's claim round takes them and offers their
         queued runs through its links ("the lease follows the link"). How many
         threads were let go."""
+        # Cleared first: a change while this reads the record looks again.
+        self._handover_due = False
         served = set(self._served_pairs())
         idle: dict[tuple[str, str], list[str]] = {}
         for tid, thread in self.threads.items():
@@ -502,7 +504,12 @@ class Funduq:
                 idle.setdefault(pair, []).append(tid)
         handed = 0
         for (key, agent), tids in idle.items():
-            if not await self.record.serving_nodes(key, agent):
+            try:
+                elsewhere = await self.record.serving_nodes(key, agent)
+            except BaseException:
+                self._handover_due = True  # the next round looks again
+                raise
+            if not elsewhere:
                 continue  # nobody else serves it: its runs wait here (grace window)
             for tid in tids:
                 still = self.threads.get(tid)
@@ -520,7 +527,6 @@ class Funduq:
                 self.record.release_lease(tid)
                 self._thread_info.pop(tid, None)
                 handed += 1
-        self._handover_due = False
         if handed:
             self.metrics.threads_handed_over += handed
             log.info("handed over %d threads whose agent another node serves now", handed)
