@@ -73,9 +73,12 @@ async def test_a_relayed_call_is_answered_as_the_leader_answers_and_spent_there(
     """A hand-played agent on A calls B: a whole answer comes back as JSON, a
     stream as the same SSE lines; the same signed call sent again -- to B or
     to A -- is refused as spent; once the run has ended B itself refuses it
-    (no node leads it)."""
+    (no node leads it). A body too large to relay within the body limit is
+    refused 413 by B, saying so (A itself takes it)."""
     assert stores.database_url is not None
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(
+        tmp_path, stores.database_url, lease_seconds=LEASE, max_body_bytes=16384
+    ) as nodes:
         b = await nodes.start("b")
         a = await nodes.start("a", public_url=b.base_url)
         async with (
@@ -107,12 +110,23 @@ async def test_a_relayed_call_is_answered_as_the_leader_answers_and_spent_there(
                     for f in frames[:-1]
                 )
                 assert words == heard("ping")
+                large = {**CHAT, "padding": "x" * 12000}
+                refused = await http.post(
+                    url_of(run.grant), **signed(run.grant, raw.identity, large)
+                )
+                assert refused.status_code == 413, refused.text
+                assert refused.json()["error"]["code"] == "body_too_large_to_relay"
+                taken = await http.post(
+                    a.base_url + "/kyok/v1/chat/completions",
+                    **signed(run.grant, raw.identity, large),
+                )
+                assert taken.status_code == 200, taken.text
                 await run.finish()
             late = await http.post(url_of(run.grant), **signed(run.grant, raw.identity))
             assert late.status_code == 403, late.text
             assert late.json()["error"]["code"] == "run_not_active"
             (offering,) = (await http.get("/llms")).json()["llms"]
-            assert offering["counters"]["completions"] == 2
+            assert offering["counters"]["completions"] == 3
 
 
 async def test_an_agent_that_stops_reading_a_relayed_stream_ends_the_completion(tmp_path, store):

@@ -160,6 +160,7 @@ async def complete(
             leader = await funduq.kyok_leader(grant.run_id)
             if leader is not None:
                 raw = await read_body()
+                _check_relayable(funduq, raw)
                 return await _relay(
                     funduq,
                     leader,
@@ -230,6 +231,26 @@ async def complete_forwarded(funduq: Funduq, args: dict[str, Any]) -> Response:
     )
     response.headers[cluster.RELAYED_HEADER] = "kyok"
     return response
+
+
+#: What a relayed call carries besides its body (the token, timestamp and
+#: signature, JSON's punctuation), at most.
+RELAY_OVERHEAD_BYTES = 4096
+
+
+def _check_relayable(funduq: Funduq, raw: bytes) -> None:
+    """A body the leader's door would take once relayed (base64 makes it a
+    third larger), else KyokRefusal 413 -- said here, not as a leader that
+    cannot be reached."""
+    limit = funduq.settings.max_body_bytes
+    if 4 * ((len(raw) + 2) // 3) + RELAY_OVERHEAD_BYTES > limit:
+        raise KyokRefusal(
+            413,
+            "body_too_large_to_relay",
+            f"the run is led by another funduq node, and a body of {len(raw)} bytes "
+            f"cannot be relayed there within FUNDUQ_MAX_BODY_BYTES ({limit}): at most "
+            f"{(limit - RELAY_OVERHEAD_BYTES) * 3 // 4} bytes",
+        )
 
 
 async def _relay(funduq: Funduq, url: str, args: dict[str, Any]) -> Response:
