@@ -402,3 +402,96 @@ async def test_a_lease_is_taken_with_the_run_in_one_transaction_and_arrivals_are
         assert [r for r, _ in await a.thread_runs(tid)] == ["run_1", "run_2"]
         first, second = await a.run_row("run_1"), await a.run_row("run_2")
         assert first is not None and second is not None and first[8] < second[8]
+
+
+async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_there(tmp_path, store):
+    """The provider's link moves from A to B while A leads a thread with one
+    running and two queued runs: the running run ends with the link, and A --
+    alive, serving the agent no more while B does -- hands the thread over:
+    its queued runs are offered through B in their order, at once (not after
+    the unserved window, which is long here), and callers waiting on A -- one
+    following a queued run, one blocked in A2A's SendMessage -- see theirs end."""
+    assert stores.database_url is not None
+    script = Script()
+    async with cluster(
+        tmp_path, stores.database_url, lease_seconds=LEASE, unserved_grace_seconds=3600
+    ) as nodes:
+        a = await nodes.start("a")
+        b = await nodes.start("b")
+        peer = Peer(
+            a.provider_url,
+            [AGENT],
+            on_offer=script.on_offer,
+            max_concurrent_runs=1,
+            reconnect_delay=0.05,
+        )
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+        ):
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            first = await send(a2a, "hold on")
+            await wait_status(http_a, first["id"], {"running"})
+            thread = first["contextId"]
+            second = await send(a2a, "second", context_id=thread)
+            third = await send(a2a, "third", context_id=thread)
+            for task in (second, third):
+                await wait_status(http_a, task["id"], {"queued"})
+            ids = [first["id"], second["id"], third["id"]]
+            followed: list[dict[str, Any]] = []
+
+            async def follow_on_a() -> None:
+                async with http_a.stream("GET", f"/agui/runs/{third['id']}/events") as events:
+                    async for line in events.aiter_lines():
+                        if line.startswith("data: "):
+                            followed.append(json.loads(line[len("data: ") :]))
+
+            nursery.start_soon(follow_on_a)
+            blocked: list[dict[str, Any]] = []
+
+            async def blocking_send_on_a() -> None:
+                answer = await a2a.send(
+                    "fourth", message_id="msg-fourth", context_id=thread, immediately=False
+                )
+                blocked.append(answer)
+
+            nursery.start_soon(blocking_send_on_a)
+            await eventually(
+                lambda: _runs_on(http_a, thread, 4), "the blocking send's run queued on A"
+            )
+            peer.set_url(b.provider_url)  # where it reconnects
+            assert peer.link is not None
+            await peer.link.drop()
+
+            for run_id in ids:
+                await wait_status(http_b, run_id, TERMINAL)
+            runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
+            assert runs[first["id"]]["status"] == "failed", runs[first["id"]]
+            for run_id in ids[1:]:
+                a_settled_run_once(runs[run_id], "completed")
+            await eventually(lambda: _true(bool(blocked)), "the blocking send answered on A")
+            fourth = blocked[0]["result"]["task"]
+            assert fourth["status"]["state"] == "TASK_STATE_COMPLETED", fourth
+            on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
+            assert on_b == [*ids[1:], fourth["id"]], on_b
+            assert await metric(http_a, "funduq_threads_handed_over_total") == 1
+            assert await metric(http_b, "funduq_threads_taken_over_total") == 1
+            await eventually(
+                lambda: _followed_to_the_end(followed), "the follower on A saw the run end"
+            )
+            assert [e["type"] for e in followed].count("RUN_FINISHED") == 1
+            nursery.cancel_scope.cancel()
+
+
+async def _runs_on(http: httpx.AsyncClient, thread: str, count: int) -> bool:
+    return len((await http.get(f"/threads/{thread}")).json()["runs"]) >= count
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _followed_to_the_end(events: list[dict[str, Any]]) -> bool:
+    return bool(events) and events[-1]["type"] == "RUN_FINISHED"

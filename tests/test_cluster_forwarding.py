@@ -370,6 +370,56 @@ async def test_forged_calls_between_nodes_are_refused_and_change_nothing(tmp_pat
             nursery.cancel_scope.cancel()
 
 
+async def test_a_signed_call_sent_again_is_refused_by_every_node_and_changes_nothing(
+    tmp_path, store
+):
+    """Each signed call between nodes is taken once across the cluster: the
+    same call (bytes and headers, as captured on the wire) sent again while
+    its time is fresh -- to the node that took it or to another -- is refused
+    401 `not_signed` and records nothing."""
+    assert stores.database_url is not None
+    peers: list[Peer] = []
+    script = Script(peers)
+    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+        a = await nodes.start("a")
+        b = await nodes.start("b")
+        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer)
+        peers.append(peer)
+        async with (
+            trio.open_nursery() as nursery,
+            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
+            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+        ):
+            await nursery.start(peer.serve)
+            await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")
+            body = json.dumps(
+                {
+                    "provider": peer.key,
+                    "agent": AGENT,
+                    "run_input": user_input("once", thread_id="thread-once", message_id="m-1"),
+                    "thread_id": "thread-once",
+                    "metadata": None,
+                    "create_unknown_thread": True,
+                }
+            ).encode()
+            headers = _signed(_database_secret(), "start_run", body, time.time())
+            url = "/internal/cluster/start_run"
+            taken = await http_a.post(url, content=body, headers=headers)
+            assert taken.status_code == 200, taken.text
+            run_id, thread = taken.json()["ok"]["runId"], taken.json()["ok"]["threadId"]
+            await wait_status(http_a, run_id, {"completed"})
+            for http in (http_a, http_b):
+                again = await http.post(url, content=body, headers=headers)
+                assert again.status_code == 401, again.text
+                assert again.json()["error"]["code"] == "not_signed", again.text
+            with psycopg.connect(stores.database_url, autocommit=True) as conn:
+                runs = conn.execute("SELECT id FROM runs WHERE thread_id = %s", (thread,))
+                assert [r[0] for r in runs] == [run_id]
+            assert [o.run_id for o in peer.offer_log] == [run_id]
+            assert script.offered[thread] == ["once"]
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_leader_that_cannot_be_reached_is_answered_503_and_nothing_is_recorded(
     tmp_path, store
 ):

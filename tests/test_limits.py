@@ -319,6 +319,30 @@ async def test_one_key_cannot_grow_the_roster_past_the_bound(tmp_path):
         assert await roster(http) == {("x17", False), ("x18", False), ("x19", False)}
 
 
+async def test_a_roster_read_again_brings_back_no_agent_this_node_let_go(tmp_path, monkeypatch):
+    """A node of a cluster reads the roster again whenever any node's changes
+    (`Providers.refresh`); a read taken before this node's own register let
+    agents go must not bring them back past the bound (the interleaving is
+    forced: the read answers what the record held before the register)."""
+    async with (
+        running_server(tmp_path, max_agents_per_provider=3) as info,
+        http_client(info) as http,
+        dial(info) as raw,
+    ):
+        assert (await raw.connect())["kind"] == "connect.ok"
+        assert (await raw.register("a", "b", "c"))["kind"] == "ok"
+        record = info.funduq.record
+        before = await record.providers_and_agents()
+        assert (await raw.register("d", "e"))["kind"] == "ok"
+
+        async def stale_read() -> Any:
+            return before
+
+        monkeypatch.setattr(record, "providers_and_agents", stale_read)
+        await info.funduq.providers.refresh()
+        assert await roster(http) == {("c", False), ("d", True), ("e", True)}
+
+
 async def test_agents_no_longer_served_are_kept_only_within_a_frame_of_bytes(tmp_path):
     async with (
         running_server(tmp_path, max_agents_per_provider=10, max_frame_bytes=20_000) as info,

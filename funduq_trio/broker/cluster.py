@@ -33,11 +33,20 @@ SIGNATURE_HEADER = "Funduq-Cluster-Signature"
 #: The route's prefix; the op follows.
 ROUTE = "/internal/cluster/"
 #: The calls a node forwards.
-OPS = frozenset({"start_run", "answer_pause", "cancel_run"})
+OPS = frozenset({"start_run", "answer_pause", "cancel_run", "kyok_complete"})
 #: A signature is taken only while its time is this close to the receiver's.
 FRESH_SECONDS = 60.0
+#: Who signed a call between nodes, as the spent proofs name it: each signed
+#: call is taken once, by one node (``Funduq.spend_cluster_call``).
+CLUSTER_SIGNER = "funduq-cluster"
 #: How long a forwarded call may take (a cancel waits for its lane to read it).
 FORWARD_TIMEOUT_SECONDS = 30.0
+#: Marks an answer to ``kyok_complete`` as the leader's KYOK answer, to pass
+#: on as it is (any other answer is the route's own: not signed, no record).
+RELAYED_HEADER = "Funduq-Cluster-Relayed"
+#: How long a relayed completion may wait to connect; its answer may take
+#: as long as the LLM does (the agent going away ends it).
+RELAY_TIMEOUT = httpx.Timeout(None, connect=FORWARD_TIMEOUT_SECONDS)
 
 
 def sign(secret: str, op: str, stamp: str, body: bytes) -> str:
@@ -57,6 +66,15 @@ def signed(secret: str, op: str, stamp: str | None, signature: str | None, body:
     if abs(time.time() - at) > FRESH_SECONDS:
         return False
     return hmac.compare_digest(sign(secret, op, stamp, body), signature)
+
+
+def cluster_kyok_secret(secret: str) -> bytes:
+    """The KYOK token secret of every node of the cluster (unless each is
+    given FUNDUQ_KYOK_SECRET): derived from the cluster's secret, so a token
+    one node minted is read by any."""
+    return (
+        hmac.new(secret.encode(), b"funduq-kyok-token-secret", hashlib.sha256).hexdigest().encode()
+    )
 
 
 def _error_classes() -> dict[str, type[Exception]]:
@@ -107,6 +125,38 @@ class Forwarder:
         if self._client is not None:
             await self._client.aclose()
 
+    def _headers(self, op: str, body: bytes) -> dict[str, str]:
+        stamp = repr(time.time())
+        return {
+            "Content-Type": "application/json",
+            TIME_HEADER: stamp,
+            SIGNATURE_HEADER: sign(self.secret, op, stamp, body),
+        }
+
+    async def open(self, url: str, op: str, args: dict[str, Any]) -> httpx.Response:
+        """Send ``op`` to one node and return its answer with the body not
+        read yet (the caller reads and closes it): for a call whose answer is
+        relayed as it comes. ``Unreachable`` when the node does not answer,
+        or answers with anything but the relayed call's own answer."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=FORWARD_TIMEOUT_SECONDS)
+        body = json.dumps(args, separators=(",", ":")).encode()
+        request = self._client.build_request(
+            "POST",
+            url.rstrip("/") + ROUTE + op,
+            content=body,
+            headers=self._headers(op, body),
+            timeout=RELAY_TIMEOUT,
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise Unreachable(f"{url}: {exc or type(exc).__name__}") from None
+        if RELAYED_HEADER not in response.headers:
+            await response.aclose()
+            raise Unreachable(f"{url}: HTTP {response.status_code}")
+        return response
+
     async def call(self, urls: list[str], op: str, args: dict[str, Any]) -> Any:
         """Carry out ``op`` on the first of ``urls`` that answers: its result,
         or the broker error it raised, raised here. ``Unreachable`` when none
@@ -116,15 +166,9 @@ class Forwarder:
         body = json.dumps(args, separators=(",", ":")).encode()
         problems = []
         for url in urls:
-            stamp = repr(time.time())
-            headers = {
-                "Content-Type": "application/json",
-                TIME_HEADER: stamp,
-                SIGNATURE_HEADER: sign(self.secret, op, stamp, body),
-            }
             try:
                 response = await self._client.post(
-                    url.rstrip("/") + ROUTE + op, content=body, headers=headers
+                    url.rstrip("/") + ROUTE + op, content=body, headers=self._headers(op, body)
                 )
             except httpx.HTTPError as exc:
                 problems.append(f"{url}: {exc or type(exc).__name__}")

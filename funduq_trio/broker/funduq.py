@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection, Iterator
@@ -28,7 +29,13 @@ from ..secret_file import load_or_create
 from . import authority
 from .admission import WaitingRuns
 from .authority import Reader
-from .cluster import Forwarder, Unreachable
+from .cluster import (
+    CLUSTER_SIGNER,
+    FRESH_SECONDS,
+    Forwarder,
+    Unreachable,
+    cluster_kyok_secret,
+)
 from .errors import (
     AgentNotFound,
     InvalidRunInput,
@@ -126,6 +133,9 @@ class Funduq:
         self.node = new_node_id(settings.node_name)
         self.leases = Leases(self.node, settings.lease_seconds)
         self._claim_now = trio.Event()
+        #: What is served changed (here, or on another node): look for threads
+        #: led here whose agent only another node serves now (_hand_over).
+        self._handover_due = False
         #: Where other nodes reach this one (FUNDUQ_NODE_URL, else where it
         #: serves), the roster it last told the record, the forwarder of
         #: calls to other nodes and the secret they are signed with.
@@ -157,6 +167,14 @@ class Funduq:
         # the store delays only other listings and presented chains, never a
         # bound thread's reads, cancels and answers.
         self.spent_by_anyone = Spends(authority.SpentProofs(settings.max_spent_proofs))
+        #: Signed calls between nodes taken here: each works once, on every
+        #: node (a captured call sent again is refused). Only a call the
+        #: cluster's secret signed is ever spent, so no per-key share.
+        self.spent_calls = Spends(
+            authority.SpentProofs(
+                settings.max_spent_proofs, window=FRESH_SECONDS, per_key=settings.max_spent_proofs
+            )
+        )
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
         self._reserved: dict[str, int] = {}
@@ -186,12 +204,21 @@ class Funduq:
             if self.identity is None:
                 self.identity = await trio.to_thread.run_sync(self._load_identity)
             self.operator_token = await trio.to_thread.run_sync(self._load_operator_token)
-            secret = await trio.to_thread.run_sync(self._load_kyok_secret)
+            secret = b""
+            if self.settings.kyok_secret or not self.settings.database_is_postgres:
+                secret = await trio.to_thread.run_sync(self._load_kyok_secret)
             self.record = await self._stack.enter_async_context(
                 open_store(self.settings, node=self.node)
             )
+            if self.record.shared:
+                self.cluster_secret = await self.record.cluster_secret()
+                if not self.settings.kyok_secret:
+                    # Every node mints and reads the same tokens, so a
+                    # completion may reach any of them (docs/cluster.md, KYOK).
+                    secret = cluster_kyok_secret(self.cluster_secret)
             self.spent.share(self.record)
             self.spent_by_anyone.share(self.record)
+            self.spent_calls.share(self.record)
             self.providers = Providers(
                 self.record,
                 self.settings.quality_allowance,
@@ -218,7 +245,6 @@ class Funduq:
             self._context = contextvars.copy_context()
             self._stack.callback(self._nursery.cancel_scope.cancel)
             if self.record.shared:
-                self.cluster_secret = await self.record.cluster_secret()
                 self.forwarder = Forwarder(self.cluster_secret)
                 self._stack.push_async_callback(self.forwarder.aclose)
                 self._stack.callback(self._leave_cluster)
@@ -254,6 +280,7 @@ class Funduq:
         """A notification: a run changed, or (ROSTER_NOTICE) the roster."""
         if run_id == ROSTER_NOTICE:
             self._roster_stale.set()
+            self._wake_lease_task()  # another node may serve what we lead
         elif self.watchers is not None:
             self.watchers.wake(run_id)
 
@@ -414,7 +441,10 @@ class Funduq:
             self.record.release_push_leases()
 
     def _wake_lease_task(self) -> None:
-        """A provider published agents here: claim their lapsed threads now."""
+        """What is served changed -- a provider published agents here or its
+        link dropped, or another node's roster changed: claim lapsed threads
+        and hand over unserved ones now."""
+        self._handover_due = True
         self._claim_now.set()
 
     def _leave_cluster(self) -> None:
@@ -424,11 +454,16 @@ class Funduq:
         self.record.leave()
 
     async def _renew_and_claim(self) -> None:
+        handed = await self._hand_over() if self._handover_due else 0
         served = tuple(sorted(self._served_pairs()))
         if not self._leaving:
             # Queued, not awaited: it rides the renewal's group commit (one
-            # round trip for both); a failure is the writer's to log.
-            self.record.heartbeat(self.node_url, served, tell=served != self._served_told)
+            # round trip for both); a failure is the writer's to log. Threads
+            # handed over are told too, after their release: the serving
+            # nodes' lease tasks wake and claim them.
+            self.record.heartbeat(
+                self.node_url, served, tell=served != self._served_told or handed > 0
+            )
         self._served_told = served
         snapshot = self.leases.snapshot()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
@@ -439,10 +474,63 @@ class Funduq:
             self.record.release_lease(tid)
         agents = self._served_agents()
         if agents:
-            won = await self.record.claim_threads(agents=agents)
+            # Lapsed leases, and threads nobody leads though they have runs
+            # needing a leader (another node handed them over).
+            won = await self.record.claim_threads(agents=agents, unleased=True)
             if won:
                 self.leases.taken(won)
                 await self._restore_threads(won)
+
+    async def _hand_over(self) -> int:
+        """Let go of the threads led here whose agent no link here serves any
+        more, with no run of theirs in flight (every lane queued) and no
+        request of theirs at work here, while a live node's links serve the
+        agent: their lanes here end without writing and their leases are
+        released, so a serving node's claim round takes them and offers their
+        queued runs through its links ("the lease follows the link"). How many
+        threads were let go."""
+        # Cleared first: a change while this reads the record looks again.
+        self._handover_due = False
+        served = set(self._served_pairs())
+        idle: dict[tuple[str, str], list[str]] = {}
+        for tid, thread in self.threads.items():
+            if tid in self._reserved or tid in self._answering or not thread.pending:
+                continue
+            lanes = thread.pending
+            if len(lanes) != thread.lanes or any(lane.status != st.QUEUED for lane in lanes):
+                continue  # a run in flight (or settling): it ends here first
+            pair = (lanes[0].key, lanes[0].agent)
+            if pair not in served:
+                idle.setdefault(pair, []).append(tid)
+        handed = 0
+        for (key, agent), tids in idle.items():
+            try:
+                elsewhere = await self.record.serving_nodes(key, agent)
+            except BaseException:
+                self._handover_due = True  # the next round looks again
+                raise
+            if not elsewhere:
+                continue  # nobody else serves it: its runs wait here (grace window)
+            for tid in tids:
+                still = self.threads.get(tid)
+                if (
+                    still is None
+                    or tid in self._reserved
+                    or tid in self._answering
+                    or any(lane.status != st.QUEUED for lane in still.pending)
+                    or self.providers.serving(key, agent) is not None
+                ):
+                    continue  # changed while we read
+                del self.threads[tid]
+                still.depose()
+                self.leases.lost(tid)
+                self.record.release_lease(tid)
+                self._thread_info.pop(tid, None)
+                handed += 1
+        if handed:
+            self.metrics.threads_handed_over += handed
+            log.info("handed over %d threads whose agent another node serves now", handed)
+        return handed
 
     def _served_pairs(self) -> list[tuple[str, str]]:
         """The (key, agent) a provider attached here serves."""
@@ -861,6 +949,16 @@ class Funduq:
             return [url for _, url in await self.record.serving_nodes(key, agent)]
         return []
 
+    async def spend_cluster_call(self, stamp: str, signature: str) -> None:
+        """Spend a signed call between nodes (its signature verified, its
+        stamp fresh) for the whole cluster: NotAuthorized when it was taken
+        before, here or on another node; RecordUnavailable when the record
+        cannot take the spending (the call is then not carried out)."""
+        at = math.ceil(float(stamp))
+        await self.spent_calls.check(
+            lambda spent: spent.spend(CLUSTER_SIGNER, signature, at, time.time())
+        )
+
     async def _forward(
         self, urls: list[str], op: str, args: dict[str, Any], thread_id: str | None
     ) -> Any:
@@ -1002,53 +1100,63 @@ class Funduq:
                 if len(recorded) < page:
                     return
             return
-        if lane is None:
-            assert self.watchers is not None
-            # Shared record: the run may be live on another node. Read it by
-            # seq; once read up, wait for news of it (the watch is taken
-            # before the first read, so none slips past).
-            with self.watchers.watch(run_id) as news:
-                while (lane := self.lanes.get(run_id)) is None:
-                    found = await self.record.run_events(run_id, last, page)
-                    if found is None:
-                        raise RunNotFound(run_id)
-                    status, rows = found
-                    if rows:
-                        last = rows[-1][0]
-                        yield [(s, json.loads(e)) for s, e in rows]
-                        if len(rows) == page:
-                            continue  # more to read before waiting
-                    if status in st.TERMINAL and len(rows) < page:
-                        return  # read after the run ended: nothing can follow
-                    if status == st.INPUT_REQUIRED and not rows:
-                        return  # paused, and read up to the pause
-                    if status != st.INPUT_REQUIRED:
-                        await news.wait()
-            # A lane here holds the run now (answered on this node): its feed.
-        feed = lane.feed
         while True:
-            if last < feed.first_seq - 1:
-                # Behind what the feed holds in memory (it keeps only the
-                # latest events, or the run was reopened after a pause): the
-                # record has these, since an event reaches the feed only once
-                # recorded. A page at a time; the feed may move on meanwhile.
-                recorded = await self._events(run_id, last, feed.first_seq, limit=page)
-                if not recorded:  # pragma: no cover -- the record holds every published seq
-                    last = feed.first_seq - 1
+            if lane is None:
+                assert self.watchers is not None
+                # Shared record: the run may be live on another node. Read it by
+                # seq; once read up, wait for news of it (the watch is taken
+                # before the first read, so none slips past).
+                with self.watchers.watch(run_id) as news:
+                    while (lane := self.lanes.get(run_id)) is None:
+                        found = await self.record.run_events(run_id, last, page)
+                        if found is None:
+                            raise RunNotFound(run_id)
+                        status, rows = found
+                        if rows:
+                            last = rows[-1][0]
+                            yield [(s, json.loads(e)) for s, e in rows]
+                            if len(rows) == page:
+                                continue  # more to read before waiting
+                        if status in st.TERMINAL and len(rows) < page:
+                            return  # read after the run ended: nothing can follow
+                        if status == st.INPUT_REQUIRED and not rows:
+                            return  # paused, and read up to the pause
+                        if status != st.INPUT_REQUIRED:
+                            await news.wait()
+                # A lane here holds the run now (answered on this node): its feed.
+            feed = lane.feed
+            while True:
+                if last < feed.first_seq - 1:
+                    # Behind what the feed holds in memory (it keeps only the
+                    # latest events, or the run was reopened after a pause): the
+                    # record has these, since an event reaches the feed only once
+                    # recorded. A page at a time; the feed may move on meanwhile.
+                    recorded = await self._events(run_id, last, feed.first_seq, limit=page)
+                    if not recorded:  # pragma: no cover -- the record holds every published seq
+                        last = feed.first_seq - 1
+                        continue
+                    last = recorded[-1][0]
+                    yield recorded
                     continue
-                last = recorded[-1][0]
-                yield recorded
-                continue
-            events = feed.events
-            index = bisect.bisect_right(events, last, key=lambda item: item[0])
-            if index < len(events):
-                burst = events[index:]
-                last = burst[-1][0]
-                yield burst
-                continue  # more may have come (and the feed closed) meanwhile
-            if feed.closed:
+                events = feed.events
+                index = bisect.bisect_right(events, last, key=lambda item: item[0])
+                if index < len(events):
+                    burst = events[index:]
+                    last = burst[-1][0]
+                    yield burst
+                    continue  # more may have come (and the feed closed) meanwhile
+                if feed.closed:
+                    break
+                await feed.changed()
+            if (
+                self.watchers is None
+                or lane.status in st.TERMINAL
+                or lane.status == st.INPUT_REQUIRED
+            ):
                 return
-            await feed.changed()
+            # The lane let go of the run unsettled (another node leads its
+            # thread now, taken over or handed over): follow it in the record.
+            lane = None
 
     @contextlib.contextmanager
     def _watch_reopen(self, run_id: str) -> Iterator[trio.Event]:
@@ -1141,13 +1249,21 @@ class Funduq:
     async def wait_run(self, run_id: str) -> dict[str, Any]:
         """Wait until the run settles or pauses; return its record."""
         lane = self.lanes.get(run_id)
-        if lane is None and self.watchers is not None:
-            lane = await self._wait_elsewhere(self.watchers, run_id)
-        if lane is not None:
+        while True:
+            if lane is None and self.watchers is not None:
+                lane = await self._wait_elsewhere(self.watchers, run_id)
+            if lane is None:
+                break
             await lane.ended()
+            if self.watchers is not None and lane.status not in st.TERMINAL | {st.INPUT_REQUIRED}:
+                # The lane let go of the run unsettled (another node leads
+                # its thread now): wait for it there.
+                lane = None
+                continue
             run = lane.snapshot()
             if run is not None:
                 return run
+            break
         run = await self.get_run(run_id)
         if run is None:
             raise RunNotFound(run_id)
@@ -1231,6 +1347,26 @@ class Funduq:
         run = await self.get_run(run_id)
         assert run is not None
         return run
+
+    async def kyok_leader(self, run_id: str) -> str | None:
+        """Where a KYOK completion for this run is carried out when not here:
+        the URL of the live node leading the run's thread (docs/cluster.md,
+        "KYOK from any node"). None: here -- a record of one process, a run
+        laned here, or one nobody else leads (``kyok_run`` then answers)."""
+        if not self.record.shared or run_id in self.lanes:
+            return None
+        thread_id = await self.record.run_thread(run_id)
+        leader = None if thread_id is None else await self.record.thread_leader(thread_id)
+        if leader is None or leader[0] == self.node or not leader[2] or run_id in self.lanes:
+            return None
+        if not leader[1]:
+            raise KyokRefusal(
+                503,
+                "thread_led_elsewhere",
+                f"run {run_id} is led by funduq node {leader[0]}, which has not said "
+                "where it can be reached; retry shortly",
+            )
+        return leader[1]
 
     def kyok_run(self, grant: Grant) -> KyokRun:
         """The run a KYOK grant names, if a completion may be spent on it now:

@@ -82,6 +82,7 @@ class Metrics:
         self.lease_renewals = 0
         self.threads_taken_over = 0
         self.threads_let_go = 0
+        self.threads_handed_over = 0
         self.calls_forwarded = 0
         self.calls_taken = 0
 
@@ -170,6 +171,13 @@ class Metrics:
                 "counter",
                 "Threads this node stopped acting for because another node took them over.",
                 [("", self.threads_let_go)],
+            )
+            family(
+                "funduq_threads_handed_over_total",
+                "counter",
+                "Threads this node let go because no link here serves their agent any "
+                "more while another node's do (their queued runs go on there).",
+                [("", self.threads_handed_over)],
             )
             family(
                 "funduq_calls_forwarded_total",

@@ -677,7 +677,9 @@ class PostgresStore(SqlStore):
         take_unleased = (
             "INSERT INTO thread_leases (thread_id, node, expires_at) "
             "SELECT DISTINCT r.thread_id, ?, now() + make_interval(secs => ?) FROM runs r "
-            f"WHERE {needing} ON CONFLICT (thread_id) DO NOTHING RETURNING thread_id"
+            f"WHERE {needing} AND NOT EXISTS (SELECT 1 FROM thread_leases l "
+            "WHERE l.thread_id = r.thread_id) ON CONFLICT (thread_id) DO NOTHING "
+            "RETURNING thread_id"
         )
 
         def apply(conn: Any) -> list[str]:

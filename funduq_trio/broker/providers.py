@@ -322,12 +322,16 @@ class Providers:
     async def refresh(self) -> None:
         """Read the published agents again (another node of a cluster took a
         provider's register): what this node did not know joins what it
-        knows; its counters stay its own."""
+        knows; its counters stay its own. The agents of a provider whose
+        link is here are known first-hand: a read that started before its
+        last register committed would bring back agents it let go."""
         providers, agents = await self.record.providers_and_agents()
         for key, fp, *counts in providers:
             self.counters.setdefault(key, dict(zip(COUNTERS, map(int, counts), strict=True)))
             self.by_fingerprint[fp] = key
         for key, name, description, card, metadata in agents:
+            if self.serving_any(key):
+                continue
             self.agents[(key, name)] = {
                 "name": name,
                 "description": description,
@@ -342,6 +346,11 @@ class Providers:
         if len(provider) == 64:
             return provider if provider in self.counters else None
         return self.by_fingerprint.get(provider)
+
+    def serving_any(self, key: str) -> bool:
+        """Whether a link of this provider is attached here."""
+        session = self.sessions.get(key)
+        return session is not None and session.live
 
     def serving(self, key: str, name: str) -> ProviderSession | None:
         session = self.sessions.get(key)

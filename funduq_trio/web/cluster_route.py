@@ -1,13 +1,16 @@
 """The internal route between the nodes of a cluster (docs/cluster.md,
 "Forwarding"): ``POST /internal/cluster/{op}``, signed with the cluster's
-secret (``broker/cluster.py``). Anything unsigned, signed otherwise or stale
-is refused 401 and changes nothing; on a record of one process (SQLite) the
-route is not there (404).
+secret (``broker/cluster.py``). Anything unsigned, signed otherwise, stale
+or taken before (each signed call is spent once across the cluster, in the
+shared record's spent proofs) is refused 401 and changes nothing; on a
+record of one process (SQLite) the route is not there (404).
 
 A signed call runs the facade's own call with ``forwarded=True`` (so it is
 carried out here, never sent on) and answers ``{"ok": result}`` or
 ``{"error": {class, message, details}}`` for a broker error, which the
-forwarding node raises again as the same exception."""
+forwarding node raises again as the same exception. ``kyok_complete`` (a
+KYOK completion for a run led here) is answered as ``/kyok/v1/chat/completions``
+answers, streamed as it comes, for the relaying node to pass on."""
 
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ from typing import Any
 from quart import Response, jsonify, request
 
 from ..broker import cluster
-from ..broker.errors import FunduqError
+from ..broker.errors import FunduqError, NotAuthorized, ProofsBusy, RecordUnavailable
 from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
+from .kyok import complete_forwarded
 
 
 def mount_cluster_route(app: Any, funduq: Funduq) -> None:
@@ -30,18 +34,25 @@ def mount_cluster_route(app: Any, funduq: Funduq) -> None:
         if not funduq.record.shared or op not in cluster.OPS:
             return json_error(404, "not_found", "no such route")
         body = await request.get_data()
-        if not cluster.signed(
-            funduq.cluster_secret,
-            op,
-            request.headers.get(cluster.TIME_HEADER),
-            request.headers.get(cluster.SIGNATURE_HEADER),
-            body,
-        ):
-            return json_error(
-                401,
-                "not_signed",
-                "a call between funduq nodes must be signed with the cluster's secret",
-            )
+        stamp = request.headers.get(cluster.TIME_HEADER)
+        signature = request.headers.get(cluster.SIGNATURE_HEADER)
+        refusal = json_error(
+            401,
+            "not_signed",
+            "a call between funduq nodes must be signed with the cluster's secret, "
+            "made now, and is taken once",
+        )
+        if not cluster.signed(funduq.cluster_secret, op, stamp, signature, body):
+            return refusal
+        assert stamp is not None and signature is not None
+        try:
+            # Spent before anything else: a captured call sent again, to this
+            # node or another, is refused as any bad signature.
+            await funduq.spend_cluster_call(stamp, signature)
+        except NotAuthorized:
+            return refusal
+        except (RecordUnavailable, ProofsBusy) as exc:
+            return json_error(503, "record_unavailable", str(exc))
         try:
             args = json.loads(body)
             if not isinstance(args, dict):
@@ -49,6 +60,9 @@ def mount_cluster_route(app: Any, funduq: Funduq) -> None:
         except ValueError as exc:
             return json_error(400, "invalid_json", f"a forwarded call's body: {exc}")
         funduq.metrics.calls_taken += 1
+        if op == "kyok_complete":
+            # Answered as the KYOK route answers, streamed as it comes.
+            return await complete_forwarded(funduq, args)
         try:
             result = await _carry_out(funduq, op, args)
         except (FunduqError, InvalidActorChain) as exc:

@@ -21,17 +21,25 @@ returned as JSON. A failure before any chunk is answered 502 with
 `{"error": {..., "refusal"}}` (or the status of why funduq ended it); after a
 chunk, the stream's last `data:` line carries the error instead of `[DONE]`.
 A reader that goes away abandons the completion.
+
+In a cluster (docs/cluster.md, "KYOK from any node") a call for a run another
+node leads is relayed there over the internal route (``kyok_complete``),
+which checks it, spends its signature and counts it -- once, there -- and its
+answer comes back as it is: status, JSON, or the stream chunk by chunk.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 from quart import Response, request
 
+from ..broker import cluster
 from ..broker.funduq import Funduq
 from ..broker.kyok import Completion, KyokRefusal
 from ..protocol import carriable
@@ -123,47 +131,165 @@ def mount_kyok(app: Any, funduq: Funduq) -> None:
 
     @app.post("/kyok/v1/chat/completions")
     async def chat_completions() -> Response:
-        kyok = funduq.kyok
-        try:
-            grant = kyok.read_token(bearer_of(request.headers.get("Authorization")))
-            funduq.kyok_run(grant)
-            raw = await request.get_data()
-            run = funduq.kyok_run(grant)
-            await kyok.check_signature(
-                run.key,
-                grant.token,
-                request.headers.get("Funduq-Timestamp"),
-                request.headers.get("Funduq-Signature"),
-                raw,
+        headers = request.headers
+        return await complete(
+            funduq,
+            headers.get("Authorization"),
+            headers.get("Funduq-Timestamp"),
+            headers.get("Funduq-Signature"),
+            request.get_data,
+        )
+
+
+async def complete(
+    funduq: Funduq,
+    authorization: str | None,
+    timestamp: str | None,
+    signature: str | None,
+    read_body: Callable[[], Awaitable[bytes]],
+    *,
+    forwarded: bool = False,
+) -> Response:
+    """One completion call, checked and carried out here -- or, for a run
+    another node leads (a cluster), relayed to that node, which checks and
+    carries it out (``forwarded``: it came that way, and is never sent on)."""
+    kyok = funduq.kyok
+    try:
+        grant = kyok.read_token(bearer_of(authorization))
+        if not forwarded:
+            leader = await funduq.kyok_leader(grant.run_id)
+            if leader is not None:
+                raw = await read_body()
+                _check_relayable(funduq, raw)
+                return await _relay(
+                    funduq,
+                    leader,
+                    {
+                        "authorization": authorization,
+                        "timestamp": timestamp,
+                        "signature": signature,
+                        "body": base64.b64encode(raw).decode("ascii"),
+                    },
+                )
+        funduq.kyok_run(grant)
+        raw = await read_body()
+        run = funduq.kyok_run(grant)
+        await kyok.check_signature(run.key, grant.token, timestamp, signature, raw)
+        # Nothing awaits from here until the completion is registered.
+        # The signature's check awaits where nodes share the record (its
+        # spending is written there): the run is looked at again.
+        run = funduq.kyok_run(grant)
+        body = _request_body(raw)
+        completion = kyok.start(
+            run.run_id,
+            run.offering,
+            {
+                "runId": run.run_id,
+                "agent": {"providerKey": run.key, "name": run.agent},
+                "llm": run.offering[1],
+                "body": body,
+                "context": run.context,
+                "actorChain": run.actor_chain,
+            },
+        )
+    except KyokRefusal as refusal:
+        return _refused(refusal)
+    reader_gone = KyokRefusal(499, "reader_gone", "the agent stopped reading")
+    try:
+        first = await _next_chunk(completion)
+        if body.get("stream") is True:
+            return _streaming(completion, first, reader_gone)
+        return await _whole(completion, first)
+    except BaseException:
+        completion.stop(reader_gone)
+        raise
+
+
+async def complete_forwarded(funduq: Funduq, args: dict[str, Any]) -> Response:
+    """A completion call another node relayed here (the internal route's
+    ``kyok_complete``): checked and carried out as if it had come here, its
+    answer marked as the relay's to pass on verbatim."""
+    try:
+        raw = base64.b64decode(str(args.get("body") or ""), validate=True)
+    except ValueError:
+        raw = b""
+
+    async def read_body() -> bytes:
+        return raw
+
+    def text(name: str) -> str | None:
+        value = args.get(name)
+        return value if isinstance(value, str) else None
+
+    response = await complete(
+        funduq,
+        text("authorization"),
+        text("timestamp"),
+        text("signature"),
+        read_body,
+        forwarded=True,
+    )
+    response.headers[cluster.RELAYED_HEADER] = "kyok"
+    return response
+
+
+#: What a relayed call carries besides its body (the token, timestamp and
+#: signature, JSON's punctuation), at most.
+RELAY_OVERHEAD_BYTES = 4096
+
+
+def _check_relayable(funduq: Funduq, raw: bytes) -> None:
+    """A body the leader's door would take once relayed (base64 makes it a
+    third larger), else KyokRefusal 413 -- said here, not as a leader that
+    cannot be reached."""
+    limit = funduq.settings.max_body_bytes
+    if 4 * ((len(raw) + 2) // 3) + RELAY_OVERHEAD_BYTES > limit:
+        raise KyokRefusal(
+            413,
+            "body_too_large_to_relay",
+            f"the run is led by another funduq node, and a body of {len(raw)} bytes "
+            f"cannot be relayed there within FUNDUQ_MAX_BODY_BYTES ({limit}): at most "
+            f"{(limit - RELAY_OVERHEAD_BYTES) * 3 // 4} bytes",
+        )
+
+
+async def _relay(funduq: Funduq, url: str, args: dict[str, Any]) -> Response:
+    """Pass a completion call to the node leading its run and its answer --
+    status, JSON or the SSE stream as it comes -- back to the agent. A
+    leader that cannot be reached: 503 ``thread_led_elsewhere``."""
+    assert funduq.forwarder is not None
+    funduq.metrics.calls_forwarded += 1
+    try:
+        answer = await funduq.forwarder.open(url, "kyok_complete", args)
+    except cluster.Unreachable as exc:
+        return _refused(
+            KyokRefusal(
+                503,
+                "thread_led_elsewhere",
+                f"the run is led by another funduq node, which cannot be reached ({exc}); "
+                "retry shortly",
             )
-            # Nothing awaits from here until the completion is registered.
-            # The signature's check awaits where nodes share the record (its
-            # spending is written there): the run is looked at again.
-            run = funduq.kyok_run(grant)
-            body = _request_body(raw)
-            completion = kyok.start(
-                run.run_id,
-                run.offering,
-                {
-                    "runId": run.run_id,
-                    "agent": {"providerKey": run.key, "name": run.agent},
-                    "llm": run.offering[1],
-                    "body": body,
-                    "context": run.context,
-                    "actorChain": run.actor_chain,
-                },
-            )
-        except KyokRefusal as refusal:
-            return _refused(refusal)
-        reader_gone = KyokRefusal(499, "reader_gone", "the agent stopped reading")
+        )
+    content_type = answer.headers.get("Content-Type", "application/json")
+    if not content_type.startswith(SSE_CONTENT_TYPE):
         try:
-            first = await _next_chunk(completion)
-            if body.get("stream") is True:
-                return _streaming(completion, first, reader_gone)
-            return await _whole(completion, first)
-        except BaseException:
-            completion.stop(reader_gone)
-            raise
+            content = await answer.aread()
+        finally:
+            await answer.aclose()
+        return Response(content, status=answer.status_code, content_type=content_type)
+
+    async def frames() -> Any:
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        finally:
+            await answer.aclose()
+
+    response = Response(
+        frames(), status=answer.status_code, content_type=SSE_CONTENT_TYPE, headers=SSE_HEADERS
+    )
+    response.timeout = None
+    return response
 
 
 def _streaming(completion: Completion, first: str | None, reader_gone: KyokRefusal) -> Response:
