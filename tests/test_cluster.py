@@ -17,6 +17,7 @@ import json
 import time
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 import stores
@@ -413,9 +414,7 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
     following a queued run, one blocked in A2A's SendMessage -- see theirs end."""
     assert stores.database_url is not None
     script = Script()
-    async with cluster(
-        tmp_path, stores.database_url, lease_seconds=LEASE, unserved_grace_seconds=3600
-    ) as nodes:
+    async with cluster(tmp_path, unserved_grace_seconds=3600) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         peer = Peer(
@@ -427,8 +426,8 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
         )
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+            a.client() as http_a,
+            b.client() as http_b,
         ):
             await nursery.start(peer.serve)
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")

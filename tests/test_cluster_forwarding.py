@@ -380,15 +380,15 @@ async def test_a_signed_call_sent_again_is_refused_by_every_node_and_changes_not
     assert stores.database_url is not None
     peers: list[Peer] = []
     script = Script(peers)
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         a = await nodes.start("a")
         b = await nodes.start("b")
         peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer)
         peers.append(peer)
         async with (
             trio.open_nursery() as nursery,
-            httpx.AsyncClient(base_url=a.base_url, timeout=HTTP_TIMEOUT) as http_a,
-            httpx.AsyncClient(base_url=b.base_url, timeout=HTTP_TIMEOUT) as http_b,
+            a.client() as http_a,
+            b.client() as http_b,
         ):
             await nursery.start(peer.serve)
             await eventually(lambda: online(http_b, peer.fingerprint), "the agent online on B")

@@ -30,8 +30,6 @@ from funduq_trio.provider import kyok_chat
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
-LEASE = 2.0
-
 
 async def metric(http: httpx.AsyncClient, name: str) -> float:
     for line in (await http.get("/metrics")).text.splitlines():
@@ -47,7 +45,7 @@ async def test_an_agent_whose_completions_reach_another_node_is_served_by_the_le
     B relays it to A, which leads the run and holds the LLM provider: the
     caller on A gets the LLM's words, and the completion is counted once."""
     assert stores.database_url is not None
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         b = await nodes.start("b")
         a = await nodes.start("a", public_url=b.base_url)
         async with (
@@ -76,9 +74,7 @@ async def test_a_relayed_call_is_answered_as_the_leader_answers_and_spent_there(
     (no node leads it). A body too large to relay within the body limit is
     refused 413 by B, saying so (A itself takes it)."""
     assert stores.database_url is not None
-    async with cluster(
-        tmp_path, stores.database_url, lease_seconds=LEASE, max_body_bytes=16384
-    ) as nodes:
+    async with cluster(tmp_path, max_body_bytes=16384) as nodes:
         b = await nodes.start("b")
         a = await nodes.start("a", public_url=b.base_url)
         async with (
@@ -135,7 +131,7 @@ async def test_an_agent_that_stops_reading_a_relayed_stream_ends_the_completion(
     asked to stop (abandon), as on one node."""
     assert stores.database_url is not None
     abandoned = trio.Event()
-    async with cluster(tmp_path, stores.database_url, lease_seconds=LEASE) as nodes:
+    async with cluster(tmp_path) as nodes:
         b = await nodes.start("b")
         a = await nodes.start("a", public_url=b.base_url)
         async with (

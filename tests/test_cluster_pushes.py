@@ -26,6 +26,7 @@ from google.protobuf.json_format import MessageToDict
 from push_support import push_receiver
 from reliability_support import (
     A2A,
+    HTTP_TIMEOUT,
     Offer,
     Peer,
     eventually,
