@@ -200,4 +200,7 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
                 return
         await app(scope, receive, send)
 
+    #: What is behind this layer (quart, with its own routes for the same
+    #: doors): tests compare both ways of serving a request.
+    asgi_app.behind = app  # type: ignore[attr-defined]
     return asgi_app
