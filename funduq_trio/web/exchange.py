@@ -17,6 +17,7 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from quart import jsonify
 from werkzeug.exceptions import (
     HTTPException,
     InternalServerError,
@@ -28,6 +29,7 @@ from werkzeug.sansio.http import parse_cookie
 from ..broker import errors
 from ..identity import InvalidActorChain
 from .door_errors import door_answer
+from .sse import sse_response
 
 __all__ = [
     "Answer",
@@ -61,10 +63,6 @@ Answer = Json | Streamed
 
 def quart_response(answer: Answer) -> Any:
     """`answer` as a quart response (inside a quart request)."""
-    from quart import jsonify
-
-    from .sse import sse_response
-
     if isinstance(answer, Streamed):
         return sse_response(answer.bursts)
     response = jsonify(answer.payload)
