@@ -39,7 +39,8 @@ LAYERS: list[tuple[str, str]] = [
     ("SSE stream", r"funduq_trio/web/sse\.py"),
     (
         "doors (A2A, AG-UI, reads)",
-        r"funduq_trio/(web/(a2a_door|agui_door|reads|door_errors|access)\.py|protocol/(a2a|agui)\.py)",
+        r"funduq_trio/(web/(a2a_door|a2a_rest|agui_door|asgi_doors|exchange|reads|door_errors|access)"
+        r"\.py|protocol/(a2a/|agui\.py|carriable\.py))",
     ),
     ("broker (lanes, run machine, facade, providers)", r"funduq_trio/broker/"),
     ("funduq other", r"funduq_trio/"),
@@ -56,6 +57,10 @@ STAGES: list[tuple[str, str]] = [
     ("provider link (ProviderSocket and below)", r"\(.*funduq_trio/web/provider_socket\.py"),
     ("record writer (Record and below)", r"\(.*funduq_trio/broker/record\.py"),
     ("lanes (Lane and below)", r"\(.*funduq_trio/broker/lanes\.py"),
+    (
+        "door POSTs served on ASGI (web/asgi_doors.py and below)",
+        r"\(.*funduq_trio/web/asgi_doors\.py",
+    ),
     ("quart request/response machinery", r"\(.*/quart(_trio)?/"),
     ("hypercorn connection tasks", r"\(.*/hypercorn/"),
 ]

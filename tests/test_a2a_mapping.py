@@ -704,3 +704,43 @@ def test_list_pages_newest_first_with_status_filter() -> None:
     rendered = a2a.result_response(call, response)["result"]
     assert [t["id"] for t in rendered["tasks"]] == ["run_0"]
     assert rendered["totalSize"] == 3
+
+
+def test_a_snapshot_folds_every_kind_of_event_as_a_stream_does():
+    """`task_from_record` folds a record without building stream updates; the
+    Task must be the one a stream's projection reaches by applying the same
+    events one by one (updates built)."""
+    from funduq_trio.protocol.a2a.projection import (
+        ARTIFACT_EVENT_NAME,
+        TaskProjection,
+        task_from_record,
+    )
+
+    ids = {"threadId": "thread_x", "runId": "run_x"}
+    events = [
+        {"type": "RUN_STARTED", **ids},
+        {"type": "TEXT_MESSAGE_START", "messageId": "m", "role": "assistant"},
+        {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "one "},
+        {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": ""},
+        {"type": "TEXT_MESSAGE_CHUNK", "delta": "two"},
+        {"type": "TEXT_MESSAGE_CHUNK", "messageId": "n"},
+        {"type": "TEXT_MESSAGE_END", "messageId": "m"},
+        {
+            "type": "CUSTOM",
+            "name": ARTIFACT_EVENT_NAME,
+            "value": {"artifactId": "a", "parts": [{"text": "whole"}]},
+        },
+        {"type": "SOMETHING_NEWER", "payload": [1, None]},
+        {"type": "RUN_ERROR", "message": "it broke"},
+    ]
+    for status in ("completed", "failed", "running", "input-required"):
+        record = {
+            **{"runId": "run_x", "threadId": "thread_x", "status": status, "metadata": {}},
+            "createdAt": "2026-12-03T10:00:00Z",
+            "events": [{"seq": i + 1, "event": e} for i, e in enumerate(events)],
+        }
+        streamed = TaskProjection(task_id="run_x", context_id="thread_x")
+        updates = [u for i, e in enumerate(events) for u in streamed.apply(i + 1, e)]
+        streamed.observe(record)
+        assert updates  # the stream's side did build them
+        assert task_from_record(record) == streamed.task(), status

@@ -83,7 +83,8 @@ from ..protocol.a2a.render import error_response, result_response, stream_frame
 from .a2a_rest import mount_a2a_rest
 from .access import of_agent, reader_of
 from .door_errors import a2a_error
-from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
+from .exchange import Answer, Json, Streamed, quart_response
+from .sse import LAST_EVENT_ID, Identified, read_cursor
 
 CARD_PATH = "/.well-known/agent-card.json"
 JWKS_PATH = "/.well-known/jwks.json"
@@ -100,7 +101,12 @@ def mount_a2a_door(app: Any, funduq: Any) -> None:
     get_funduq: Callable[[], Any] = funduq if callable(funduq) else (lambda: funduq)
 
     async def rpc(provider: str, agent: str) -> Response:
-        return await A2ADoor(get_funduq(), provider, agent).answer()
+        try:
+            body = await request.get_data()
+        except RequestEntityTooLarge:
+            return quart_response(payload_too_large())
+        door = A2ADoor(get_funduq(), provider, agent, request)
+        return quart_response(await door.answer(body))
 
     app.add_url_rule("/a2a/<provider>/<agent>", "a2a_rpc", rpc, methods=["POST"])
     app.add_url_rule("/a2a/<provider>/<agent>/", "a2a_rpc_slash", rpc, methods=["POST"])
@@ -156,27 +162,33 @@ async def _cacheable_card(response: Response) -> Response:
     return await response.make_conditional(request)
 
 
-def _json(payload: dict[str, Any]) -> Response:
-    return jsonify(payload)
+def _json(payload: dict[str, Any]) -> Json:
+    return Json(payload)
+
+
+def payload_too_large() -> Json:
+    """The answer to a body over the limit. The body is left unread: the
+    connection must close after the answer."""
+    return Json(
+        error_response(None, InvalidRequestError(message="Payload too large")),
+        headers={"Connection": "close"},
+    )
 
 
 class A2ADoor:
-    """One JSON-RPC request at one agent's endpoint."""
+    """One JSON-RPC request at one agent's endpoint. `request` is what the
+    door reads of the HTTP request besides its body (`web/exchange.py`)."""
 
-    def __init__(self, funduq: Any, provider: str, agent: str) -> None:
+    def __init__(self, funduq: Any, provider: str, agent: str, request: Any) -> None:
         self.funduq = funduq
         self.provider = provider
         self.agent = agent
+        self.request = request
         self.view: Any = None
 
-    async def answer(self) -> Response:
-        try:
-            body = await request.get_data()
-        except RequestEntityTooLarge:
-            # The body is left unread: the connection must close after the answer.
-            response = _json(error_response(None, InvalidRequestError(message="Payload too large")))
-            response.headers["Connection"] = "close"
-            return response
+    async def answer(self, body: bytes) -> Answer:
+        """The answer to the JSON-RPC request `body`: JSON, or a stream."""
+        request = self.request
         if not _declares_json(request.mimetype):
             return _json(
                 error_response(
@@ -203,7 +215,7 @@ class A2ADoor:
                     data={"reason": "agent_not_found"},
                 )
             if call.streaming:
-                return sse_response(await self.open_stream(call))
+                return Streamed(await self.open_stream(call))
             return _json(result_response(call, await self.perform(call)))
         except A2AError as exc:
             return _json(error_response(call, exc))
@@ -229,7 +241,7 @@ class A2ADoor:
     async def readable_record(self, task_id: str) -> dict[str, Any]:
         """The task's record if the caller may read it; otherwise exactly the
         answer to an unknown task."""
-        record = await self.funduq.read_run(task_id, reader_of(self.funduq, request))
+        record = await self.funduq.read_run(task_id, reader_of(self.funduq, self.request))
         if not self._ours(record):
             raise TaskNotFoundError(data={"taskId": task_id})
         return record
@@ -377,7 +389,7 @@ class A2ADoor:
         records, total, more = await self.funduq.task_page(
             self.view.key,
             self.view.name,
-            reader_of(self.funduq, request),
+            reader_of(self.funduq, self.request),
             thread_id=req.context_id or None,
             status=sorted(status_of_state(req.status)) if req.status else None,
             status_after=None if after_ns is None else after_ns / 1e9,
@@ -413,7 +425,7 @@ class A2ADoor:
                     slot[1].release()
         else:
             try:
-                cursor = read_cursor(request.headers.get(LAST_EVENT_ID))
+                cursor = read_cursor(self.request.headers.get(LAST_EVENT_ID))
             except ValueError as exc:
                 raise InvalidParamsError(message=f"{LAST_EVENT_ID}: {exc}") from None
             record = await self.readable_record(call.request.id)

@@ -68,7 +68,7 @@ def mount_a2a_rest(app: Any, get_funduq: Callable[[], Any]) -> None:
 
     def route(path: str, methods: list[str], op: str, build: Callable[..., Any]) -> None:
         async def endpoint(provider: str, agent: str, **path_args: str) -> Response:
-            door = A2ADoor(get_funduq(), provider, agent)
+            door = A2ADoor(get_funduq(), provider, agent, request)
             return await answer(door, op, build, path_args)
 
         endpoint.__name__ = f"a2a_rest_{op}_{'_'.join(methods).lower()}"

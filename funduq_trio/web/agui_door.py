@@ -45,7 +45,7 @@ from typing import Any
 
 from ag_ui.core import EventType, RunAgentInput, RunStartedEvent
 from pydantic import ValidationError
-from quart import jsonify, request
+from quart import request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import BadRequest
 
@@ -59,6 +59,7 @@ from ..broker.errors import (
 from ..broker.funduq import Funduq
 from ..protocol import carriable
 from .access import of_agent, reader_of
+from .exchange import Answer, Json, Streamed, quart_response
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
 
 # funduq's request-level keys, read off forwardedProps.
@@ -114,61 +115,7 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
     @app.post("/agui/<provider>/<agent>")
     async def agui_run(provider: str, agent: str) -> Any:
         raw_body = await request.get_data()  # 413 past max_body_bytes
-        try:
-            body = carriable.loads(raw_body)
-        except (UnicodeDecodeError, ValueError) as exc:  # NotCarriable included
-            raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
-        except RecursionError:  # nested past Python's own limit
-            raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels") from None
-        # What the provider link cannot carry is refused here, before anything
-        # is recorded: one such run used to break its provider's link for good.
-        problem = carriable.problem(body)
-        if problem is not None:
-            raise InvalidJSON(f"request body cannot be carried to a provider: {problem}")
-        try:
-            run_input = RunAgentInput.model_validate(body)
-        except ValidationError as exc:
-            raise invalid_input(exc) from None
-
-        view = funduq.find_agent(provider, agent)
-        if view is None:
-            raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
-        metadata = request_metadata(run_input.forwarded_props)
-
-        if run_input.resume:
-            thread_id = run_input.thread_id
-            unknown = UnknownThread(f"no thread {thread_id!r} of agent {agent!r}")
-            thread = await funduq.get_thread(thread_id)
-            if not of_agent(thread, view.key, view.fingerprint, agent):
-                raise unknown
-            run_id = await funduq.paused_run(thread_id)
-            bound = thread["segmentHead"] is not None
-            if run_id is None:
-                if bound and not await funduq.may_read(thread_id, reader_of(funduq, request)):
-                    raise unknown
-                return jsonify(thread)
-            record = await funduq.get_run(run_id)
-            after_seq = max((e["seq"] for e in (record or {}).get("events", [])), default=0)
-            try:
-                ticket = await funduq.answer_pause(run_id, body, metadata=metadata)
-            except NotAuthorized:
-                # Refuse first, say nothing: only a reader of the thread may
-                # learn that it has a paused run its answer failed to reach.
-                if await funduq.may_read(thread_id, reader_of(funduq, request)):
-                    raise
-                raise unknown from None
-        else:
-            after_seq = 0
-            ticket = await funduq.start_run(
-                provider,
-                agent,
-                body,
-                thread_id=run_input.thread_id,
-                metadata=metadata,
-                create_unknown_thread=True,
-            )
-
-        return sse_response(relay(funduq, ticket.thread_id, ticket.run_id, after_seq))
+        return quart_response(await run_post(funduq, provider, agent, raw_body, request))
 
     @app.get("/agui/runs/<run_id>/events")
     async def agui_events(run_id: str) -> Any:
@@ -187,6 +134,69 @@ def mount_agui_door(app: QuartTrio, funduq: Funduq) -> None:
         return sse_response(
             relay(funduq, record["threadId"], run_id, cursor or 0, opening=cursor is None)
         )
+
+
+async def run_post(
+    funduq: Funduq, provider: str, agent: str, raw_body: bytes, request: Any
+) -> Answer:
+    """The answer to `POST /agui/{provider}/{agent}` with `raw_body` (see the
+    module's doc): the run's stream, or the thread as JSON. Refusals raise
+    (the app answers them, `web/exchange.py` `error_answer`)."""
+    try:
+        body = carriable.loads(raw_body)
+    except (UnicodeDecodeError, ValueError) as exc:  # NotCarriable included
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nested past Python's own limit
+        raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels") from None
+    # What the provider link cannot carry is refused here, before anything
+    # is recorded: one such run used to break its provider's link for good.
+    problem = carriable.problem(body)
+    if problem is not None:
+        raise InvalidJSON(f"request body cannot be carried to a provider: {problem}")
+    try:
+        run_input = RunAgentInput.model_validate(body)
+    except ValidationError as exc:
+        raise invalid_input(exc) from None
+
+    view = funduq.find_agent(provider, agent)
+    if view is None:
+        raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
+    metadata = request_metadata(run_input.forwarded_props)
+
+    if run_input.resume:
+        thread_id = run_input.thread_id
+        unknown = UnknownThread(f"no thread {thread_id!r} of agent {agent!r}")
+        thread = await funduq.get_thread(thread_id)
+        if not of_agent(thread, view.key, view.fingerprint, agent):
+            raise unknown
+        run_id = await funduq.paused_run(thread_id)
+        bound = thread["segmentHead"] is not None
+        if run_id is None:
+            if bound and not await funduq.may_read(thread_id, reader_of(funduq, request)):
+                raise unknown
+            return Json(thread)
+        record = await funduq.get_run(run_id)
+        after_seq = max((e["seq"] for e in (record or {}).get("events", [])), default=0)
+        try:
+            ticket = await funduq.answer_pause(run_id, body, metadata=metadata)
+        except NotAuthorized:
+            # Refuse first, say nothing: only a reader of the thread may
+            # learn that it has a paused run its answer failed to reach.
+            if await funduq.may_read(thread_id, reader_of(funduq, request)):
+                raise
+            raise unknown from None
+    else:
+        after_seq = 0
+        ticket = await funduq.start_run(
+            provider,
+            agent,
+            body,
+            thread_id=run_input.thread_id,
+            metadata=metadata,
+            create_unknown_thread=True,
+        )
+
+    return Streamed(relay(funduq, ticket.thread_id, ticket.run_id, after_seq))
 
 
 async def relay(

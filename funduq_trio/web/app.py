@@ -17,34 +17,27 @@ page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import trio
 from quart import Response, jsonify
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
+from werkzeug.exceptions import HTTPException
 
 from ..broker import errors
 from ..broker.funduq import Funduq
 from ..identity import InvalidActorChain
 from .a2a_door import mount_a2a_door
 from .agui_door import mount_agui_door
+from .asgi_doors import serve_doors
 from .cluster_route import mount_cluster_route
 from .cors import mount_cors
-from .door_errors import door_answer
+from .exchange import error_answer, error_body, quart_response
 from .kyok import mount_kyok
 from .operator import mount_operator_page
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
 from .sse import serve_streams
-
-
-def error_body(status: int, code: str, message: str, details: Any = None) -> dict[str, Any]:
-    error: dict[str, Any] = {"status": status, "code": code, "message": message}
-    if details is not None:
-        error["details"] = details
-    return {"error": error}
 
 
 def json_error(status: int, code: str, message: str, details: Any = None) -> Response:
@@ -101,10 +94,6 @@ class CloseAfterResponse:
         await self.app(scope, receive, shielded_last_send)
 
 
-def _snake(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
-
 def create_app(funduq: Funduq) -> QuartTrio:
     settings = funduq.settings
     app = QuartTrio("funduq_trio")
@@ -127,40 +116,11 @@ def create_app(funduq: Funduq) -> QuartTrio:
     app.asgi_app = CloseAfterResponse(app.asgi_app)  # type: ignore[method-assign]
 
     @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        if isinstance(exc, RequestEntityTooLarge):
-            code = "body_too_large"
-            message = (
-                f"request body exceeds the limit of {settings.max_body_bytes} bytes "
-                "(FUNDUQ_MAX_BODY_BYTES)"
-            )
-        elif isinstance(exc, RequestTimeout):
-            code = "body_timeout"
-            message = (
-                f"request body not received within {settings.body_timeout_seconds:g} s "
-                "(FUNDUQ_BODY_TIMEOUT_SECONDS)"
-            )
-        else:
-            code = getattr(exc, "error_code", None) or _snake(exc.name)
-            message = exc.description or exc.name
-        response = json_error(status, code, message, getattr(exc, "details", None))
-        if isinstance(exc, RequestTimeout):
-            # The rest of the body may still trickle in: the connection is done.
-            response.headers["Connection"] = "close"
-        for name, value in exc.get_headers():
-            if name.lower() != "content-type":
-                response.headers[name] = value
-        if isinstance(exc, RequestEntityTooLarge):
-            close_after(response)
-        return response
-
     @app.errorhandler(errors.FunduqError)
     @app.errorhandler(InvalidActorChain)
-    async def broker_error(exc: Exception) -> Response:
-        answer = door_answer(exc)
-        message = str(exc) or (type(exc).__doc__ or answer.code).strip()
-        return json_error(answer.http_status, answer.code, message, getattr(exc, "details", None))
+    async def error(exc: Exception) -> Response:
+        response: Response = quart_response(error_answer(exc, settings))
+        return response
 
     mount_cors(app, settings.cors_origins)
     mount_reads(app, funduq)
@@ -177,4 +137,9 @@ def create_app(funduq: Funduq) -> QuartTrio:
     # Nobody cancels that writer during its last send: CloseAfterResponse's
     # shield is for quart's responses.
     app.asgi_app = serve_streams(app.asgi_app)
+    # In front of all: the doors' run POSTs and /healthz, served without
+    # quart (web/asgi_doors.py); it writes their streams itself.
+    app.asgi_app = serve_doors(
+        app.asgi_app, funduq, lambda payload: app.json.dumps(payload, separators=(",", ":"))
+    )
     return app

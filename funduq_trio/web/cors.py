@@ -14,7 +14,7 @@ from typing import Any
 
 from quart import Response, request
 
-__all__ = ["ALLOWED_HEADERS", "EXPOSED_HEADERS", "mount_cors"]
+__all__ = ["ALLOWED_HEADERS", "EXPOSED_HEADERS", "allowed_origin", "cors_headers", "mount_cors"]
 
 #: What the doors read from a request beyond the CORS-safelisted headers.
 ALLOWED_HEADERS = "Content-Type, Authorization, Last-Event-ID, Funduq-Proof, A2A-Version"
@@ -33,15 +33,22 @@ def allowed_origin(origins: frozenset[str], origin: str | None) -> str | None:
     return origin if origin.rstrip("/") in origins else None
 
 
+def headers_for(allow: str) -> dict[str, str]:
+    headers = {"Access-Control-Allow-Origin": allow}
+    if allow != "*":
+        headers["Vary"] = "Origin"
+    return headers
+
+
+def cors_headers(allow: str) -> dict[str, str]:
+    """The headers every response to an allowed origin carries (`allow`:
+    its Access-Control-Allow-Origin)."""
+    return {**headers_for(allow), "Access-Control-Expose-Headers": EXPOSED_HEADERS}
+
+
 def mount_cors(app: Any, origins: frozenset[str] | None) -> None:
     if not origins:
         return
-
-    def headers_for(allow: str) -> dict[str, str]:
-        headers = {"Access-Control-Allow-Origin": allow}
-        if allow != "*":
-            headers["Vary"] = "Origin"
-        return headers
 
     @app.before_request
     async def preflight() -> Response | None:
@@ -60,6 +67,5 @@ def mount_cors(app: Any, origins: frozenset[str] | None) -> None:
     async def allow_origin(response: Response) -> Response:
         allow = allowed_origin(origins, request.headers.get("Origin"))
         if allow is not None and "Access-Control-Allow-Origin" not in response.headers:
-            response.headers.update(headers_for(allow))
-            response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
+            response.headers.update(cors_headers(allow))
         return response

@@ -221,7 +221,7 @@ def sse_response(
     scope = request.scope
     body: Any
     if STREAM_SLOT in scope:
-        body = _Handover(scope, _Stream(bursts, interval))
+        body = _Handover(scope, SseStream(bursts, interval))
     else:
         body = sse_frames(bursts)
         # The app's nursery exists while hypercorn serves it (ASGI lifespan).
@@ -259,9 +259,9 @@ class _Handover:
 
     __slots__ = ("scope", "stream")
 
-    def __init__(self, scope: dict[str, Any], stream: _Stream) -> None:
+    def __init__(self, scope: dict[str, Any], stream: SseStream) -> None:
         self.scope: dict[str, Any] | None = scope
-        self.stream: _Stream | None = stream
+        self.stream: SseStream | None = stream
 
     def __aiter__(self) -> _Handover:
         return self
@@ -273,7 +273,7 @@ class _Handover:
         raise StopAsyncIteration
 
 
-class _Stream:
+class SseStream:
     """One handed-over stream, written on the connection's task (`serve`)."""
 
     __slots__ = ("bursts", "interval", "last_write", "writing", "gone")
@@ -351,13 +351,13 @@ def serve_streams(app: Any) -> Any:
     return asgi_app
 
 
-async def _answer(app: Any, scope: Any, receive: Receive, send: Send) -> _Stream | None:
+async def _answer(app: Any, scope: Any, receive: Receive, send: Send) -> SseStream | None:
     """Let quart answer the request; the stream it handed over, if any (None
     also when the caller left meanwhile). Nothing of quart's outlives this."""
     exchange = _Exchange(scope, receive, send)
     scope[STREAM_SLOT] = None
     await app(scope, exchange.receive, exchange.send)
-    stream: _Stream | None = scope.pop(STREAM_SLOT, None)
+    stream: SseStream | None = scope.pop(STREAM_SLOT, None)
     return None if exchange.gone else stream
 
 

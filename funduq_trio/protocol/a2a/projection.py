@@ -43,6 +43,9 @@ _RUN_FINISHED = EventType.RUN_FINISHED.value
 _RUN_ERROR = EventType.RUN_ERROR.value
 _CUSTOM = EventType.CUSTOM.value
 
+#: What `_text_delta` answers for a delta folded in without an update.
+_FOLDED = pb.StreamResponse()
+
 
 # ---------------------------------------------------------------- statuses
 
@@ -150,7 +153,7 @@ class TaskProjection:
     def from_record(cls, record: Mapping[str, Any]) -> TaskProjection:
         projection = cls(task_id=str(record["runId"]), context_id=str(record["threadId"]))
         for entry in record.get("events") or ():
-            projection.apply(int(entry.get("seq", 0)), entry.get("event"))
+            projection.apply(int(entry.get("seq", 0)), entry.get("event"), updates=False)
         projection.observe(record)
         return projection
 
@@ -170,8 +173,11 @@ class TaskProjection:
 
     # -- events
 
-    def apply(self, seq: int, event: Any) -> list[pb.StreamResponse]:
-        """Fold one recorded AG-UI event in; answer the stream updates it becomes."""
+    def apply(self, seq: int, event: Any, *, updates: bool = True) -> list[pb.StreamResponse]:
+        """Fold one recorded AG-UI event in; answer the stream updates it
+        becomes (none built without `updates`: a snapshot folds a whole record
+        and keeps only the Task, and building an update with its event as a
+        protobuf Struct cost more than the fold itself)."""
         if seq and seq <= self.last_seq:
             return []  # already folded in (a snapshot and a follow overlap)
         self.last_seq = max(self.last_seq, seq)
@@ -179,9 +185,9 @@ class TaskProjection:
             return []
         kind = event.get("type")
         if kind in _TEXT_DELTA_TYPES:
-            update = self._text_delta(event)
+            update = self._text_delta(event, updates)
             if update is not None:
-                return [update]
+                return [update] if updates else []
             if kind == EventType.TEXT_MESSAGE_CHUNK.value:
                 return []  # a chunk with nothing to say
         elif kind == _CUSTOM and event.get("name") == ARTIFACT_EVENT_NAME:
@@ -189,6 +195,8 @@ class TaskProjection:
             if artifact is not None:
                 self._artifacts[artifact.artifact_id] = artifact
                 self._texts.pop(artifact.artifact_id, None)  # replaced whole
+                if not updates:
+                    return []
                 update = pb.TaskArtifactUpdateEvent(
                     task_id=self.task_id,
                     context_id=self.context_id,
@@ -206,6 +214,8 @@ class TaskProjection:
                 message = event.get("message")
                 self._run_error = str(message) if message is not None else None
             return []
+        if not updates:
+            return []
         status = pb.TaskStatus(state=pb.TaskState.TASK_STATE_WORKING)
         update = pb.TaskStatusUpdateEvent(
             task_id=self.task_id, context_id=self.context_id, status=status
@@ -216,7 +226,9 @@ class TaskProjection:
         set_struct(update.metadata, metadata)
         return [pb.StreamResponse(status_update=update)]
 
-    def _text_delta(self, event: Mapping[str, Any]) -> pb.StreamResponse | None:
+    def _text_delta(
+        self, event: Mapping[str, Any], updates: bool = True
+    ) -> pb.StreamResponse | None:
         delta = event.get("delta")
         if not isinstance(delta, str) or delta == "":
             return None
@@ -228,6 +240,8 @@ class TaskProjection:
         if existing is None:
             self._artifacts[message_id] = pb.Artifact(artifact_id=message_id)
         self._texts.setdefault(message_id, []).append(delta)
+        if not updates:
+            return _FOLDED
         chunk = pb.Artifact(artifact_id=message_id, parts=[pb.Part(text=delta)])
         update = pb.TaskArtifactUpdateEvent(
             task_id=self.task_id,

@@ -1,0 +1,206 @@
+"""The doors' run POSTs served straight on ASGI, in front of quart.
+
+A run starts with one POST: `POST /a2a/{provider}/{agent}[/]` (JSON-RPC) or
+`POST /agui/{provider}/{agent}` (a RunAgentInput). quart's request machinery
+around such a request -- routing, the request and response objects, context
+locals, two tasks, one ASGI message per chunk -- cost the server about as
+much CPU as the door's own work (bench/README.md, "Where a run's
+milliseconds go"). `serve_doors` takes those requests before quart does and
+serves them with the same door code (`A2ADoor.answer`, `agui_door.run_post`)
+and the same answers: the body read within `max_body_bytes` and
+`body_timeout_seconds` (413 or the JSON-RPC "Payload too large", and 408,
+each closing the connection), the app's error answers (`exchange.error_answer`,
+whose broker rows are `door_errors.DOOR_ANSWERS`), the CORS headers of
+`web/cors.py`, JSON as the app's JSON provider writes it, and streams written
+by `web/sse.py`'s `SseStream` as `serve_streams` writes them. Every other
+request -- other methods and paths, preflights included -- goes to quart.
+
+`GET /healthz` is answered here as well, as the cheapest request the server
+serves: it is the unit in which bench/e2e.py prices a run.
+
+What quart did and this does not: cancel a handler whose caller disconnected
+before its answer. A blocking SendMessage whose caller has gone waits for its
+run to end (as the run itself goes on either way), then its answer goes
+nowhere; a stream notices the disconnect as before and ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
+
+from ..broker.errors import FunduqError
+from ..identity import InvalidActorChain
+from .a2a_door import A2ADoor, payload_too_large
+from .agui_door import run_post
+from .cors import allowed_origin, cors_headers
+from .exchange import Answer, AsgiRequest, Json, error_answer
+from .sse import SSE_CONTENT_TYPE, SSE_HEADERS, Receive, Send, SseStream
+
+log = logging.getLogger("funduq_trio.web")
+
+#: How long the last write of a response that closes its connection may take
+#: once shielded (see `web/app.py` `CloseAfterResponse`).
+CLOSE_WRITE_SECONDS = 5.0
+
+_JSON_TYPE = (b"content-type", b"application/json")
+_SSE_START_HEADERS = [
+    (b"content-type", SSE_CONTENT_TYPE.encode()),
+    *((name.lower().encode(), value.encode()) for name, value in SSE_HEADERS.items()),
+]
+_HEALTHZ = {"status": "ok"}
+
+
+#: What a door raises on purpose: answered without a traceback in the log.
+REFUSALS = (HTTPException, FunduqError, InvalidActorChain)
+
+
+class _Gone(Exception):
+    """The caller disconnected before its request's body was all read."""
+
+
+async def read_body(scope: Any, receive: Receive, limit: int, timeout: float | None) -> bytes:
+    """The request's body, as quart reads it: refused at once when its
+    Content-Length is over `limit`, else as soon as the bytes read pass it;
+    cut when it has not all come within `timeout` seconds."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if int(value) > limit:  # h11 has checked it is digits
+                raise RequestEntityTooLarge
+            break
+    chunks: list[bytes] = []
+    size = 0
+    with trio.move_on_after(math.inf if timeout is None else timeout):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Gone
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise RequestEntityTooLarge
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    raise RequestTimeout
+
+
+def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
+    """ASGI middleware in front of `app` (the quart app's ASGI callable):
+    the doors' run POSTs and `GET /healthz` are answered here (see the
+    module's docstring); everything else goes to `app`. `dumps` writes a
+    JSON body as the app's JSON provider does."""
+    settings = funduq.settings
+    limit = settings.max_body_bytes
+    timeout = settings.body_timeout_seconds
+    keepalive = settings.sse_keepalive_seconds or 0
+    origins = settings.cors_origins or None
+
+    def extra_headers(scope: Any) -> list[tuple[bytes, bytes]]:
+        """The CORS hook's headers for this request's Origin (none if CORS is off)."""
+        if origins is None:
+            return []
+        origin = None
+        for name, value in scope["headers"]:
+            if name == b"origin":
+                origin = value.decode("latin-1")
+                break
+        allow = allowed_origin(origins, origin)
+        if allow is None:
+            return []
+        return [(k.lower().encode(), v.encode()) for k, v in cors_headers(allow).items()]
+
+    async def answer_json(scope: Any, send: Send, answer: Json) -> None:
+        body = (dumps(answer.payload) + "\n").encode()
+        headers = [_JSON_TYPE, (b"content-length", b"%d" % len(body))]
+        closing = False
+        for name, value in answer.headers.items():
+            closing = closing or (name.lower() == "connection" and value.lower() == "close")
+            headers.append((name.lower().encode(), value.encode("latin-1")))
+        headers += extra_headers(scope)
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        last = {"type": "http.response.body", "body": body, "more_body": False}
+        if not closing:
+            await send(last)
+            return
+        # The connection closes from inside this send, the body maybe unread:
+        # shielded, so the close finishes (see web/app.py CloseAfterResponse).
+        with trio.move_on_after(CLOSE_WRITE_SECONDS) as cancel_scope:
+            cancel_scope.shield = True
+            await send(last)
+
+    async def answer(scope: Any, receive: Receive, send: Send, reply: Answer) -> None:
+        if isinstance(reply, Json):
+            await answer_json(scope, send, reply)
+            return
+        headers = _SSE_START_HEADERS + extra_headers(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await SseStream(reply.bursts, keepalive).serve(receive, send)
+
+    async def serve(
+        scope: Any,
+        receive: Receive,
+        send: Send,
+        door: Callable[[bytes], Awaitable[Answer]],
+        too_large: Callable[[], Json] | None = None,
+    ) -> None:
+        """Read the body, let `door` answer it, and write the answer; a
+        refusal raised is answered as the app's error handlers answer it, a
+        body over the limit with `too_large()` if given."""
+        try:
+            body = await read_body(scope, receive, limit, timeout)
+            reply = await door(body)
+        except _Gone:
+            return
+        except RequestEntityTooLarge as exc:
+            refusal = error_answer(exc, settings) if too_large is None else too_large()
+            await answer_json(scope, send, refusal)
+            return
+        except Exception as exc:  # noqa: BLE001 -- answered as the app answers it
+            if not isinstance(exc, REFUSALS):
+                log.exception("Exception on request %s %s", scope["method"], scope["path"])
+            await answer_json(scope, send, error_answer(exc, settings))
+            return
+        await answer(scope, receive, send, reply)
+
+    async def a2a(scope: Any, receive: Receive, send: Send, provider: str, agent: str) -> None:
+        async def door(body: bytes) -> Answer:
+            return await A2ADoor(funduq, provider, agent, AsgiRequest(scope)).answer(body)
+
+        await serve(scope, receive, send, door, payload_too_large)
+
+    async def agui(scope: Any, receive: Receive, send: Send, provider: str, agent: str) -> None:
+        async def door(body: bytes) -> Answer:
+            return await run_post(funduq, provider, agent, body, AsgiRequest(scope))
+
+        await serve(scope, receive, send, door)
+
+    async def asgi_app(scope: Any, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            method = scope["method"]
+            path = scope["path"]
+            if method == "POST":
+                parts = path.split("/")
+                if len(parts) in (4, 5) and parts[0] == "" and parts[2] and parts[3]:
+                    door = parts[1]
+                    if door == "a2a" and (len(parts) == 4 or parts[4] == ""):
+                        await a2a(scope, receive, send, parts[2], parts[3])
+                        return
+                    if door == "agui" and len(parts) == 4:
+                        await agui(scope, receive, send, parts[2], parts[3])
+                        return
+            elif method == "GET" and path == "/healthz":
+                await answer_json(scope, send, Json(_HEALTHZ))
+                return
+        await app(scope, receive, send)
+
+    #: What is behind this layer (quart, with its own routes for the same
+    #: doors): tests compare both ways of serving a request.
+    asgi_app.behind = app  # type: ignore[attr-defined]
+    return asgi_app

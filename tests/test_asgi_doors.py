@@ -1,0 +1,181 @@
+"""The doors' run POSTs and /healthz served on plain ASGI (`web/asgi_doors.py`)
+answer exactly as quart's routes for the same doors do.
+
+Each request is sent twice over ASGI (no socket) to one app built by
+`create_app` over a running server's broker: once to the app itself, whose
+outermost layer serves these requests without quart, and once to what is
+behind that layer (quart, with the doors' own routes, and `serve_streams`).
+Status, headers and body must match: refusals byte for byte, real runs (an
+SDK echo provider) event by event up to the ids that differ between two runs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+from support import running_server, sdk_provider
+
+from funduq_trio.web.app import create_app
+
+NET = 15  # a safety net against a hung test, never a behaviour clock
+
+Head = tuple[int, list[tuple[bytes, bytes]]]
+
+
+async def asgi_call(
+    asgi: Any, method: str, path: str, body: bytes = b"", headers: list[tuple[bytes, bytes]] = ()
+) -> tuple[Head, bytes]:
+    """One request over ASGI: its status and (lowercased, sorted) headers, and its body."""
+    scope = {
+        "type": "http",
+        "asgi": {"spec_version": "2.1", "version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-length", b"%d" % len(body)), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    messages: list[dict[str, Any]] = []
+    answered = trio.Event()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            answered.set()
+
+    with trio.fail_after(NET):
+        await asgi(scope, receive, send)
+    assert answered.is_set(), messages
+    start = messages[0]
+    head = (start["status"], sorted((k.lower(), v) for k, v in start["headers"]))
+    return head, b"".join(m.get("body", b"") for m in messages[1:])
+
+
+def sse_events(body: bytes) -> list[dict[str, Any]]:
+    return [
+        json.loads(line[len(b"data: ") :])
+        for line in body.split(b"\n")
+        if line.startswith(b"data: ")
+    ]
+
+
+JSON = [(b"content-type", b"application/json")]
+A2A = [*JSON, (b"a2a-version", b"1.0")]
+REFUSED = [
+    ("GET", "/healthz", b"", []),
+    ("GET", "/healthz", b"", [(b"origin", b"http://allowed.example")]),
+    ("POST", "/agui/p/echo", b"{}", JSON),
+    ("POST", "/agui/p/echo", b"{x", JSON),
+    ("POST", "/agui/p/echo", b'{"a": NaN}', JSON),
+    ("POST", "/agui/p/echo", b"[" * 200 + b"]" * 200, JSON),
+    (
+        "POST",
+        "/agui/p/echo",
+        b'{"threadId":"t","runId":"r","messages":[],"tools":[],"context":[],"state":null}',
+        [*JSON, (b"origin", b"http://allowed.example")],
+    ),
+    ("POST", "/agui/p/echo", b"x" * 5000, JSON),  # over the limit
+    ("POST", "/a2a/p/echo", b"{}", JSON),
+    ("POST", "/a2a/p/echo/", b"{}", [(b"content-type", b"text/plain")]),
+    ("POST", "/a2a/p/echo", b'{"jsonrpc":"2.0","id":1,"method":"SendMessage","params":{}}', JSON),
+    ("POST", "/a2a/p/echo", b"x" * 5000, JSON),  # over the limit: JSON-RPC's answer
+    ("POST", "/a2a/p/echo/extra", b"{}", JSON),  # not a door: quart's 404 either way
+]
+
+
+async def test_refusals_are_answered_alike_with_and_without_quart(tmp_path):
+    async with running_server(
+        tmp_path, max_body_bytes=4096, cors_origins=frozenset({"http://allowed.example"})
+    ) as info:
+        app = create_app(info.funduq)
+        plain, quart = app.asgi_app, app.asgi_app.behind
+        for method, path, body, headers in REFUSED:
+            ours = await asgi_call(plain, method, path, body, headers)
+            theirs = await asgi_call(quart, method, path, body, headers)
+            assert ours == theirs, (method, path, body[:40])
+            assert ours[0][0] in (200, 400, 404, 413), ours
+
+
+def agui_body(text: str) -> bytes:
+    return json.dumps(
+        {
+            "threadId": "caller-thread",
+            "runId": "caller-run",
+            "state": None,
+            "messages": [{"id": "m-1", "role": "user", "content": text}],
+            "tools": [],
+            "context": [],
+            "forwardedProps": None,
+        }
+    ).encode()
+
+
+def a2a_body(text: str, method: str) -> bytes:
+    message = {"messageId": "m-1", "role": "ROLE_USER", "parts": [{"text": text}]}
+    return json.dumps(
+        {"jsonrpc": "2.0", "id": 7, "method": method, "params": {"message": message}}
+    ).encode()
+
+
+IDS = {"runId", "threadId", "id", "contextId", "taskId", "messageId", "artifactId", "timestamp"}
+
+
+def without_ids(value: Any) -> Any:
+    """`value` with the ids two runs do not share (run, thread, task, context,
+    message ids; timestamps) blanked."""
+    if isinstance(value, dict):
+        return {k: "*" if k in IDS else without_ids(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
+
+
+async def test_runs_are_answered_alike_with_and_without_quart(tmp_path):
+    async with running_server(tmp_path) as info, sdk_provider(info) as provider:
+        key = provider.identity.fingerprint
+        app = create_app(info.funduq)
+        plain, quart = app.asgi_app, app.asgi_app.behind
+
+        # AG-UI: the run's stream.
+        streams = []
+        for asgi in (plain, quart):
+            head, body = await asgi_call(asgi, "POST", f"/agui/{key}/echo", agui_body("hi"), JSON)
+            streams.append((head, [without_ids(e) for e in sse_events(body)]))
+        assert streams[0] == streams[1]
+        (status, headers), events = streams[0]
+        assert status == 200 and (b"content-type", b"text/event-stream") in headers
+        assert events[0]["type"] == "RUN_STARTED" and events[-1]["type"] == "RUN_FINISHED"
+
+        # A2A: a blocking SendMessage (JSON) and a SendStreamingMessage (SSE).
+        for method in ("SendMessage", "SendStreamingMessage"):
+            answers = []
+            for asgi in (plain, quart):
+                (status, headers), body = await asgi_call(
+                    asgi, "POST", f"/a2a/{key}/echo", a2a_body("hello", method), A2A
+                )
+                if method == "SendStreamingMessage":
+                    payloads = sse_events(body)
+                else:
+                    payloads = [json.loads(body)]
+                # Lengths differ with the ids' and timestamps' lengths.
+                headers = [(k, v) for k, v in headers if k != b"content-length"]
+                answers.append(((status, headers), [without_ids(p) for p in payloads]))
+            assert answers[0] == answers[1], method
+            assert answers[0][0][0] == 200
+            assert "result" in answers[0][1][-1], answers[0][1][-1]
