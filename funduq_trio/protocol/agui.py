@@ -5,6 +5,8 @@ without saying so itself. I/O-free; event names come from ag-ui's EventType."""
 from __future__ import annotations
 
 import functools
+import types
+import typing
 from typing import Any
 
 from ag_ui.core import Event, EventType, RunAgentInput
@@ -47,6 +49,14 @@ def read_event(raw: Any) -> dict[str, Any]:
     # relayed. Deep nesting is stored as sent (the A2A views degrade past
     # theirs), up to EVENT_MAX_NESTING: far below where the recursive JSON
     # encoders (record, streams) could fail at whatever stack depth they run.
+    if _plain(raw):
+        return dict(raw)  # what validation would give back: no nulls to leave out
+    return _read_validated(raw)
+
+
+def _read_validated(raw: dict[str, Any]) -> dict[str, Any]:
+    """`read_event`'s long road, which decides every event `_plain` does not
+    take: carriable, then ag-ui's models."""
     problem = carriable.problem(raw, max_nesting=EVENT_MAX_NESTING)
     if problem is not None:
         raise MalformedEvent(f"event holds {problem}")
@@ -60,6 +70,88 @@ def read_event(raw: Any) -> dict[str, Any]:
     # own serializer leaves those out; a meaningful null stays).
     omittable = _omittable(type(model))
     return {k: v for k, v in raw.items() if v is not None or k not in omittable}
+
+
+def _string_fields(model: type[BaseModel]) -> tuple[frozenset[str], dict[str, Any]] | None:
+    """For an event model whose every field but ``type`` may hold a plain
+    string: its required fields' wire names, and each string field's wire
+    name with the strings it takes (None: any). None when a required field
+    takes more than a plain string (then every event of the type is validated)."""
+    decorators = model.__pydantic_decorators__
+    if decorators.validators or decorators.field_validators or decorators.model_validators:
+        return None
+    if model.model_post_init is not BaseModel.model_post_init:
+        return None
+    if model.model_config.get("strict") or any(k.startswith("str_") for k in model.model_config):
+        return None
+    required: set[str] = set()
+    fields: dict[str, Any] = {}
+    for name, f in model.model_fields.items():
+        if name == "type":
+            continue
+        if f.metadata:  # constrained (timestamp's bounds): such events take the long road
+            if f.is_required():
+                return None
+            continue
+        annotation = f.annotation
+        if not f.is_required() and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        if annotation is str:
+            allowed = None
+        elif typing.get_origin(annotation) is typing.Literal and all(
+            type(v) is str for v in typing.get_args(annotation)
+        ):
+            allowed = frozenset(typing.get_args(annotation))
+        elif f.is_required():
+            return None
+        else:
+            continue
+        if f.validation_alias is not None and not isinstance(f.validation_alias, str):
+            return None  # AliasChoices, AliasPath: read the long way
+        wire = f.validation_alias or f.alias or name
+        fields[wire] = allowed
+        if f.is_required():
+            required.add(wire)
+    return frozenset(required), fields
+
+
+def _string_events() -> dict[str, tuple[frozenset[str], dict[str, Any]]]:
+    out = {}
+    for model in typing.get_args(typing.get_args(Event)[0]):
+        shape = _string_fields(model)
+        if shape is not None:
+            out[model.model_fields["type"].default.value] = shape
+    return out
+
+
+#: The event types whose commonest form is a flat object of plain strings
+#: (RUN_STARTED, TEXT_MESSAGE_CONTENT, ...), read off ag-ui's own models.
+_STRING_EVENTS = _string_events()
+
+
+def _plain(raw: dict[str, Any]) -> bool:
+    """True for an event ag-ui's models would take as it is, with no
+    validation run: a known type, its required fields there, no field but
+    its string fields, each an ASCII `str` the field takes (so it is also
+    carriable: flat, every string UTF-8). Anything else -- an extra or
+    non-string field, a null, a non-ASCII string, a wrong value -- is read
+    the long way (carriable, then validated), which decides it alone. Every
+    provider event is read here; this is ~0.5 µs where validation is ~3."""
+    shape = _STRING_EVENTS.get(raw["type"])
+    if shape is None:
+        return False
+    required, fields = shape
+    seen = 0
+    for key, value in raw.items():
+        if key == "type":
+            continue
+        if type(value) is not str or not value.isascii():
+            return False
+        allowed = fields.get(key, False)
+        if allowed is False or (allowed is not None and value not in allowed):
+            return False
+        seen += key in required
+    return seen == len(required)
 
 
 @functools.cache
