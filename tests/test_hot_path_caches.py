@@ -36,7 +36,18 @@ def test_fingerprint_cached_and_still_checked() -> None:
 
 
 def test_dumps_reads_as_json_dumps() -> None:
-    for value in ({"a": [1, 2.5, None, True, "\ud800", "é"]}, "x", [], {"k": {"n": [{}]}}):
+    for value in (
+        {"a": [1, 2.5, None, True, "\ud800", "é"]},
+        "x",
+        "\ud800é",
+        [],
+        {"k": {"n": [{}]}},
+        {1: 2, "b": [1e300, -0.0, 10**30]},
+        None,
+        False,
+        3.25,
+        (1, "t"),
+    ):
         assert dumps(value) == json.dumps(value, separators=(",", ":"))
 
 
