@@ -69,7 +69,8 @@ def _events(draw: Any) -> dict[str, Any]:
     them ASCII strings the field takes, now and then a field left out, an
     odd value or a key it does not have; sometimes a type it does not cover."""
     kind = draw(st.sampled_from(sorted(agui._STRING_EVENTS) + ["RUN_ERRORS", "CUSTOM"]))
-    required, fields = agui._STRING_EVENTS.get(kind, (frozenset(), {}))
+    shape = agui._STRING_EVENTS.get(kind)
+    required, fields = (shape.required, shape.fields) if shape else (frozenset(), {})
     keys = [k for k in sorted(required) if draw(st.integers(0, 9))]  # each kept 9 times in 10
     keys += draw(st.lists(st.sampled_from(sorted(fields) or ["extra"]), max_size=2))
     keys += draw(st.lists(st.sampled_from(_OTHER_KEYS), max_size=1))
@@ -119,3 +120,64 @@ def test_the_commonest_events_take_the_short_road() -> None:
         assert not agui._plain(event)
         with pytest.raises(agui.MalformedEvent):
             agui.read_event(event)
+
+
+@st.composite
+def _run_inputs(draw: Any) -> Any:
+    """Mostly near-plain RunAgentInputs: ids, a few messages of plain strings
+    for their roles, now and then an odd value, a missing or extra key, tools."""
+    odd = st.one_of(_ODD_VALUES, st.just([]), st.just({"id": "m", "role": "user"}))
+
+    def value(usual: Any) -> Any:
+        return draw(odd) if draw(st.integers(0, 11)) == 0 else draw(usual)
+
+    messages = []
+    for _ in range(draw(st.integers(0, 3))):
+        role = draw(st.sampled_from([*sorted(agui._MESSAGE_SHAPES), "activity", "robot"]))
+        shape = agui._MESSAGE_SHAPES.get(role)
+        message: dict[str, Any] = {}
+        keys = ["id", "role", *(sorted(shape.required) if shape else ["content"])]
+        keys += draw(st.lists(st.sampled_from(["name", "toolCallId", "error", "x"]), max_size=1))
+        for key in dict.fromkeys(keys):
+            if key == "role":
+                message[key] = value(st.just(role))
+            elif draw(st.integers(0, 9)):
+                message[key] = value(st.sampled_from(["u-1", "hello there", ""]))
+        messages.append(message if draw(st.integers(0, 15)) else value(st.just(message)))
+    raw: dict[str, Any] = {}
+    for key in draw(st.permutations(["threadId", "runId", "messages", "parentRunId", "tools"])):
+        if key == "messages":
+            raw[key] = value(st.just(messages))
+        elif key in ("parentRunId", "tools"):
+            if draw(st.integers(0, 3)) == 0:
+                raw[key] = value(st.sampled_from(["p-1", []]))
+        elif draw(st.integers(0, 9)):
+            raw[key] = value(st.sampled_from(["t-1", "r-1"]))
+    return raw
+
+
+def _read_input(read: Any, raw: Any) -> Any:
+    try:
+        return json.dumps(read(raw))  # in order: the record keeps the text
+    except agui.InvalidInput as exc:
+        return str(exc)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(raw=_run_inputs())
+def test_plain_run_inputs_read_as_validated(raw: Any) -> None:
+    """A RunAgentInput of plain strings is dumped without running ag-ui's
+    model (`agui._plain_input`); whatever the input, the answer is the long
+    road's, keys in the same order, or the same refusal."""
+    assert _read_input(agui.read_run_input, raw) == _read_input(agui._read_run_input_validated, raw)
+
+
+def test_the_commonest_input_takes_the_short_road() -> None:
+    raw = {
+        "threadId": "t",
+        "runId": "r",
+        "messages": [{"id": "u", "role": "user", "content": "hi"}],
+    }
+    assert agui._plain_input(raw) == raw == agui._read_run_input_validated(raw)
+    raw["messages"].append({"id": "a", "role": "assistant", "content": "é"})
+    assert agui._plain_input(raw) is None
