@@ -61,15 +61,35 @@ RunRow = tuple[Any, ...]
 SummaryRow = tuple[Any, ...]
 
 
-# One encoder for every write: json.dumps with any keyword argument builds a
-# new JSONEncoder per call, and the record encodes ~20 values per run.
+# One encoder for every write, the C one json.dumps builds afresh per call
+# (with its closures) -- the record encodes ~20 values per run. Without
+# json's check for a cycle: what is written is parsed JSON or built by funduq
+# (a cycle would be a bug; it fails as RecursionError, as json.dumps with
+# check_circular=False does).
+_ENCODE: Callable[[Any, int], Any] | None = (
+    json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+        None,
+        json.JSONEncoder().default,
+        json.encoder.encode_basestring_ascii,
+        None,
+        ":",
+        ",",
+        False,
+        False,
+        True,
+    )
+    if json.encoder.c_make_encoder is not None  # type: ignore[attr-defined]
+    else None
+)
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 def dumps(value: Any) -> str:
     # ASCII-escaped: valid JSON may carry lone surrogates ("\ud800"), which
     # SQLite's UTF-8 text cannot hold unescaped.
-    return _ENCODER.encode(value)
+    if _ENCODE is None:
+        return _ENCODER.encode(value)  # a Python without json's C speedups
+    return "".join(_ENCODE(value, 0))
 
 
 def iso(ts: float | None) -> str | None:
