@@ -390,12 +390,8 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=300, help="per load, seconds")
     args = parser.parse_args()
     args.door, args.client = "mix", "lean"  # what e2e.Load reads
-    try:
-        import psycopg
-
-        psycopg.connect(cluster_relay.POSTGRES_URL, connect_timeout=3).close()
-    except Exception as exc:  # noqa: BLE001 -- the reason is the message
-        print(f"no PostgreSQL at {cluster_relay.POSTGRES_URL}: {exc}", file=sys.stderr)
+    if (why := cluster_relay.postgres_missing()) is not None:
+        print(why, file=sys.stderr)
         return 2
     return trio.run(main_async, args)
 

@@ -30,7 +30,7 @@ import harness as h
 import httpx
 import trio
 from ag_ui.core import RunFinishedEvent, RunStartedEvent
-from cluster_relay import POSTGRES_URL, drop_schema, new_schema
+from cluster_relay import drop_schema, new_schema, postgres_missing
 
 from funduq_trio.identity import Identity
 from funduq_trio.provider import Provider, fake_model
@@ -110,12 +110,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=300, help="calls measured, of each")
     parser.add_argument("--warmup", type=int, default=20, help="calls made first, of each")
     args = parser.parse_args()
-    try:
-        import psycopg
-
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except Exception as exc:  # noqa: BLE001 -- the reason is the message
-        print(f"no PostgreSQL at {POSTGRES_URL}: {exc}", file=sys.stderr)
+    if (why := postgres_missing()) is not None:
+        print(why, file=sys.stderr)
         return 2
     schema, url = new_schema()
     try:

@@ -66,6 +66,17 @@ def drop_schema(name: str) -> None:
         conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
 
 
+def postgres_missing() -> str | None:
+    """Why the benches' PostgreSQL cannot be used (None: it answers)."""
+    try:
+        import psycopg
+
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except Exception as exc:  # noqa: BLE001 -- the reason is the message
+        return f"no PostgreSQL at {POSTGRES_URL}: {exc}"
+    return None
+
+
 class Link:
     """A provider played by hand over the link: one agent, `echo`."""
 
@@ -275,12 +286,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="writer load: per round")
     parser.add_argument("--rounds", type=int, default=3, help="writer load: rounds of each")
     args = parser.parse_args()
-    try:
-        import psycopg
-
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except Exception as exc:  # noqa: BLE001 -- the reason is the message
-        print(f"no PostgreSQL at {POSTGRES_URL}: {exc}", file=sys.stderr)
+    if (why := postgres_missing()) is not None:
+        print(why, file=sys.stderr)
         return 2
     schema, url = new_schema()
     try:

@@ -84,6 +84,19 @@ def led_elsewhere(answer: dict[str, Any]) -> bool:
     )
 
 
+async def one_running_two_queued(a2a: A2A, http: httpx.AsyncClient) -> tuple[str, list[str]]:
+    """A thread with a held ("hold on") run and two queued behind it (the
+    provider has room for one): (its id, the three runs' ids in order)."""
+    first = await send(a2a, "hold on")
+    await wait_status(http, first["id"], {"running"})
+    thread = first["contextId"]
+    second = await send(a2a, "second", context_id=thread)
+    third = await send(a2a, "third", context_id=thread)
+    for task in (second, third):
+        await wait_status(http, task["id"], {"queued"})
+    return thread, [first["id"], second["id"], third["id"]]
+
+
 def a_settled_run_once(run: dict[str, Any], status: str, reason: str | None = None) -> None:
     assert run["status"] == status, run
     if reason is not None:
@@ -166,14 +179,7 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
         ):
             await nursery.start(peer.serve)
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
-            first = await send(a2a, "hold on")
-            await wait_status(http_a, first["id"], {"running"})
-            thread = first["contextId"]
-            second = await send(a2a, "second", context_id=thread)
-            third = await send(a2a, "third", context_id=thread)
-            for task in (second, third):
-                await wait_status(http_a, task["id"], {"queued"})
-            ids = [first["id"], second["id"], third["id"]]
+            thread, ids = await one_running_two_queued(a2a, http_a)
 
             peer.set_url(b.provider_url)  # where it reconnects once A is gone
             a.kill9()
@@ -182,7 +188,7 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
             for run_id in ids:
                 await wait_status(http_b, run_id, TERMINAL)
             runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
-            a_settled_run_once(runs[first["id"]], "failed", "orphaned_by_restart")
+            a_settled_run_once(runs[ids[0]], "failed", "orphaned_by_restart")
             for run_id in ids[1:]:
                 a_settled_run_once(runs[run_id], "completed")
                 assert event_types(runs[run_id]).count("RUN_FINISHED") == 1
@@ -431,18 +437,11 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
         ):
             await nursery.start(peer.serve)
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
-            first = await send(a2a, "hold on")
-            await wait_status(http_a, first["id"], {"running"})
-            thread = first["contextId"]
-            second = await send(a2a, "second", context_id=thread)
-            third = await send(a2a, "third", context_id=thread)
-            for task in (second, third):
-                await wait_status(http_a, task["id"], {"queued"})
-            ids = [first["id"], second["id"], third["id"]]
+            thread, ids = await one_running_two_queued(a2a, http_a)
             followed: list[dict[str, Any]] = []
 
             async def follow_on_a() -> None:
-                async with http_a.stream("GET", f"/agui/runs/{third['id']}/events") as events:
+                async with http_a.stream("GET", f"/agui/runs/{ids[2]}/events") as events:
                     async for line in events.aiter_lines():
                         if line.startswith("data: "):
                             followed.append(json.loads(line[len("data: ") :]))
@@ -467,7 +466,7 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
             for run_id in ids:
                 await wait_status(http_b, run_id, TERMINAL)
             runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
-            assert runs[first["id"]]["status"] == "failed", runs[first["id"]]
+            assert runs[ids[0]]["status"] == "failed", runs[ids[0]]
             for run_id in ids[1:]:
                 a_settled_run_once(runs[run_id], "completed")
             await eventually(lambda: _true(bool(blocked)), "the blocking send answered on A")

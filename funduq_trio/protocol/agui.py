@@ -88,6 +88,8 @@ class _Shape(typing.NamedTuple):
     defaulted: frozenset[str]
     #: Every field, in the order the model dumps them.
     order: tuple[str, ...]
+    #: What a plain form must give: the required and the defaulted fields.
+    given: frozenset[str]
 
 
 def _string_fields(model: type[BaseModel], skip: str = "type") -> _Shape | None:
@@ -138,7 +140,13 @@ def _string_fields(model: type[BaseModel], skip: str = "type") -> _Shape | None:
         fields[wire] = allowed
         if f.is_required():
             required.add(wire)
-    return _Shape(frozenset(required), fields, frozenset(defaulted), tuple(order))
+    return _Shape(
+        frozenset(required),
+        fields,
+        frozenset(defaulted),
+        tuple(order),
+        frozenset(required) | frozenset(defaulted),
+    )
 
 
 def _string_events() -> dict[str, _Shape]:
@@ -164,20 +172,24 @@ def _plain(raw: dict[str, Any]) -> bool:
     the long way (carriable, then validated), which decides it alone. Every
     provider event is read here; this is ~0.5 µs where validation is ~3."""
     shape = _STRING_EVENTS.get(raw["type"])
-    if shape is None:
-        return False
-    required, fields = shape.required, shape.fields
+    return shape is not None and _plain_strings(raw, shape, "type", shape.required)
+
+
+def _plain_strings(raw: dict[str, Any], shape: _Shape, skip: str, needed: frozenset[str]) -> bool:
+    """Every field of ``raw`` but ``skip`` is an ASCII `str` that ``shape``'s
+    field takes, and every field of ``needed`` is there."""
+    fields = shape.fields
     seen = 0
     for key, value in raw.items():
-        if key == "type":
+        if key == skip:
             continue
         if type(value) is not str or not value.isascii():
             return False
         allowed = fields.get(key, _NO_FIELD)
         if allowed is _NO_FIELD or (allowed is not None and value not in allowed):
             return False
-        seen += key in required
-    return seen == len(required)
+        seen += key in needed
+    return seen == len(needed)
 
 
 @functools.cache
@@ -285,17 +297,6 @@ def _plain_input(raw: Any) -> dict[str, Any] | None:
 def _dumped(
     raw: dict[str, Any], shape: _Shape, skip: str = "", value: Any = None
 ) -> dict[str, Any] | None:
-    required, fields = shape.required, shape.fields
-    seen = 0
-    for key, item in raw.items():
-        if key == skip:
-            continue
-        if type(item) is not str or not item.isascii():
-            return None
-        allowed = fields.get(key, _NO_FIELD)
-        if allowed is _NO_FIELD or (allowed is not None and item not in allowed):
-            return None
-        seen += key in required or key in shape.defaulted
-    if seen != len(required) + len(shape.defaulted):
+    if not _plain_strings(raw, shape, skip, shape.given):
         return None
     return {key: value if key == skip else raw[key] for key in shape.order if key in raw}
