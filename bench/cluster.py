@@ -245,12 +245,9 @@ async def one_config(
 
 
 async def relay_hop(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    schema, url = cluster_relay.new_schema()
-    try:
+    with cluster_relay.scratch_schema() as url:
         ns = argparse.Namespace(events=args.relay_events, warmup=20)
         return await cluster_relay.measure(ns, url, work)
-    finally:
-        cluster_relay.drop_schema(schema)
 
 
 async def main_async(args: argparse.Namespace) -> int:

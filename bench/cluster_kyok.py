@@ -30,7 +30,7 @@ import harness as h
 import httpx
 import trio
 from ag_ui.core import RunFinishedEvent, RunStartedEvent
-from cluster_relay import drop_schema, new_schema, postgres_missing
+from cluster_relay import postgres_missing, scratch_schema
 
 from funduq_trio.identity import Identity
 from funduq_trio.provider import Provider, fake_model
@@ -113,12 +113,8 @@ def main() -> int:
     if (why := postgres_missing()) is not None:
         print(why, file=sys.stderr)
         return 2
-    schema, url = new_schema()
-    try:
-        with h.fresh_dir("funduq-cluster-kyok-") as work:
-            times = trio.run(measure, args, url, Path(work))
-    finally:
-        drop_schema(schema)
+    with scratch_schema() as url, h.fresh_dir("funduq-cluster-kyok-") as work:
+        times = trio.run(measure, args, url, Path(work))
     print(f"cluster kyok: {args.calls} whole completions of each, alternated; {h.describe_build()}")
     print(f"{'call':<34} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     for name, label in (("leader", "to A, the run's leader"), ("relayed", "to B, relayed to A")):

@@ -36,6 +36,8 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -64,6 +66,16 @@ def drop_schema(name: str) -> None:
 
     with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
         conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+
+
+@contextmanager
+def scratch_schema() -> Iterator[str]:
+    """A schema made for one bench, dropped after it: its URL."""
+    schema, url = new_schema()
+    try:
+        yield url
+    finally:
+        drop_schema(schema)
 
 
 def postgres_missing() -> str | None:
@@ -289,16 +301,13 @@ def main() -> int:
     if (why := postgres_missing()) is not None:
         print(why, file=sys.stderr)
         return 2
-    schema, url = new_schema()
-    try:
+    with scratch_schema() as url:
         with h.fresh_dir("funduq-cluster-relay-") as work:
             result = trio.run(measure, args, url, Path(work))
         rates: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(args.rounds):
             for notify in (True, False):
                 rates[notify].append(trio.run(writer_load, url, args.lanes, args.seconds, notify))
-    finally:
-        drop_schema(schema)
     print(f"cluster relay: {args.events} events, one at a time, one run; {h.describe_build()}")
     print(f"{'caller':<32} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     rows = (
