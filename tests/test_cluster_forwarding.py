@@ -121,6 +121,47 @@ async def provider_on_a(
             nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def provider_on_a_and_c(
+    tmp_path: Path, *, room: int, reconnect_delay: float = 0.02
+) -> AsyncIterator[tuple[list[Node], Peer, Peer, Script, list[httpx.AsyncClient]]]:
+    """Nodes A, B and C, the scripted provider linked to A (`peer`) and to C
+    (`twin`, the same key), each link with room for ``room`` runs, its agent
+    online on all three; a client of each node. B serves nothing."""
+    peers: list[Peer] = []
+    script = Script(peers)
+    async with cluster(tmp_path) as nodes:
+        a, b, c = [await nodes.start(name) for name in "abc"]
+        peer = Peer(
+            a.provider_url,
+            [AGENT],
+            on_offer=script.on_offer,
+            max_concurrent_runs=room,
+            reconnect_delay=reconnect_delay,
+        )
+        twin = Peer(
+            c.provider_url,
+            [AGENT],
+            identity=peer.identity,
+            on_offer=script.on_offer,
+            max_concurrent_runs=room,
+        )
+        peers.append(peer)
+        async with (
+            trio.open_nursery() as nursery,
+            a.client() as http_a,
+            b.client() as http_b,
+            c.client() as http_c,
+        ):
+            await nursery.start(peer.serve)
+            await nursery.start(twin.serve)
+            https = [http_a, http_b, http_c]
+            for http in https:
+                await eventually(lambda h=http: online(h, peer.fingerprint), "the agent online")
+            yield [a, b, c], peer, twin, script, https
+            nursery.cancel_scope.cancel()
+
+
 def streamed_text(events: list[pb.StreamResponse]) -> str:
     return "".join(
         part.text
@@ -235,77 +276,52 @@ async def test_callers_spread_over_three_nodes_keep_each_threads_order(tmp_path,
     serves nothing; C serves the agent but must not order A's threads). Each
     thread's runs are offered, recorded and answered in the order they were
     sent, and each run ends once."""
-    peers: list[Peer] = []
-    script = Script(peers)
-    async with cluster(tmp_path) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        c = await nodes.start("c")
-        peer = Peer(a.provider_url, [AGENT], on_offer=script.on_offer, max_concurrent_runs=16)
-        twin = Peer(
-            c.provider_url,
-            [AGENT],
-            identity=peer.identity,
-            on_offer=script.on_offer,
-            max_concurrent_runs=16,
-        )
-        peers.append(peer)
-        async with (
-            trio.open_nursery() as nursery,
-            a.client() as http_a,
-            b.client() as http_b,
-            c.client() as http_c,
-        ):
-            await nursery.start(peer.serve)
-            await nursery.start(twin.serve)
-            https = [http_a, http_b, http_c]
-            for http in https:
-                await eventually(lambda h=http: online(h, peer.fingerprint), "the agent online")
-            callers = [A2A(h, f"/a2a/{peer.fingerprint}/{AGENT}") for h in https]
+    async with provider_on_a_and_c(tmp_path, room=16) as (_, peer, _, script, https):
+        http_b = https[1]
+        callers = [A2A(h, f"/a2a/{peer.fingerprint}/{AGENT}") for h in https]
 
-            threads: dict[str, list[str]] = {}
-            sent: dict[str, list[str]] = {}
-            for t in range(4):
-                # Each thread starts on another node; its first run is held.
-                first = await callers[t % 3].send(f"slow {t}-0", message_id=f"m-{t}-0")
-                task = first["result"]["task"]
-                threads[task["contextId"]] = [task["id"]]
-                sent[task["contextId"]] = [f"slow {t}-0"]
+        threads: dict[str, list[str]] = {}
+        sent: dict[str, list[str]] = {}
+        for t in range(4):
+            # Each thread starts on another node; its first run is held.
+            first = await callers[t % 3].send(f"slow {t}-0", message_id=f"m-{t}-0")
+            task = first["result"]["task"]
+            threads[task["contextId"]] = [task["id"]]
+            sent[task["contextId"]] = [f"slow {t}-0"]
 
-            async def more(thread: str, t: int) -> None:
-                for k in range(1, 4):
-                    text = f"slow {t}-{k}"
-                    caller = callers[(t + k) % 3]
-                    answer = await caller.send(text, message_id=f"m-{t}-{k}", context_id=thread)
-                    assert "result" in answer, answer
-                    threads[thread].append(answer["result"]["task"]["id"])
-                    sent[thread].append(text)
+        async def more(thread: str, t: int) -> None:
+            for k in range(1, 4):
+                text = f"slow {t}-{k}"
+                caller = callers[(t + k) % 3]
+                answer = await caller.send(text, message_id=f"m-{t}-{k}", context_id=thread)
+                assert "result" in answer, answer
+                threads[thread].append(answer["result"]["task"]["id"])
+                sent[thread].append(text)
 
-            async with trio.open_nursery() as senders:
-                for t, thread in enumerate(list(threads)):
-                    senders.start_soon(more, thread, t)
-            script.release.set()
+        async with trio.open_nursery() as senders:
+            for t, thread in enumerate(list(threads)):
+                senders.start_soon(more, thread, t)
+        script.release.set()
 
-            for thread, run_ids in threads.items():
-                for run_id in run_ids:
-                    await wait_status(http_b, run_id, TERMINAL)
-                record = (await http_b.get(f"/threads/{thread}")).json()
-                assert [r["runId"] for r in record["runs"]] == run_ids
-                assert [r["status"] for r in record["runs"]] == ["completed"] * len(run_ids)
-                assert script.offered[thread] == sent[thread]
-                replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
-                # (A thread's runs are offered in order, and may then run side by
-                # side: their replies are recorded as they finish.)
-                assert sorted(replies) == sorted(f"re:{text}" for text in sent[thread])
-                users = [m["content"] for m in record["messages"] if m["role"] == "user"]
-                assert users == sent[thread]
-                for run_id in run_ids:
-                    run = await get_run(http_b, run_id)
-                    assert run is not None
-                    assert event_types(run).count("RUN_FINISHED") == 1, run
-                    assert "RUN_ERROR" not in event_types(run)
-            assert await metric(http_b, "funduq_calls_forwarded_total") > 0
-            nursery.cancel_scope.cancel()
+        for thread, run_ids in threads.items():
+            for run_id in run_ids:
+                await wait_status(http_b, run_id, TERMINAL)
+            record = (await http_b.get(f"/threads/{thread}")).json()
+            assert [r["runId"] for r in record["runs"]] == run_ids
+            assert [r["status"] for r in record["runs"]] == ["completed"] * len(run_ids)
+            assert script.offered[thread] == sent[thread]
+            replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+            # (A thread's runs are offered in order, and may then run side by
+            # side: their replies are recorded as they finish.)
+            assert sorted(replies) == sorted(f"re:{text}" for text in sent[thread])
+            users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+            assert users == sent[thread]
+            for run_id in run_ids:
+                run = await get_run(http_b, run_id)
+                assert run is not None
+                assert event_types(run).count("RUN_FINISHED") == 1, run
+                assert "RUN_ERROR" not in event_types(run)
+        assert await metric(http_b, "funduq_calls_forwarded_total") > 0
 
 
 def _database_secret() -> str:

@@ -11,20 +11,17 @@ observable conditions, never a sleep and an assertion.
 from __future__ import annotations
 
 import pytest
-import stores
 import trio
-from cluster_support import cluster, online
 from reliability_support import (
     A2A,
     TERMINAL,
-    Peer,
     event_types,
     eventually,
     get_run,
     wait_status,
 )
 from test_cluster import a_settled_run_once
-from test_cluster_forwarding import AGENT, Script
+from test_cluster_forwarding import AGENT, provider_on_a_and_c
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
@@ -60,108 +57,82 @@ async def test_a_node_killed_under_load_loses_nothing_and_keeps_every_threads_or
     had offered failed orphaned_by_restart and nothing else failed; each
     thread's runs are recorded, and were offered, once each in the order
     they were sent."""
-    assert stores.database_url is not None
-    peers: list[Peer] = []
-    script = Script(peers)
-    async with cluster(tmp_path) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        c = await nodes.start("c")
-        peer = Peer(
-            a.provider_url,
-            [AGENT],
-            on_offer=script.on_offer,
-            max_concurrent_runs=ROOM,
-            reconnect_delay=0.05,
-        )
-        twin = Peer(
-            c.provider_url,
-            [AGENT],
-            identity=peer.identity,
-            on_offer=script.on_offer,
-            max_concurrent_runs=ROOM,
-        )
-        peers.append(peer)
-        async with (
-            trio.open_nursery() as nursery,
-            a.client() as http_a,
-            b.client() as http_b,
-            c.client() as http_c,
-        ):
-            await nursery.start(peer.serve)
-            await nursery.start(twin.serve)
-            for http in (http_a, http_b, http_c):
-                await eventually(lambda h=http: online(h, peer.fingerprint), "the agent online")
-            path = f"/a2a/{peer.fingerprint}/{AGENT}"
-            on_a, on_b, on_c = A2A(http_a, path), A2A(http_b, path), A2A(http_c, path)
+    async with provider_on_a_and_c(tmp_path, room=ROOM, reconnect_delay=0.05) as (
+        (a, b, _),
+        peer,
+        twin,
+        script,
+        (http_a, http_b, http_c),
+    ):
+        path = f"/a2a/{peer.fingerprint}/{AGENT}"
+        on_a, on_b, on_c = A2A(http_a, path), A2A(http_b, path), A2A(http_c, path)
 
-            # Each thread starts where a link is (A for the first half, C for
-            # the rest), so that node leads it; two more held runs each come
-            # through all three nodes and queue behind the link's room.
-            runs: dict[str, list[str]] = {}
-            sent: dict[str, list[str]] = {}
-            for t in range(THREADS):
-                caller = on_a if t < THREADS // 2 else on_c
-                text = f"slow {t}-0"
-                answer = await caller.send(text, message_id=f"m-{text}")
-                task = answer["result"]["task"]
-                runs[task["contextId"]], sent[task["contextId"]] = [task["id"]], [text]
-            for k in (1, 2):
-                for t, thread in enumerate(list(runs)):
-                    text = f"slow {t}-{k}"
-                    caller = (on_a, on_b, on_c)[(t + k) % 3]
-                    runs[thread].append(await send_until_taken(caller, text, thread))
-                    sent[thread].append(text)
+        # Each thread starts where a link is (A for the first half, C for
+        # the rest), so that node leads it; two more held runs each come
+        # through all three nodes and queue behind the link's room.
+        runs: dict[str, list[str]] = {}
+        sent: dict[str, list[str]] = {}
+        for t in range(THREADS):
+            caller = on_a if t < THREADS // 2 else on_c
+            text = f"slow {t}-0"
+            answer = await caller.send(text, message_id=f"m-{text}")
+            task = answer["result"]["task"]
+            runs[task["contextId"]], sent[task["contextId"]] = [task["id"]], [text]
+        for k in (1, 2):
+            for t, thread in enumerate(list(runs)):
+                text = f"slow {t}-{k}"
+                caller = (on_a, on_b, on_c)[(t + k) % 3]
+                runs[thread].append(await send_until_taken(caller, text, thread))
+                sent[thread].append(text)
 
-            def offered_through_a() -> list[str]:
-                return [o.run_id for o in peer.offer_log if o.link.number == 1]
+        def offered_through_a() -> list[str]:
+            return [o.run_id for o in peer.offer_log if o.link.number == 1]
 
-            async def both_links_full() -> bool:
-                return len(offered_through_a()) == ROOM and len(twin.offer_log) == ROOM
+        async def both_links_full() -> bool:
+            return len(offered_through_a()) == ROOM and len(twin.offer_log) == ROOM
 
-            await eventually(both_links_full, "each link holding its room")
-            held_by_a = offered_through_a()
-            led_by_a = list(runs)[: THREADS // 2]
-            queued_on_a = [r for thread in led_by_a for r in runs[thread] if r not in held_by_a]
-            assert len(queued_on_a) == 3 * len(led_by_a) - ROOM
-            for run_id in queued_on_a:
-                assert (await get_run(http_b, run_id) or {}).get("status") == "queued", run_id
+        await eventually(both_links_full, "each link holding its room")
+        held_by_a = offered_through_a()
+        led_by_a = list(runs)[: THREADS // 2]
+        queued_on_a = [r for thread in led_by_a for r in runs[thread] if r not in held_by_a]
+        assert len(queued_on_a) == 3 * len(led_by_a) - ROOM
+        for run_id in queued_on_a:
+            assert (await get_run(http_b, run_id) or {}).get("status") == "queued", run_id
 
-            # kill -9 A while C's runs are let go and callers keep sending.
-            peer.set_url(b.provider_url)  # where the provider reconnects
-            a.kill9()
-            await a.exited.wait()
-            script.release.set()
+        # kill -9 A while C's runs are let go and callers keep sending.
+        peer.set_url(b.provider_url)  # where the provider reconnects
+        a.kill9()
+        await a.exited.wait()
+        script.release.set()
 
-            async def keep_sending(t: int, thread: str) -> None:
-                for k in (3, 4):
-                    text = f"quick {t}-{k}"
-                    caller = (on_b, on_c)[(t + k) % 2]
-                    runs[thread].append(await send_until_taken(caller, text, thread))
-                    sent[thread].append(text)
+        async def keep_sending(t: int, thread: str) -> None:
+            for k in (3, 4):
+                text = f"quick {t}-{k}"
+                caller = (on_b, on_c)[(t + k) % 2]
+                runs[thread].append(await send_until_taken(caller, text, thread))
+                sent[thread].append(text)
 
-            async with trio.open_nursery() as senders:
-                for t, thread in enumerate(list(runs)):
-                    senders.start_soon(keep_sending, t, thread)
+        async with trio.open_nursery() as senders:
+            for t, thread in enumerate(list(runs)):
+                senders.start_soon(keep_sending, t, thread)
 
-            every_run = [r for ids in runs.values() for r in ids]
-            for run_id in every_run:
-                await wait_status(http_b, run_id, TERMINAL)
+        every_run = [r for ids in runs.values() for r in ids]
+        for run_id in every_run:
+            await wait_status(http_b, run_id, TERMINAL)
 
-            for thread, ids in runs.items():
-                record = (await http_c.get(f"/threads/{thread}")).json()
-                assert [r["runId"] for r in record["runs"]] == ids, thread
-                assert script.offered[thread] == sent[thread], thread  # once each, in order
-                users = [m["content"] for m in record["messages"] if m["role"] == "user"]
-                assert users == sent[thread], thread
-            for run_id in every_run:
-                run = await get_run(http_c, run_id)
-                assert run is not None
-                if run_id in held_by_a:
-                    a_settled_run_once(run, "failed", "orphaned_by_restart")
-                    assert "RUN_FINISHED" not in event_types(run)
-                else:
-                    a_settled_run_once(run, "completed")
-                    assert event_types(run).count("RUN_FINISHED") == 1, run
-                    assert "RUN_ERROR" not in event_types(run), run
-            nursery.cancel_scope.cancel()
+        for thread, ids in runs.items():
+            record = (await http_c.get(f"/threads/{thread}")).json()
+            assert [r["runId"] for r in record["runs"]] == ids, thread
+            assert script.offered[thread] == sent[thread], thread  # once each, in order
+            users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+            assert users == sent[thread], thread
+        for run_id in every_run:
+            run = await get_run(http_c, run_id)
+            assert run is not None
+            if run_id in held_by_a:
+                a_settled_run_once(run, "failed", "orphaned_by_restart")
+                assert "RUN_FINISHED" not in event_types(run)
+            else:
+                a_settled_run_once(run, "completed")
+                assert event_types(run).count("RUN_FINISHED") == 1, run
+                assert "RUN_ERROR" not in event_types(run), run
