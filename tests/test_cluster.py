@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +25,7 @@ import psycopg
 import pytest
 import stores
 import trio
-from cluster_support import cluster, metric, online
+from cluster_support import Node, cluster, metric, online
 from reliability_support import (
     A2A,
     RUN_ERROR,
@@ -97,6 +100,38 @@ async def one_running_two_queued(a2a: A2A, http: httpx.AsyncClient) -> tuple[str
     return thread, [first["id"], second["id"], third["id"]]
 
 
+@asynccontextmanager
+async def a_thread_held_on_a(
+    tmp_path: Path, **settings: Any
+) -> AsyncIterator[
+    tuple[
+        Node, Node, Peer, Script, httpx.AsyncClient, httpx.AsyncClient, trio.Nursery, str, list[str]
+    ]
+]:
+    """Nodes A and B; the provider linked to A with room for one run (it
+    reconnects quickly, wherever `set_url` points); a thread on A with a held
+    run and two queued behind it. Yields the nodes, the provider, its script,
+    a client of each node, a nursery cancelled on the way out, the thread and
+    its three runs' ids in order."""
+    script = Script()
+    async with cluster(tmp_path, **settings) as nodes:
+        a = await nodes.start("a")
+        b = await nodes.start("b")
+        peer = Peer(
+            a.provider_url,
+            [AGENT],
+            on_offer=script.on_offer,
+            max_concurrent_runs=1,
+            reconnect_delay=0.05,
+        )
+        async with trio.open_nursery() as nursery, a.client() as http_a, b.client() as http_b:
+            await nursery.start(peer.serve)
+            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+            thread, ids = await one_running_two_queued(a2a, http_a)
+            yield a, b, peer, script, http_a, http_b, nursery, thread, ids
+            nursery.cancel_scope.cancel()
+
+
 def a_settled_run_once(run: dict[str, Any], status: str, reason: str | None = None) -> None:
     assert run["status"] == status, run
     if reason is not None:
@@ -160,54 +195,33 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
     once its lease lapses the node the provider reconnected to takes the
     thread over, the running run fails orphaned_by_restart exactly once, and
     the queued ones are offered through the new node in their order."""
-    script = Script()
-    async with cluster(tmp_path) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        # Room for one: the second and third runs wait queued behind the first.
-        peer = Peer(
-            a.provider_url,
-            [AGENT],
-            on_offer=script.on_offer,
-            max_concurrent_runs=1,
-            reconnect_delay=0.05,
-        )
-        async with (
-            trio.open_nursery() as nursery,
-            a.client() as http_a,
-            b.client() as http_b,
-        ):
-            await nursery.start(peer.serve)
-            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
-            thread, ids = await one_running_two_queued(a2a, http_a)
+    async with a_thread_held_on_a(tmp_path) as (a, b, peer, script, http_a, http_b, _, thread, ids):
+        peer.set_url(b.provider_url)  # where it reconnects once A is gone
+        a.kill9()
+        await a.exited.wait()
 
-            peer.set_url(b.provider_url)  # where it reconnects once A is gone
-            a.kill9()
-            await a.exited.wait()
+        for run_id in ids:
+            await wait_status(http_b, run_id, TERMINAL)
+        runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
+        a_settled_run_once(runs[ids[0]], "failed", "orphaned_by_restart")
+        for run_id in ids[1:]:
+            a_settled_run_once(runs[run_id], "completed")
+            assert event_types(runs[run_id]).count("RUN_FINISHED") == 1
 
-            for run_id in ids:
-                await wait_status(http_b, run_id, TERMINAL)
-            runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
-            a_settled_run_once(runs[ids[0]], "failed", "orphaned_by_restart")
-            for run_id in ids[1:]:
-                a_settled_run_once(runs[run_id], "completed")
-                assert event_types(runs[run_id]).count("RUN_FINISHED") == 1
+        # Offered again through B (the provider's second link), in order,
+        # once each; the orphan never again.
+        on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
+        assert on_b == ids[1:], on_b
+        assert [o.run_id for o in peer.offer_log if o.link.number == 1] == ids[:1]
+        assert b.logged("took over 1 threads"), b.lines
 
-            # Offered again through B (the provider's second link), in order,
-            # once each; the orphan never again.
-            on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
-            assert on_b == ids[1:], on_b
-            assert [o.run_id for o in peer.offer_log if o.link.number == 1] == ids[:1]
-            assert b.logged("took over 1 threads"), b.lines
-
-            # The thread is B's to go on with (it released it once idle).
-            a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
-            fourth = await send(a2a_b, "fourth", context_id=thread)
-            done = await wait_status(http_b, fourth["id"], TERMINAL)
-            assert done["status"] == "completed", done
-            thread_json = (await http_b.get(f"/threads/{thread}")).json()
-            assert [r["runId"] for r in thread_json["runs"]] == [*ids, fourth["id"]]
-            nursery.cancel_scope.cancel()
+        # The thread is B's to go on with (it released it once idle).
+        a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
+        fourth = await send(a2a_b, "fourth", context_id=thread)
+        done = await wait_status(http_b, fourth["id"], TERMINAL)
+        assert done["status"] == "completed", done
+        thread_json = (await http_b.get(f"/threads/{thread}")).json()
+        assert [r["runId"] for r in thread_json["runs"]] == [*ids, fourth["id"]]
 
 
 async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more(tmp_path, store):
@@ -418,69 +432,58 @@ async def test_a_thread_whose_provider_moved_to_another_node_is_handed_over_ther
     its queued runs are offered through B in their order, at once (not after
     the unserved window, which is long here), and callers waiting on A -- one
     following a queued run, one blocked in A2A's SendMessage -- see theirs end."""
-    assert stores.database_url is not None
-    script = Script()
-    async with cluster(tmp_path, unserved_grace_seconds=3600) as nodes:
-        a = await nodes.start("a")
-        b = await nodes.start("b")
-        peer = Peer(
-            a.provider_url,
-            [AGENT],
-            on_offer=script.on_offer,
-            max_concurrent_runs=1,
-            reconnect_delay=0.05,
+    async with a_thread_held_on_a(tmp_path, unserved_grace_seconds=3600) as (
+        a,
+        b,
+        peer,
+        script,
+        http_a,
+        http_b,
+        nursery,
+        thread,
+        ids,
+    ):
+        a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
+        followed: list[dict[str, Any]] = []
+
+        async def follow_on_a() -> None:
+            async with http_a.stream("GET", f"/agui/runs/{ids[2]}/events") as events:
+                async for line in events.aiter_lines():
+                    if line.startswith("data: "):
+                        followed.append(json.loads(line[len("data: ") :]))
+
+        nursery.start_soon(follow_on_a)
+        blocked: list[dict[str, Any]] = []
+
+        async def blocking_send_on_a() -> None:
+            answer = await a2a.send(
+                "fourth", message_id="msg-fourth", context_id=thread, immediately=False
+            )
+            blocked.append(answer)
+
+        nursery.start_soon(blocking_send_on_a)
+        await eventually(lambda: _runs_on(http_a, thread, 4), "the blocking send's run queued on A")
+        peer.set_url(b.provider_url)  # where it reconnects
+        assert peer.link is not None
+        await peer.link.drop()
+
+        for run_id in ids:
+            await wait_status(http_b, run_id, TERMINAL)
+        runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
+        assert runs[ids[0]]["status"] == "failed", runs[ids[0]]
+        for run_id in ids[1:]:
+            a_settled_run_once(runs[run_id], "completed")
+        await eventually(lambda: _true(bool(blocked)), "the blocking send answered on A")
+        fourth = blocked[0]["result"]["task"]
+        assert fourth["status"]["state"] == "TASK_STATE_COMPLETED", fourth
+        on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
+        assert on_b == [*ids[1:], fourth["id"]], on_b
+        assert await metric(http_a, "funduq_threads_handed_over_total") == 1
+        assert await metric(http_b, "funduq_threads_taken_over_total") == 1
+        await eventually(
+            lambda: _followed_to_the_end(followed), "the follower on A saw the run end"
         )
-        async with (
-            trio.open_nursery() as nursery,
-            a.client() as http_a,
-            b.client() as http_b,
-        ):
-            await nursery.start(peer.serve)
-            a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
-            thread, ids = await one_running_two_queued(a2a, http_a)
-            followed: list[dict[str, Any]] = []
-
-            async def follow_on_a() -> None:
-                async with http_a.stream("GET", f"/agui/runs/{ids[2]}/events") as events:
-                    async for line in events.aiter_lines():
-                        if line.startswith("data: "):
-                            followed.append(json.loads(line[len("data: ") :]))
-
-            nursery.start_soon(follow_on_a)
-            blocked: list[dict[str, Any]] = []
-
-            async def blocking_send_on_a() -> None:
-                answer = await a2a.send(
-                    "fourth", message_id="msg-fourth", context_id=thread, immediately=False
-                )
-                blocked.append(answer)
-
-            nursery.start_soon(blocking_send_on_a)
-            await eventually(
-                lambda: _runs_on(http_a, thread, 4), "the blocking send's run queued on A"
-            )
-            peer.set_url(b.provider_url)  # where it reconnects
-            assert peer.link is not None
-            await peer.link.drop()
-
-            for run_id in ids:
-                await wait_status(http_b, run_id, TERMINAL)
-            runs = {run_id: await get_run(http_b, run_id) for run_id in ids}
-            assert runs[ids[0]]["status"] == "failed", runs[ids[0]]
-            for run_id in ids[1:]:
-                a_settled_run_once(runs[run_id], "completed")
-            await eventually(lambda: _true(bool(blocked)), "the blocking send answered on A")
-            fourth = blocked[0]["result"]["task"]
-            assert fourth["status"]["state"] == "TASK_STATE_COMPLETED", fourth
-            on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
-            assert on_b == [*ids[1:], fourth["id"]], on_b
-            assert await metric(http_a, "funduq_threads_handed_over_total") == 1
-            assert await metric(http_b, "funduq_threads_taken_over_total") == 1
-            await eventually(
-                lambda: _followed_to_the_end(followed), "the follower on A saw the run end"
-            )
-            assert [e["type"] for e in followed].count("RUN_FINISHED") == 1
-            nursery.cancel_scope.cancel()
+        assert [e["type"] for e in followed].count("RUN_FINISHED") == 1
 
 
 async def _runs_on(http: httpx.AsyncClient, thread: str, count: int) -> bool:
