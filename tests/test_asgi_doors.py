@@ -15,7 +15,8 @@ import json
 from typing import Any
 
 import trio
-from support import running_server, sdk_provider
+from reliability_support import eventually
+from support import raw_provider, running_server, sdk_provider
 
 from funduq_trio.web.app import create_app
 
@@ -28,20 +29,7 @@ async def asgi_call(
     asgi: Any, method: str, path: str, body: bytes = b"", headers: list[tuple[bytes, bytes]] = ()
 ) -> tuple[Head, bytes]:
     """One request over ASGI: its status and (lowercased, sorted) headers, and its body."""
-    scope = {
-        "type": "http",
-        "asgi": {"spec_version": "2.1", "version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"test"), (b"content-length", b"%d" % len(body)), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = asgi_scope(method, path, body, headers)
     messages: list[dict[str, Any]] = []
     answered = trio.Event()
     body_sent = False
@@ -65,6 +53,25 @@ async def asgi_call(
     start = messages[0]
     head = (start["status"], sorted((k.lower(), v) for k, v in start["headers"]))
     return head, b"".join(m.get("body", b"") for m in messages[1:])
+
+
+def asgi_scope(
+    method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"spec_version": "2.1", "version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-length", b"%d" % len(body)), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
 
 
 def sse_events(body: bytes) -> list[dict[str, Any]]:
@@ -179,3 +186,50 @@ async def test_runs_are_answered_alike_with_and_without_quart(tmp_path):
             assert answers[0] == answers[1], method
             assert answers[0][0][0] == 200
             assert "result" in answers[0][1][-1], answers[0][1][-1]
+
+
+async def test_a_blocking_send_whose_caller_leaves_stops_waiting_and_the_run_goes_on(tmp_path):
+    """A blocking SendMessage for a run the provider holds; the caller
+    disconnects: the door stops waiting at once (nothing is answered to a
+    caller who is gone, and nothing of the request is held), and the run
+    itself is still running."""
+    async with running_server(tmp_path) as info, raw_provider(info, ["held"]) as provider:
+        plain = create_app(info.funduq).asgi_app
+        body = a2a_body("hold", "SendMessage")
+        scope = asgi_scope("POST", f"/a2a/{provider.identity.fingerprint}/held", body, A2A)
+        gone, returned = trio.Event(), trio.Event()
+        sent: list[dict[str, Any]] = []
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def call() -> None:
+            await plain(scope, receive, send)
+            returned.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+
+            async def running() -> bool:
+                record = await info.funduq.get_run(run["runId"])
+                return record is not None and record["status"] == "running"
+
+            await eventually(running, "the run running")
+            assert not returned.is_set()  # the caller is still there: waiting
+            gone.set()
+            with trio.fail_after(NET):
+                await returned.wait()
+        assert sent == []
+        record = await info.funduq.get_run(run["runId"])
+        assert record is not None and record["status"] == "running", record

@@ -18,10 +18,11 @@ request -- other methods and paths, preflights included -- goes to quart.
 `GET /healthz` is answered here as well, as the cheapest request the server
 serves: it is the unit in which bench/e2e.py prices a run.
 
-What quart did and this does not: cancel a handler whose caller disconnected
-before its answer. A blocking SendMessage whose caller has gone waits for its
-run to end (as the run itself goes on either way), then its answer goes
-nowhere; a stream notices the disconnect as before and ends.
+A caller that disconnects before its answer stops the door's wait, as
+quart's cancelling its handler did: a blocking SendMessage whose caller has
+gone stops waiting for its run (the run itself goes on), so a caller that
+connects, asks and leaves holds nothing here once it left; a stream notices
+the disconnect itself and ends.
 """
 
 from __future__ import annotations
@@ -91,6 +92,38 @@ async def read_body(scope: Any, receive: Receive, limit: int, timeout: float | N
     raise RequestTimeout
 
 
+async def _until_gone(
+    receive: Receive, door: Callable[[bytes], Awaitable[Answer]], body: bytes
+) -> Answer:
+    """`door`'s answer to `body`; `_Gone` if the caller disconnects first
+    (the door's wait is cancelled then). The body has all been read, so the
+    next ASGI message can only be the disconnect."""
+    gone = False
+    refusal: Exception | None = None
+    reply: Answer | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            reply = await door(body)
+        except Exception as exc:  # noqa: BLE001 -- raised below as it is, not in a group
+            refusal = exc
+        nursery.cancel_scope.cancel()
+    if gone:
+        raise _Gone
+    if refusal is not None:
+        raise refusal
+    assert reply is not None
+    return reply
+
+
 def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
     """ASGI middleware in front of `app` (the quart app's ASGI callable):
     the doors' run POSTs and `GET /healthz` are answered here (see the
@@ -155,7 +188,7 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         body over the limit with `too_large()` if given."""
         try:
             body = await read_body(scope, receive, limit, timeout)
-            reply = await door(body)
+            reply = await _until_gone(receive, door, body)
         except _Gone:
             return
         except RequestEntityTooLarge as exc:
