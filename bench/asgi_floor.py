@@ -1,12 +1,12 @@
-"""What a `GET /healthz` costs the server without funduq: hypercorn alone
-(a plain ASGI app) and hypercorn with a one-route quart-trio app, each in a
-child process with funduq's own hypercorn configuration.
+"""What a `GET /healthz` costs the server without funduq: funduq's own front
+(`funduq_trio/front`) with a plain ASGI app, hypercorn with the same app, and
+hypercorn with a one-route quart-trio app, each in a child process.
 
     python bench/asgi_floor.py                      # 5,000 requests from 100 callers each
     python bench/asgi_floor.py --client httpx
 
-The difference is what quart's request machinery costs per request, the
-figure behind "serve the doors as plain ASGI" (bench/README.md, next steps).
+The differences are what hypercorn's request handling and quart's request
+machinery cost per request over funduq's front (bench/README.md).
 The same client, concurrency and request count as e2e.py's healthz baseline,
 so its "server CPU per healthz" compares with these. Loopback only; the
 children die with the bench.
@@ -68,21 +68,40 @@ def quart_app() -> Any:
 
 def serve_main(kind: str) -> int:
     """The child: serve `kind` on 127.0.0.1, port 0, print the URL."""
-    import hypercorn.trio
-
     from funduq_trio.config import Settings
-    from funduq_trio.server import hypercorn_config
+    from funduq_trio.server import front_limits, listen_socket
 
-    config = hypercorn_config(Settings(host=h.HOST, port=0))
-    app = bare_app if kind == "bare" else quart_app()
+    settings = Settings(host=h.HOST, port=0)
+    app = quart_app() if kind == "quart" else bare_app
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(hypercorn.trio.serve, app, config)
-            print(f"asgi floor serving on {binds[0]}", flush=True)
+            if kind == "front":
+                from funduq_trio.front import serve_asgi
+
+                listening = listen_socket(settings)
+                await nursery.start(serve_asgi, app, listening, front_limits(settings))
+                url = f"http://{h.HOST}:{listening.getsockname()[1]}"
+            else:
+                import hypercorn.trio
+                from hypercorn.config import Config
+
+                config = Config()
+                config.bind = [f"{h.HOST}:0"]
+                config.accesslog = None
+                config.keep_alive_timeout = front_limits(settings).keep_alive_seconds
+                url = (await nursery.start(hypercorn.trio.serve, app, config))[0]
+            print(f"asgi floor serving on {url}", flush=True)
 
     trio.run(main)
     return 0
+
+
+KINDS = (
+    ("front", "funduq's front + plain ASGI app"),
+    ("bare", "hypercorn + plain ASGI app"),
+    ("quart", "hypercorn + quart-trio, one route"),
+)
 
 
 class Child:
@@ -118,10 +137,10 @@ def main() -> None:
         "--rounds", type=int, default=2, help="alternate the two servers this many times"
     )
     args = parser.parse_args()
-    figures: dict[str, list[dict[str, Any]]] = {"bare": [], "quart": []}
+    figures: dict[str, list[dict[str, Any]]] = {kind: [] for kind, _ in KINDS}
     with h.fresh_dir("funduq-asgi-floor-") as tmp:
         for _ in range(args.rounds):
-            for kind in ("bare", "quart"):
+            for kind, _ in KINDS:
                 child = Child(kind, Path(tmp))
                 try:
                     figures[kind].append(
@@ -139,20 +158,17 @@ def main() -> None:
                     child.stop()
     print(
         f"GET /healthz, {args.requests} requests from {args.concurrency} callers "
-        f"({args.client} client), funduq's hypercorn configuration, {args.rounds} rounds"
+        f"({args.client} client), {args.rounds} rounds"
     )
-    for kind, label in (
-        ("bare", "hypercorn + plain ASGI app"),
-        ("quart", "hypercorn + quart-trio, one route"),
-    ):
+    for kind, label in KINDS:
         cpu = ", ".join(f"{f['server_cpu_ms']:.3f}" for f in figures[kind])
         rate = ", ".join(f"{f['per_s']:.0f}" for f in figures[kind])
         print(f"  {label:36s} server CPU per request {cpu} ms; {rate} req/s")
-    for bare, quart in zip(figures["bare"], figures["quart"], strict=True):
-        share = 1 - bare["server_cpu_ms"] / quart["server_cpu_ms"]
+    for front, bare, quart in zip(figures["front"], figures["bare"], figures["quart"], strict=True):
         print(
-            f"  quart's share of a healthz: {share:.0%} "
-            f"({quart['server_cpu_ms'] - bare['server_cpu_ms']:.3f} ms a request)"
+            f"  hypercorn over the front: +{bare['server_cpu_ms'] - front['server_cpu_ms']:.3f} ms "
+            f"a request ({bare['server_cpu_ms'] / front['server_cpu_ms']:.1f}x); quart over "
+            f"hypercorn: +{quart['server_cpu_ms'] - bare['server_cpu_ms']:.3f} ms"
         )
 
 

@@ -1,10 +1,10 @@
 """How `funduq-trio serve` logs: one handler on stderr, text or JSON lines.
 
-Everything funduq says goes through loggers named ``funduq_trio.*`` (hypercorn's
-own server messages included: the server hands it ``funduq_trio.server``), so
-``--log-level`` and ``--log-format`` govern all of it. The access log is a
-separate logger, ``funduq_trio.access``, given to hypercorn only when
-``FUNDUQ_ACCESS_LOG`` is on.
+Everything funduq says goes through loggers named ``funduq_trio.*`` (the
+front's own messages are ``funduq_trio.server``'s), so ``--log-level`` and
+``--log-format`` govern all of it. The access log is a separate logger,
+``funduq_trio.access``, which the front writes only when ``FUNDUQ_ACCESS_LOG``
+is on.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Run the broker and its web app on one port: `Funduq` + hypercorn's trio worker.
+"""Run the broker and its web app on one port: `Funduq` + funduq's own front
+(`funduq_trio/front`, h11 and wsproto on trio streams).
 
 `serve(settings)` is the embeddable form (tests start it in a nursery and learn
 the bound port from `task_status`); `run_server(settings)` is the command
@@ -21,23 +22,21 @@ import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import hypercorn.trio
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from .broker.funduq import Funduq
 from .broker.schema import SchemaTooNew
 from .broker.store import RecordUnreachable, record_name
 from .config import Settings, env_name, shown_url
+from .front import FrontLimits, serve_asgi
 from .secret_file import SecretFileError
 from .web.app import create_app
 
 #: How long an idle connection is kept (between requests, or before its
 #: headers are complete); FUNDUQ_BODY_TIMEOUT_SECONDS lowers it.
 KEEP_ALIVE_SECONDS = 5.0
-#: Request line plus headers (hypercorn's h11 bound, its default made explicit).
+#: Request line plus headers (h11's bound, its default made explicit).
 MAX_HEADER_BYTES = 16 * 1024
 
 log = logging.getLogger("funduq_trio.server")
@@ -68,27 +67,21 @@ class ServerInfo:
         return f"{self.url}/agui/{provider}/{agent}"
 
 
-def hypercorn_config(settings: Settings) -> HypercornConfig:
-    config = HypercornConfig()
-    host = settings.host
-    config.bind = [f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"]
-    # The access log, when asked for, is funduq's own logger (its handlers,
-    # its format); hypercorn's server messages go under funduq's name too.
-    config.accesslog = logging.getLogger("funduq_trio.access") if settings.access_log else None
-    config.errorlog = log
-    # The provider link enforces FUNDUQ_MAX_FRAME_BYTES itself (close 1009 with
-    # its reason); hypercorn's own bound sits above it so the link's check is
-    # the one a provider meets, while a runaway message is still cut (1009).
-    config.websocket_max_message_size = 2 * settings.max_frame_bytes
-    # A connection between requests, or one whose request line and headers
-    # have not all come, is idle: hypercorn closes it after keep_alive_timeout
-    # (never longer than a body may take). Headers are bounded in size too.
-    # A request's body is bounded by FUNDUQ_BODY_TIMEOUT_SECONDS (the app's).
-    # (hypercorn's read_timeout is not used: it would cut quiet SSE streams
-    # and provider links, which are idle by design.)
-    config.keep_alive_timeout = min(KEEP_ALIVE_SECONDS, settings.body_timeout_seconds)
-    config.h11_max_incomplete_size = MAX_HEADER_BYTES
-    return config
+def front_limits(settings: Settings) -> FrontLimits:
+    return FrontLimits(
+        # A connection between requests, or one whose request line and
+        # headers have not all come, is idle: closed after this (never longer
+        # than a body may take). A request's body is bounded by
+        # FUNDUQ_BODY_TIMEOUT_SECONDS (the app's). Nothing cuts a quiet SSE
+        # stream or provider link: they are idle by design.
+        keep_alive_seconds=min(KEEP_ALIVE_SECONDS, settings.body_timeout_seconds),
+        max_header_bytes=MAX_HEADER_BYTES,
+        # The provider link enforces FUNDUQ_MAX_FRAME_BYTES itself (close 1009
+        # with its reason); the front's bound sits above it so the link's check
+        # is the one a provider meets, while a runaway message is still cut.
+        max_message_bytes=2 * settings.max_frame_bytes,
+        access_log=logging.getLogger("funduq_trio.access") if settings.access_log else None,
+    )
 
 
 def listen_socket(settings: Settings) -> socket.socket:
@@ -154,22 +147,22 @@ async def serve(
     """Open the broker, serve the app on settings.host:port (0 = any free port)
     or on `listener` (a bound socket, see `listen_socket`), then report
     `ServerInfo`. Runs until cancelled."""
-    config = hypercorn_config(settings)
-    if listener is not None:
-        config.bind = [f"fd://{listener.detach()}"]
-    async with Funduq(settings) as funduq:
-        app = create_app(funduq)
-        async with trio.open_nursery() as nursery:
-            # The app's ASGI callable itself, not the app (whose __call__ only
-            # awaits it): one frame less held by every open connection.
-            binds: list[str] = await nursery.start(
-                partial(hypercorn.trio.serve, app.asgi_app, config, mode="asgi")
-            )
-            url = binds[0]
-            port = urlsplit(url).port
-            assert port is not None
-            funduq.served_at(url)
-            task_status.started(ServerInfo(url=url, port=port, funduq=funduq))
+    listening = listener if listener is not None else listen_socket(settings)
+    host, port = listening.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    try:
+        async with Funduq(settings) as funduq:
+            app = create_app(funduq)
+            async with trio.open_nursery() as nursery:
+                # The app's ASGI callable itself, not the app (whose __call__
+                # only awaits it): one frame less held by every connection.
+                await nursery.start(
+                    partial(serve_asgi, app.asgi_app, listening, front_limits(settings))
+                )
+                funduq.served_at(url)
+                task_status.started(ServerInfo(url=url, port=port, funduq=funduq))
+    finally:
+        listening.close()
 
 
 def freeze_startup_objects() -> None:

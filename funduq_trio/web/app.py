@@ -65,14 +65,13 @@ class CloseAfterResponse:
     """ASGI middleware: a response's last write is shielded, so a response
     that closes its connection really closes it.
 
-    hypercorn closes a connection (``Connection: close``, or a request body
-    not all read, as after a 413, 408 or 405) from inside the app's last
-    `send`; while the request's body is unread, that same send also tells
-    quart-trio the request is over, which cancels the task doing the send
-    before the socket is shut down -- the refused connection then stays open,
-    waiting for a body nobody reads. Shielding that last send (for at most
-    CLOSE_WRITE_SECONDS) lets the close finish. hypercorn shields its own
-    socket writes already; this adds only the close.
+    A refusal sent while the request's body is unread (a 413, 408 or 405)
+    races quart-trio's own end of the request, which cancels the task doing
+    the send: a write cut half way would leave the caller without its
+    answer (the front then drops the connection). Shielding that last send
+    (for at most CLOSE_WRITE_SECONDS) lets it be written whole; the front
+    closes the connection after it (``Connection: close``, or the body not
+    all read). Any server that writes from inside `send` gains the same.
     """
 
     def __init__(self, app: Any) -> None:

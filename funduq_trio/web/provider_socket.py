@@ -244,8 +244,8 @@ class ProviderSocket:
     def _peer_close(self) -> str:
         """Why the link ended when funduq did not end it. A disconnect event
         (`AsgiWebsocket.disconnected`) means the provider's side closed the
-        stream; hypercorn reports a provider's own close frame as 1006 too,
-        so the code is shown only when it says more than that."""
+        stream (with its close frame's code, 1006 when it sent none); the
+        code is shown only when it says more than a goodbye."""
         if not getattr(self._ws, "disconnected", False):
             return "connection lost"
         code = self._ws.close_code
@@ -468,7 +468,7 @@ def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None
             ws = AsgiWebsocket(receive, send, handler.cancel)
             try:
                 await serve_provider_link(ws, funduq_getter(), waiting)
-            except Exception:  # noqa: BLE001 - logged by ProviderSocket.run; hypercorn closes
+            except Exception:  # noqa: BLE001 - logged by ProviderSocket.run; the server closes
                 pass
 
     app.asgi_app = asgi_app

@@ -1,0 +1,387 @@
+"""One HTTP/1.1 connection: h11 parses, the app answers on this task.
+
+`Connection.serve` reads a request, builds its ASGI scope, awaits the app with
+an `Exchange`'s `receive` and `send`, and goes on to the next request while
+h11 says the connection may be kept. A websocket upgrade is handed to
+`front/websocket.py` with what h11 read past the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from email.utils import formatdate
+from typing import Any
+from urllib.parse import unquote
+
+import h11
+import trio
+
+from .limits import FrontLimits
+
+log = logging.getLogger("funduq_trio.server")
+
+#: One socket read. Large enough that a burst of pipelined requests or
+#: websocket frames is parsed in one step.
+READ_BYTES = 65536
+#: After refusing a request whose body is not read (413, 408), funduq reads
+#: and drops what the caller still sends, for at most this long and this
+#: much, before closing: closing with unread bytes resets the connection, and
+#: a caller still writing its body (as most clients do before they read)
+#: would lose the answer it was sent. (nginx's "lingering close".)
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 64 * 1024 * 1024
+
+DISCONNECT = {"type": "http.disconnect"}
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+_BUSY_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class Connection:
+    """One accepted TCP connection and the h11 state machine reading it."""
+
+    __slots__ = (
+        "app",
+        "client",
+        "gone",
+        "h11",
+        "limits",
+        "server",
+        "stream",
+        "_write_lock",
+        "_peer",
+    )
+
+    def __init__(self, stream: trio.SocketStream, app: Any, limits: FrontLimits) -> None:
+        self.stream = stream
+        self.app = app
+        self.limits = limits
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        #: The caller is gone (EOF, reset, or a write that failed or was cut):
+        #: nothing more is written and the connection closes after this request.
+        self.gone = False
+        self._write_lock = trio.StrictFIFOLock()
+        try:
+            self.client: tuple[str, int] | None = _address(stream.socket.getpeername())
+            self.server: tuple[str, int] | None = _address(stream.socket.getsockname())
+        except OSError:
+            self.client = self.server = None
+        self._peer = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+
+    # -- socket -----------------------------------------------------------------
+
+    async def read(self) -> bytes:
+        """The next bytes from the caller, b"" at its end (or a reset)."""
+        try:
+            return await self.stream.receive_some(READ_BYTES)
+        except _BUSY_ERRORS:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        """Write `data` whole, or mark the caller gone. A write cut half way
+        (cancelled) leaves the stream unusable, so it marks it gone too."""
+        if self.gone or not data:
+            return
+        async with self._write_lock:
+            done = False
+            try:
+                await self.stream.send_all(data)
+                done = True
+            except _BUSY_ERRORS:
+                pass
+            finally:
+                if not done:
+                    self.gone = True
+
+    async def next_event(self) -> Any:
+        """h11's next event, reading the socket as h11 needs."""
+        conn = self.h11
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            conn.receive_data(await self.read())
+
+    # -- the connection's life --------------------------------------------------
+
+    async def serve(self) -> None:
+        try:
+            await self._serve_requests()
+        finally:
+            await self._close()
+
+    async def _serve_requests(self) -> None:
+        from .websocket import is_upgrade, serve_websocket
+
+        conn = self.h11
+        while True:
+            with trio.move_on_after(self.limits.keep_alive_seconds):
+                try:
+                    request = await self.next_event()
+                except h11.RemoteProtocolError as exc:
+                    await self._refuse_unreadable(exc)
+                    return
+            if not isinstance(request, h11.Request):
+                return  # closed by the caller, or idle too long
+            if _head_size(request) > self.limits.max_header_bytes:
+                # h11 bounds only a head still incomplete; one read can hold more.
+                await self.write(
+                    _plain_response(
+                        conn, 431, "request_header_fields_too_large", "headers too large"
+                    )
+                )
+                self.gone = True
+                return
+            if is_upgrade(request):
+                await serve_websocket(self, request)
+                return
+            await self._answer(request)
+            _finish_buffered_body(conn)
+            if self.gone or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                # Closing (Connection: close, HTTP/1.0), or a body left unread:
+                # the next bytes would not be a request.
+                return
+            conn.start_next_cycle()
+
+    async def _answer(self, request: h11.Request) -> None:
+        exchange = Exchange(self, request)
+        began = time.monotonic()
+        try:
+            await self.app(self.scope(request, "http"), exchange.receive, exchange.send)
+        except Exception:
+            log.exception("the app failed on %s %s", request.method.decode(), exchange.target)
+        if not exchange.started:
+            await exchange.answer_plain(500, "internal_error", "the server could not answer")
+        elif not exchange.ended:
+            self.gone = True  # a partial answer is cut, never ended as if whole
+        if self.limits.access_log is not None:
+            self._log_access(request, exchange, time.monotonic() - began)
+
+    def scope(self, request: h11.Request, kind: str) -> dict[str, Any]:
+        raw_path, _, query = request.target.partition(b"?")
+        return {
+            "type": kind,
+            "asgi": _ASGI,
+            "http_version": request.http_version.decode(),
+            "method": request.method.decode(),
+            "scheme": "ws" if kind == "websocket" else "http",
+            "path": unquote(raw_path.decode("latin-1")),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": list(request.headers),
+            "client": self.client,
+            "server": self.server,
+            "extensions": {},
+        }
+
+    async def _refuse_unreadable(self, exc: h11.RemoteProtocolError) -> None:
+        """A request h11 cannot read (malformed, or headers over the bound):
+        answer its status hint and close."""
+        status = exc.error_status_hint
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.gone = True
+            return
+        code = "request_header_fields_too_large" if status == 431 else "bad_request"
+        await self.write(_plain_response(self.h11, status, code, str(exc) or "bad request"))
+        self.gone = True
+
+    async def _close(self) -> None:
+        """Say we are done, read what the caller still sends (bounded), close.
+        Not shielded: a server being cancelled closes at once (trio's
+        `aclose` closes even when cancelled)."""
+        stream = self.stream
+        try:
+            if not self.gone:
+                await stream.send_eof()
+            with trio.move_on_after(LINGER_SECONDS):
+                drained = 0
+                while drained < LINGER_BYTES:
+                    data = await stream.receive_some(READ_BYTES)
+                    if not data:
+                        break
+                    drained += len(data)
+        except (*_BUSY_ERRORS, trio.BusyResourceError, OSError):
+            pass
+        finally:
+            await stream.aclose()
+
+    def _log_access(self, request: h11.Request, exchange: Exchange, took: float) -> None:
+        headers = dict(request.headers)
+        assert self.limits.access_log is not None
+        self.limits.access_log.info(
+            '%s - - [%s] "%s %s %s" %s %s "%s" "%s" %.1fms',
+            self._peer,
+            time.strftime("%d/%b/%Y:%H:%M:%S %z"),
+            request.method.decode(),
+            exchange.target,
+            request.http_version.decode(),
+            exchange.status,
+            exchange.sent_bytes,
+            headers.get(b"referer", b"-").decode("latin-1"),
+            headers.get(b"user-agent", b"-").decode("latin-1"),
+            took * 1000,
+        )
+
+
+class Exchange:
+    """One request and its answer: the app's ASGI `receive` and `send`."""
+
+    __slots__ = (
+        "conn",
+        "status",
+        "started",
+        "ended",
+        "sent_bytes",
+        "_body_done",
+        "_head",
+        "_head_only",
+        "target",
+    )
+
+    def __init__(self, conn: Connection, request: h11.Request) -> None:
+        self.conn = conn
+        self.target = request.target.decode("latin-1")
+        self._head_only = request.method == b"HEAD"
+        self._head: list[tuple[bytes, bytes]] | None = None
+        self.status = 0
+        self.started = self.ended = self._body_done = False
+        self.sent_bytes = 0
+
+    async def receive(self) -> dict[str, Any]:
+        conn = self.conn
+        if self._body_done or self.ended or conn.gone:
+            return await self._until_disconnect()
+        machine = conn.h11
+        if machine.they_are_waiting_for_100_continue:
+            await conn.write(machine.send(h11.InformationalResponse(status_code=100, headers=[])))
+        chunks: list[bytes] = []
+        try:
+            while True:
+                event = machine.next_event()
+                if event is h11.NEED_DATA:
+                    if chunks:  # hand over what this read held
+                        return {"type": "http.request", "body": b"".join(chunks), "more_body": True}
+                    machine.receive_data(await conn.read())
+                elif type(event) is h11.Data:
+                    chunks.append(bytes(event.data))
+                elif type(event) is h11.EndOfMessage:
+                    self._body_done = True
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                else:  # ConnectionClosed
+                    break
+        except h11.RemoteProtocolError:
+            pass  # the caller ended mid-body, or sent a malformed chunk
+        conn.gone = True
+        return DISCONNECT
+
+    async def _until_disconnect(self) -> dict[str, Any]:
+        """After the body: wait until the caller goes. Bytes it sends meanwhile
+        (a pipelined request) are kept for the next cycle, up to the header
+        bound; past it, nothing more is read until this request is over."""
+        conn = self.conn
+        if conn.gone or self.ended:
+            return DISCONNECT
+        while True:
+            if len(conn.h11.trailing_data[0]) > conn.limits.max_header_bytes:
+                await trio.sleep_forever()  # the app cancels its watcher as it answers
+            data = await conn.read()
+            if not data:
+                conn.gone = True
+                return DISCONNECT
+            conn.h11.receive_data(data)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "http.response.body":
+            if not self.started or self.ended:
+                raise RuntimeError(
+                    f"{kind} {'before the start' if not self.started else 'after the end'}"
+                )
+            conn = self.conn
+            machine = conn.h11
+            parts = []
+            if self._head is not None:
+                head, self._head = self._head, None
+                head.append((b"date", _date()))
+                parts.append(machine.send(h11.Response(status_code=self.status, headers=head)))
+            body = message.get("body", b"")
+            if body and not self._head_only:
+                parts.append(machine.send(h11.Data(data=body)))
+            if not message.get("more_body", False):
+                parts.append(machine.send(h11.EndOfMessage()))
+                self.ended = True
+            data = b"".join(parts)  # type: ignore[arg-type]
+            self.sent_bytes += len(data)
+            await conn.write(data)
+        elif kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            self.status = message["status"]
+            self._head = list(message.get("headers", ()))
+            self.started = True
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r} on an HTTP request")
+
+    async def answer_plain(self, status: int, code: str, message: str) -> None:
+        """A JSON error answer from the front itself (the app did not answer)."""
+        if self.conn.h11.our_state is not h11.SEND_RESPONSE:
+            self.conn.gone = True
+            return
+        self.status, self.started, self.ended = status, True, True
+        await self.conn.write(_plain_response(self.conn.h11, status, code, message))
+
+
+def _head_size(request: h11.Request) -> int:
+    return len(request.target) + sum(len(name) + len(value) + 4 for name, value in request.headers)
+
+
+def _finish_buffered_body(machine: h11.Connection) -> None:
+    """Read the rest of a request the app did not read (a GET's end, a body
+    it did not need) as far as it is already buffered, so the connection can
+    be kept; nothing more is read from the socket for it."""
+    try:
+        while machine.their_state is h11.SEND_BODY:
+            event = machine.next_event()
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+    except h11.RemoteProtocolError:
+        return
+
+
+def _plain_response(machine: h11.Connection, status: int, code: str, message: str) -> bytes:
+    import json
+
+    body = json.dumps({"error": {"status": status, "code": code, "message": message}}).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        (b"date", _date()),
+    ]
+    head = machine.send(h11.Response(status_code=status, headers=headers))
+    return b"".join(
+        (
+            head or b"",
+            machine.send(h11.Data(data=body)) or b"",
+            machine.send(h11.EndOfMessage()) or b"",
+        )
+    )
+
+
+_date_cache: tuple[int, bytes] = (0, b"")
+
+
+def _date() -> bytes:
+    """The Date header's value, formatted once a second."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, formatdate(now, usegmt=True).encode())
+    return _date_cache[1]
+
+
+def _address(address: Any) -> tuple[str, int] | None:
+    if isinstance(address, tuple) and len(address) >= 2:
+        return (str(address[0]), int(address[1]))
+    return None

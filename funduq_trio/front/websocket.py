@@ -1,0 +1,230 @@
+"""A websocket on the connection's own task: the upgrade, then wsproto.
+
+`serve_websocket` checks the handshake (RFC 6455 §4.2.1; a request that is not
+a valid one is answered 400), gives the app an ASGI ``websocket`` scope, and
+answers its ``websocket.accept`` with the 101 and the accept token. From then
+on `receive` parses whatever one socket read holds and hands the app each
+whole message in turn without reading again; pings are answered as they are
+parsed; a close frame is answered and reported as ``websocket.disconnect``
+with the peer's code (1006 when the connection simply ended). A message over
+``max_message_bytes`` is refused with close 1009. Closing before accepting is
+a 403 (the ASGI rule), or the app's own answer through the
+``websocket.http.response`` extension.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import h11
+from wsproto.connection import Connection as WsConnection
+from wsproto.connection import ConnectionState, ConnectionType
+from wsproto.events import BytesMessage, CloseConnection, Message, Ping, TextMessage
+from wsproto.frame_protocol import CloseReason
+from wsproto.utilities import generate_accept_token
+
+from .http import Connection, _date, _plain_response
+
+log = logging.getLogger("funduq_trio.server")
+
+
+def is_upgrade(request: h11.Request) -> bool:
+    """A websocket upgrade request (the rest of the handshake is checked by
+    `serve_websocket`)."""
+    for name, value in request.headers:
+        if name == b"upgrade":
+            return value.lower() == b"websocket"
+    return False
+
+
+def _handshake_problem(request: h11.Request) -> str | None:
+    headers = dict(request.headers)
+    if request.method != b"GET":
+        return "a websocket handshake is a GET"
+    if b"upgrade" not in [t.strip() for t in headers.get(b"connection", b"").lower().split(b",")]:
+        return "a websocket handshake needs Connection: upgrade"
+    if headers.get(b"sec-websocket-version") != b"13":
+        return "only websocket version 13 is spoken"
+    if not headers.get(b"sec-websocket-key"):
+        return "a websocket handshake needs Sec-WebSocket-Key"
+    return None
+
+
+async def serve_websocket(conn: Connection, request: h11.Request) -> None:
+    """Serve the upgrade request `request` on `conn`, to the end of the socket."""
+    try:
+        end = await conn.next_event()
+    except h11.RemoteProtocolError:
+        return
+    problem = _handshake_problem(request) if type(end) is h11.EndOfMessage else "a body"
+    if problem is not None:
+        if conn.h11.our_state is h11.SEND_RESPONSE:
+            await conn.write(_plain_response(conn.h11, 400, "bad_request", problem))
+        conn.gone = True
+        return
+    scope = conn.scope(request, "websocket")
+    protocols = dict(request.headers).get(b"sec-websocket-protocol", b"")
+    scope["subprotocols"] = [p.strip() for p in protocols.decode("latin-1").split(",") if p.strip()]
+    scope["extensions"] = {"websocket.http.response": {}}
+    socket = WebSocket(conn, dict(request.headers)[b"sec-websocket-key"])
+    try:
+        await conn.app(scope, socket.receive, socket.send)
+    except Exception:
+        log.exception("the app failed on websocket %s", scope["path"])
+    await socket.finish()
+
+
+class WebSocket:
+    """The ASGI ``websocket`` calls over one connection."""
+
+    __slots__ = ("conn", "key", "ws", "state", "close_code", "_ready", "_parts", "_size", "_denial")
+
+    def __init__(self, conn: Connection, key: bytes) -> None:
+        self.conn = conn
+        self.key = key
+        self.ws: WsConnection | None = None
+        #: "new" (connect not yet said), "connecting" (the app has not answered
+        #: the handshake), "answered" (refused with an HTTP answer), "open",
+        #: "closing" (our close sent, the peer's awaited), "closed".
+        self.state = "new"
+        self.close_code = 1006
+        self._ready: deque[dict[str, Any]] = deque()
+        self._parts: list[Any] = []  # the message being assembled
+        self._size = 0
+        self._denial: list[Any] = []  # status, headers, body parts
+
+    async def receive(self) -> dict[str, Any]:
+        if self.state == "new":
+            self.state = "connecting"
+            return {"type": "websocket.connect"}
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            if self.state == "open" or self.state == "closing":
+                assert self.ws is not None
+                data = await self.conn.read()
+                self.ws.receive_data(data or None)  # None: the end, reported as 1006
+                await self._take_events()
+            elif self.state == "connecting" or self.state == "answered":
+                # Before the handshake's answer only the caller's end can
+                # come; bytes it sends early wait in h11 for the socket.
+                data = await self.conn.read()
+                if data:
+                    self.conn.h11.receive_data(data)
+                else:
+                    self.state = "closed"
+            else:
+                return {"type": "websocket.disconnect", "code": self.close_code}
+
+    async def _take_events(self) -> None:
+        ws = self.ws
+        assert ws is not None
+        limit = self.conn.limits.max_message_bytes
+        for event in ws.events():
+            if isinstance(event, Message):
+                self._size += len(event.data)
+                if self._size > limit:
+                    await self._close_now(CloseReason.MESSAGE_TOO_BIG, "message too big")
+                    self.state = "closed"
+                    return
+                self._parts.append(event.data)
+                if event.message_finished:
+                    parts, self._parts, self._size = self._parts, [], 0
+                    if type(event) is TextMessage:
+                        self._ready.append({"type": "websocket.receive", "text": "".join(parts)})
+                    else:
+                        self._ready.append({"type": "websocket.receive", "bytes": b"".join(parts)})
+            elif isinstance(event, Ping):
+                await self.conn.write(ws.send(event.response()))
+            elif isinstance(event, CloseConnection):
+                if ws.state is ConnectionState.REMOTE_CLOSING:
+                    await self.conn.write(ws.send(event.response()))
+                elif ws.state is ConnectionState.OPEN:  # a frame wsproto could not parse
+                    await self._close_now(event.code, event.reason or "")
+                self.state, self.close_code = "closed", event.code
+                return
+
+    async def _close_now(self, code: int, reason: str) -> None:
+        assert self.ws is not None
+        if self.ws.state is ConnectionState.OPEN:
+            await self.conn.write(self.ws.send(CloseConnection(code=code, reason=reason)))
+        self.close_code = code
+        self._parts, self._size = [], 0
+
+    async def send(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "websocket.send":
+            if self.state != "open" or self.ws is None:
+                return  # the peer is gone or going; the app learns it from receive
+            text = message.get("text")
+            event = (
+                TextMessage(data=text)
+                if text is not None
+                else BytesMessage(data=message.get("bytes") or b"")
+            )
+            await self.conn.write(self.ws.send(event))
+        elif kind == "websocket.accept":
+            await self._accept(message)
+        elif kind == "websocket.close":
+            if self.state in ("new", "connecting"):
+                await self._answer_http(403, [], b"")
+            elif self.state == "open":
+                await self._close_now(message.get("code") or 1000, message.get("reason") or "")
+                self.state = "closing"
+        elif kind == "websocket.http.response.start" and self.state in ("new", "connecting"):
+            self.state = "answered"
+            self._denial = [message["status"], list(message.get("headers", ()))]
+        elif kind == "websocket.http.response.body" and self.state == "answered":
+            self._denial.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                status, headers, *body = self._denial
+                await self._answer_http(status, headers, b"".join(body))
+        else:
+            raise RuntimeError(f"unexpected ASGI message {kind!r} in websocket state {self.state}")
+
+    async def _accept(self, message: dict[str, Any]) -> None:
+        if self.state not in ("new", "connecting"):
+            raise RuntimeError("websocket.accept after the handshake was answered")
+        machine = self.conn.h11
+        headers = [
+            (b"upgrade", b"websocket"),
+            (b"connection", b"Upgrade"),
+            (b"sec-websocket-accept", generate_accept_token(self.key)),
+        ]
+        if message.get("subprotocol"):
+            headers.append((b"sec-websocket-protocol", message["subprotocol"].encode()))
+        headers.extend(message.get("headers", ()))
+        response = h11.InformationalResponse(status_code=101, headers=headers)
+        await self.conn.write(machine.send(response) or b"")
+        self.ws = WsConnection(ConnectionType.SERVER, trailing_data=machine.trailing_data[0])
+        self.state = "open"
+        await self._take_events()  # frames that came with the handshake
+
+    async def _answer_http(self, status: int, headers: list[Any], body: bytes) -> None:
+        machine = self.conn.h11
+        headers = [
+            *headers,
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            (b"date", _date()),
+        ]
+        parts = (
+            machine.send(h11.Response(status_code=status, headers=headers)),
+            machine.send(h11.Data(data=body)) if body else b"",
+            machine.send(h11.EndOfMessage()),
+        )
+        await self.conn.write(b"".join(p or b"" for p in parts))
+        self.state = "closed"
+
+    async def finish(self) -> None:
+        """After the app: a handshake it never answered is a 500; a socket it
+        left open is closed (1000)."""
+        if self.state in ("new", "connecting"):
+            await self._answer_http(500, [], b"")
+        elif self.state == "open":
+            await self._close_now(1000, "")
+
+
+__all__ = ["WebSocket", "is_upgrade", "serve_websocket"]

@@ -1,0 +1,307 @@
+"""funduq's own HTTP/1.1 and WebSocket front (`funduq_trio/front`), driven
+over real loopback sockets: by hand-written bytes where the wire itself is
+the point (keep-alive, pipelining, malformed requests, bounds), by httpx and
+trio-websocket where a standard client is.
+
+Most tests serve a few-line ASGI app with `serve_asgi`, so each behaviour is
+the front's and nothing else's; the last ones go through funduq itself.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from support import running_server
+from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
+
+from funduq_trio.front import FrontLimits, serve_asgi
+
+NET = 10.0  # a safety net against a hang, never a behaviour clock
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Echoes what it was asked: method, path, query, body; fails on /fail;
+    answers in two bursts on /stream; websockets echo until closed."""
+    if scope["type"] == "lifespan":
+        assert (await receive())["type"] == "lifespan.startup"
+        await send({"type": "lifespan.startup.complete"})
+        await receive()
+        return
+    if scope["type"] == "websocket":
+        assert (await receive())["type"] == "websocket.connect"
+        if scope["path"] == "/refuse":
+            await send({"type": "websocket.close"})
+            return
+        await send({"type": "websocket.accept"})
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                seen.append(message)
+                return
+            if message.get("text") == "close 4001":
+                await send({"type": "websocket.close", "code": 4001, "reason": "asked"})
+                continue
+            await send(
+                {
+                    "type": "websocket.send",
+                    **{k: message[k] for k in ("text", "bytes") if k in message},
+                }
+            )
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/fail":
+        raise RuntimeError("the app failed on purpose")
+    if scope["path"] == "/stream":
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b"one\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"two\n"})
+        return
+    answer = json.dumps(
+        {
+            "method": scope["method"],
+            "path": scope["path"],
+            "query": scope["query_string"].decode(),
+            "body": body.decode(),
+            "client": list(scope["client"]),
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(answer)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": answer})
+
+
+seen: list[dict[str, Any]] = []
+
+
+@asynccontextmanager
+async def front(**limits: Any) -> AsyncIterator[int]:
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_asgi, app, listening, FrontLimits(**limits))
+        try:
+            yield port
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def exchange(port: int, data: bytes, *, until_eof: bool = True) -> bytes:
+    """Send `data` on a fresh connection; what came back (to the server's close)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(data)
+        got = b""
+        with trio.fail_after(NET):
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+                if not until_eof and got.count(b"\r\n\r\n"):
+                    break
+        return got
+
+
+def answers(raw: bytes) -> list[tuple[bytes, bytes]]:
+    """(head, body) of each Content-Length answer in `raw`, in order."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        out.append((head, rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order():
+    async with front() as port:
+        got = await exchange(
+            port,
+            b"GET /one?x=1 HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"POST /two HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello"
+            b"GET /three HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        )
+    replies = answers(got)
+    assert [json.loads(body)["path"] for _, body in replies] == ["/one", "/two", "/three"]
+    assert json.loads(replies[0][1])["query"] == "x=1"
+    assert json.loads(replies[1][1])["body"] == "hello"
+    assert all(
+        head.startswith(b"HTTP/1.1 200") and b"\r\ndate: " in head.lower() for head, _ in replies
+    )
+
+
+async def test_httpx_keeps_one_connection_for_many_requests():
+    async with (
+        front() as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=NET) as client,
+    ):
+        ports = set()
+        for i in range(5):
+            reply = await client.post("/echo", content=f"body {i}".encode())
+            assert reply.json()["body"] == f"body {i}"
+            ports.add(reply.json()["client"][1])
+        assert len(ports) == 1  # the same connection each time
+
+
+async def test_a_chunked_body_and_expect_100_continue():
+    async with front() as port:
+        got = await exchange(
+            port,
+            b"POST /c HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n"
+            b"Connection: close\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+        )
+    assert got.startswith(b"HTTP/1.1 100 ")
+    final = got[got.index(b"HTTP/1.1 200") :]
+    assert json.loads(answers(final)[0][1])["body"] == "hello world"
+
+
+async def test_a_head_answer_has_no_body():
+    async with front() as port:
+        got = await exchange(port, b"HEAD /h HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == b""
+
+
+async def test_http_1_0_is_answered_then_closed():
+    async with front() as port:
+        got = await exchange(port, b"GET /old HTTP/1.0\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 200")
+    assert json.loads(got.partition(b"\r\n\r\n")[2])["path"] == "/old"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"NOT A REQUEST\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+    ],
+)
+async def test_a_request_the_front_cannot_read_is_refused_and_closed(request_bytes, status):
+    async with front(max_header_bytes=16 * 1024) as port:
+        got = await exchange(port, request_bytes)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status}".encode())
+    assert b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["status"] == status
+
+
+async def test_an_app_that_fails_before_answering_is_a_json_500_and_the_connection_goes_on(caplog):
+    async with front() as port:
+        got = await exchange(
+            port,
+            b"GET /fail HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        )
+    head, _, rest = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500")
+    assert json.loads(answers(got)[0][1])["error"]["code"] == "internal_error"
+    assert "the app failed on GET /fail" in caplog.text
+
+
+async def test_a_streamed_answer_arrives_whole_in_its_bursts():
+    async with (
+        front() as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=NET) as client,
+    ):
+        async with client.stream("GET", "/stream") as reply:
+            assert reply.headers["transfer-encoding"] == "chunked"
+            assert [line async for line in reply.aiter_lines()] == ["one", "two"]
+
+
+async def test_an_idle_connection_is_closed_after_keep_alive(autojump_clock):
+    async with front(keep_alive_seconds=5) as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET /x HTTP/1.1\r\nHost: t\r\n")  # headers never end
+            began = trio.current_time()
+            assert await stream.receive_some(1024) == b""
+            assert 5 <= trio.current_time() - began < 6
+
+
+async def test_websocket_messages_pings_and_close_codes():
+    seen.clear()
+    async with front() as port:
+        async with open_websocket_url(f"ws://127.0.0.1:{port}/echo") as ws:
+            await ws.send_message("hello")
+            assert await ws.get_message() == "hello"
+            await ws.send_message(b"\x00\x01")
+            assert await ws.get_message() == b"\x00\x01"
+            await ws.ping(b"are you there")  # answered by the front: ping returns on the pong
+        await trio.testing.wait_all_tasks_blocked()
+        assert seen == [{"type": "websocket.disconnect", "code": 1000}]
+
+        async with open_websocket_url(f"ws://127.0.0.1:{port}/echo") as ws:
+            await ws.send_message("close 4001")
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+            assert closed.value.reason.code == 4001
+
+
+async def test_a_websocket_message_over_the_bound_is_refused_1009():
+    async with front(max_message_bytes=1000) as port:
+        async with open_websocket_url(f"ws://127.0.0.1:{port}/echo") as ws:
+            await ws.send_message("a" * 1000)
+            assert len(await ws.get_message()) == 1000
+            await ws.send_message("b" * 1001)
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+            assert closed.value.reason.code == 1009
+
+
+async def test_a_websocket_handshake_refused_by_the_app_or_malformed():
+    async with front() as port:
+        with pytest.raises(ConnectionRejected) as refused:
+            async with open_websocket_url(f"ws://127.0.0.1:{port}/refuse"):
+                pass  # pragma: no cover
+        assert refused.value.status_code == 403
+        got = await exchange(
+            port,
+            b"GET /echo HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 8\r\n\r\n",
+        )
+        assert got.startswith(b"HTTP/1.1 400")
+        assert "version 13" in json.loads(got.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+async def test_funduq_on_the_front_keeps_a_connection_across_door_requests(tmp_path):
+    """The server itself: healthz twice and an unknown route on one kept
+    connection, then a 413 that closes it after its answer."""
+    async with running_server(tmp_path, max_body_bytes=1000) as info:
+        got = await exchange(
+            info.port,
+            b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"GET /nowhere HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"POST /agui/0123456789abcdef/echo HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000\r\n\r\n" + b"x" * 5000,
+        )
+        statuses = [head.split(b" ")[1] for head, _ in answers(got)]
+        assert statuses == [b"200", b"404", b"200", b"413"]
