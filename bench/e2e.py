@@ -17,7 +17,9 @@ over websockets, real HTTP callers on both doors.
   all its events. "not completed" must be 0.
 - Baselines, measured in the same run against the same server before the
   load: `GET /healthz` round trips from the same number of concurrent callers
-  (the raw HTTP rate: routing, hypercorn, quart, httpx), and provider-link
+  (the raw HTTP rate: the front, routing, httpx); the same healthz served
+  by quart-trio on hypercorn in a child process (the stack issue #16 was
+  filed against, whose healthz is the issue's unit); and provider-link
   websocket round trips (a frame the link answers `err` at once: websocket
   read, frame decode, outbox, write; no broker). Ratios are printed.
 
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import asgi_floor
 import harness as h
 import httpx
 import profile_shares
@@ -220,6 +223,19 @@ async def drive(
                 server.pid,
                 lean=args.client == "lean",
             )
+            # The unit issue #16 was filed in: a healthz served by quart-trio on
+            # hypercorn (funduq's stack then), measured now on this host.
+            filed = asgi_floor.Child("quart", Path(workdir))
+            try:
+                out["filed_healthz"] = await h.healthz_baseline(
+                    filed.url,
+                    args.baseline_requests,
+                    args.threads,
+                    filed.proc.pid,
+                    lean=args.client == "lean",
+                )
+            finally:
+                filed.stop()
             out["ws"] = await h.websocket_baseline(
                 server.ws_url,
                 len(providers),
@@ -499,6 +515,12 @@ def main() -> None:
             f"  in healthz units ({args.provider} provider): server CPU per run "
             f"{cpu_per_run / hz['server_cpu_ms']:.2f} healthz (goal <= 1.5), "
             f"runs/s / healthz req/s {runs_per_s / hz['per_s']:.3f} (goal >= 0.6)"
+        )
+        filed = out["filed_healthz"]["server_cpu_ms"]
+        print(
+            f"baseline, the healthz #16 was filed against (quart-trio on hypercorn, a child "
+            f"process, the same callers): server CPU {filed:.2f} ms; a run costs "
+            f"{cpu_per_run / filed:.2f} of it (goal <= 1.5)"
         )
         print(
             f"baseline, provider-link websocket round trips ({args.providers} links, "
