@@ -219,13 +219,19 @@ class SqliteStore(SqlStore):
             if self.commits != checkpointed:
                 checkpointed = self.commits
                 try:
-                    await self.read(
-                        lambda c: c.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                    )
+                    await self.read(self._checkpoint)
                 except sqlite3.Error as exc:
                     # Nothing is lost (the log still holds every commit) and the
                     # next second tries again; serving goes on.
                     log.warning("WAL checkpoint failed: %s", exc)
+
+    @staticmethod
+    def _checkpoint(conn: sqlite3.Connection) -> tuple[int, int, int]:
+        """One PASSIVE checkpoint, on a reader connection in a worker thread:
+        (busy, frames in the log, frames copied). PASSIVE never waits for a
+        lock, so the writer is never held up by it."""
+        busy, log_frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return busy, log_frames, copied
 
     # -- reading -----------------------------------------------------------
 
