@@ -64,7 +64,7 @@ CHECKPOINT_SECONDS = 1.0
 #: starts over from its beginning (at the writer's next commit) only after a
 #: pass during which nothing was committed; under steady load one pass a
 #: second almost never is, and the log grew for as long as the load lasted
-#: (120-160 MB in 35 s of bench/e2e.py). So while the log is longer than
+#: (95-200 MB in 35 s of bench/e2e.py). So while the log is longer than
 #: CATCH_UP_FRAMES pages and commits landed during the last pass, up to
 #: CATCH_UP_PASSES more passes follow at once, each copying only the little
 #: committed during the one before, until one falls in a gap between commits.
