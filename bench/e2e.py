@@ -59,7 +59,8 @@ class Load:
         self.results: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self.events_per_run = args.deltas + 4
-        self.tickets: trio.MemoryReceiveChannel[None] | None = None
+        #: --rate: each run's due start time (time.monotonic) comes through here.
+        self.tickets: trio.MemoryReceiveChannel[float] | None = None
 
     def door_of(self, thread: int) -> str:
         if self.args.door != "mix":
@@ -128,8 +129,9 @@ class Load:
         url = f"/{door}/{fp}/echo"
         context: str | None = None if door == "a2a" else f"bench-caller-thread-{thread}"
         for k in range(count):
+            due = None
             if self.tickets is not None:
-                await self.tickets.receive()  # --rate: wait for this run's slot
+                due = await self.tickets.receive()  # --rate: wait for this run's slot
             text = utterance(thread, k)
             result: dict[str, Any] = {
                 "door": door,
@@ -137,6 +139,8 @@ class Load:
                 "run_id": None,
                 "began": time.monotonic(),
             }
+            if due is not None:
+                result["due"] = due
             try:
                 if door == "a2a":
                     context = await self.a2a_call(
@@ -158,19 +162,25 @@ class Load:
         began = time.monotonic()
         async with trio.open_nursery() as nursery:
             if rate:
-                send, self.tickets = trio.open_memory_channel[None](0)
+                send, self.tickets = trio.open_memory_channel[float](0)
                 nursery.start_soon(self.ticker, send, runs, rate)
             for i in range(threads):
                 nursery.start_soon(self.caller, i, runs // threads + (i < runs % threads))
         return time.monotonic() - began
 
     @staticmethod
-    async def ticker(send: trio.MemorySendChannel[None], runs: int, rate: float) -> None:
+    async def ticker(send: trio.MemorySendChannel[float], runs: int, rate: float) -> None:
+        """Run n is due at start + n / rate, evenly spaced (no bursts by
+        design). A ticket late because no caller was free or this process
+        was busy leaves as soon as it can, so late runs bunch up: the
+        callers' "start lag" (due -> request sent) shows how much."""
         start = trio.current_time()
+        offset = time.monotonic() - start  # trio's clock -> time.monotonic
         async with send:
             for n in range(runs):
-                await trio.sleep_until(start + n / rate)
-                await send.send(None)
+                due = start + n / rate
+                await trio.sleep_until(due)
+                await send.send(due + offset)
 
 
 async def verify(
@@ -244,6 +254,17 @@ async def drive(
                 server.pid,
             )
 
+        out["rate"] = args.rate
+        if args.rate == "half":
+            # What this host carries now, as fast as the callers go, then
+            # the measured load offered at half of it.
+            saturating = Load(args, server.url, fingerprints)
+            with trio.fail_after(args.time_limit):
+                seconds = await saturating.run(args.runs, args.threads)
+            if saturating.errors:
+                raise SystemExit(f"saturating load failed: {saturating.errors[:3]}")
+            out["saturating"] = len(saturating.results) / seconds
+            out["rate"] = out["saturating"] / 2
         load = Load(args, server.url, fingerprints)
         pids = {
             "server": server.pid,
@@ -257,12 +278,21 @@ async def drive(
             else None
         )
         sched_before = server.scheduler() if args.sched_stats else None
+        waited_before = {name: h.runqueue_wait(pid) for name, pid in pids.items()}
         server_cpu_before = h.proc_cpu(server.pid)
         round_trips_before = await h.offer_round_trips(client, server.url)
         cpu.start()
+        out["window"] = [time.monotonic()]
         with trio.fail_after(args.time_limit):
-            out["seconds"] = await load.run(args.runs, args.threads, args.rate)
+            out["seconds"] = await load.run(args.runs, args.threads, out["rate"])
+        out["window"].append(time.monotonic())
         out["cpu"] = cpu.shares()
+        out["runqueue"] = {
+            name: (h.runqueue_wait(pid) - waited_before[name]) / out["seconds"]
+            for name, pid in pids.items()
+        }
+        if args.trace:
+            out["trace"] = server.trace()
         out["server_cpu_s"] = h.proc_cpu(server.pid) - server_cpu_before
         out["round_trips"] = (round_trips_before, await h.offer_round_trips(client, server.url))
         if sched_before is not None:
@@ -299,6 +329,198 @@ def offer_figures(
     return {"to_offer": to_offer, "answer": answer, "tail": tail}
 
 
+def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    """Seconds of `spans` ((start, seconds) each) that fall inside [a, b]."""
+    return sum(max(0.0, min(b, t + d) - max(a, t)) for t, d in spans)
+
+
+def trace_report(
+    trace: dict[str, Any],
+    window: list[float],
+    results: list[dict[str, Any]],
+    stamps: dict[str, dict[str, float]],
+    provider_gc: list[list[float]],
+) -> str:
+    """Where the offer round trip went (`--trace`): each offer's timeline in
+    the server beside the provider's stamps, and what the server did meanwhile."""
+    lo, hi = window
+    lines = ["server trace during the load (--trace; all CLOCK_MONOTONIC):"]
+
+    def dist(values: list[float]) -> str:
+        if not values:
+            return "none"
+        return (
+            f"p50 {h.ms(values, 0.5):.2f}, p99 {h.ms(values, 0.99):.2f}, "
+            f"max {max(values) * 1e3:.2f} ms ({len(values)})"
+        )
+
+    commits = [c for c in trace["commits"] if lo <= c[0] <= hi]
+    checkpoints = [c for c in trace["checkpoints"] if lo <= c[0] <= hi]
+
+    def split(items: list[Any], wall: int, cpu: int, rq: int) -> str:
+        """Where the wall time of `items` went: CPU, run queue, blocked."""
+        w = sum(i[wall] for i in items)
+        c = sum(i[cpu] for i in items)
+        q = sum(i[rq] for i in items)
+        return (
+            f"{w * 1e3:.0f} ms wall = CPU {c * 1e3:.0f} + run queue {q * 1e3:.0f} + "
+            f"blocked (I/O, GIL) {(w - c - q) * 1e3:.0f}"
+        )
+
+    lines.append(f"  group commit on the loop   {dist([c[1] for c in commits])}")
+    lines.append(f"    its thread CPU           {dist([c[4] for c in commits])}")
+    lines.append(f"    all of them              {split(commits, 1, 4, 5)}")
+    slow = [c for c in commits if c[1] > 0.002]
+    lines.append(f"    the {len(slow)} over 2 ms       {split(slow, 1, 4, 5)}")
+    reads = [r for r in trace.get("reads", []) if lo <= r[0] <= hi]
+    spans = [(r[0], r[1]) for r in reads]
+    with_read = [c for c in commits if _overlap(spans, c[0], c[0] + c[1]) > 0]
+    lines.append(
+        f"    beside a read (worker)   {split(with_read, 1, 4, 5)}; "
+        f"{sum(c[1] > 0.002 for c in with_read)} of them over 2 ms"
+    )
+    lines.append(
+        f"  reads (worker threads)     {dist([r[1] for r in reads])}, their CPU "
+        f"{sum(r[2] for r in reads) * 1e3:.0f} ms in all"
+    )
+    during = [
+        c[1] for c in commits if _overlap([(k[0], k[1]) for k in checkpoints], c[0], c[0] + c[1])
+    ]
+    lines.append(f"    while a checkpoint ran   {dist(during)}")
+    lines.append(
+        f"  writes per commit          p50 {h.percentile([c[2] for c in commits], 0.5):.0f}, "
+        f"max {max((c[2] for c in commits), default=0)}"
+    )
+    lines.append(f"  a write queued -> durable  {dist(trace['waits'])}   (whole server life)")
+    lines.append(
+        f"  checkpoints (worker thr.)  {dist([c[1] for c in checkpoints])}, "
+        f"log frames max {max((c[2] for c in checkpoints), default=0)}"
+    )
+    gcs = [g for g in trace["gc"] if lo <= g[0] <= hi]
+    for gen in (0, 1, 2):
+        pauses = [g[1] for g in gcs if g[2] == gen]
+        collected = sum(g[3] for g in gcs if g[2] == gen)
+        lines.append(f"  gc generation {gen} pauses    {dist(pauses)}, {collected} collected")
+        lines.append(f"    their thread CPU         {dist([g[4] for g in gcs if g[2] == gen])}")
+        lines.append(
+            f"    all of them              {split([g for g in gcs if g[2] == gen], 1, 4, 5)}"
+        )
+    pgc = [g for g in provider_gc if lo <= g[0] <= hi]
+    for gen in (0, 1, 2):
+        pauses = [g[1] for g in pgc if g[2] == gen]
+        lines.append(f"  providers' gc generation {gen} {dist(pauses)}")
+    heap = trace["heap"]
+    lines.append(
+        f"  gc heap after the load     thresholds {heap['thresholds']}, {heap['frozen']} frozen, "
+        f"{heap['generation2_total']} in generation 2; most: "
+        + ", ".join(f"{k} {n}" for k, n in heap["generation2_kinds"][:8])
+    )
+    lines.append(
+        "  a full gc pass after it    "
+        + ", then ".join(f"{c * 1e3:.2f} ms CPU ({n} collected)" for c, n in heap["full_passes"])
+    )
+    rounds = [r for r in trace["rounds"] if lo <= r[0] <= hi]
+    slow = sorted(rounds, key=lambda r: -r[1])[:5]
+    lines.append(
+        f"  scheduler rounds > 2 ms    {len(rounds)}; longest: "
+        + "; ".join(
+            f"{r[1] * 1e3:.1f} ms wall / {r[2] * 1e3:.1f} ms CPU / {r[6] * 1e3:.1f} ms run "
+            f"queue, {r[3]} steps, "
+            f"longest step {r[4] * 1e3:.1f} ms ({r[5].rsplit('.', 1)[-1]})"
+            for r in slow
+        )
+    )
+    lines.append(f"    all of them              {split(rounds, 1, 2, 6)}")
+    # Each offer: handed to the link -> message started -> written -> provider
+    # read it -> provider wrote its ok -> the server read the answer.
+    legs: dict[str, list[float]] = {k: [] for k in ("link", "to_provider", "provider", "to_server")}
+    rtts: list[tuple[float, str, list[Any]]] = []
+    for offer_id, (run_id, sent, started, written, answered, *_) in trace["offers"].items():
+        s = stamps.get(run_id, {})
+        if not (lo <= sent <= hi) or answered is None or written is None or "answer" not in s:
+            continue
+        rtts.append((answered - sent, offer_id, trace["offers"][offer_id]))
+        legs["link"].append(started - sent)
+        legs["to_provider"].append(s["offer"] - started)
+        legs["provider"].append(s["answer"] - s["offer"])
+        legs["to_server"].append(answered - s["answer"])
+    lines.append(f"  offer round trip           {dist([r[0] for r in rtts])}")
+    if rtts:
+        n = len(rtts)
+        cpu = sum(r[2][5] for r in rtts) / n
+        rq = sum(r[2][6] for r in rtts) / n
+        mean = sum(r[0] for r in rtts) / n
+        lines.append(
+            f"    mean {mean * 1e3:.2f} ms: the loop thread's CPU {cpu * 1e3:.2f}, its run queue "
+            f"{rq * 1e3:.2f}, waiting on I/O {(mean - cpu - rq) * 1e3:.2f}"
+        )
+    names = {
+        "link": "handed to link -> message send starts (server's loop)",
+        "to_provider": "send starts -> provider read it (hypercorn, socket, provider)",
+        "provider": "provider read -> its ok written",
+        "to_server": "ok written -> server read the answer (server's loop)",
+    }
+    for key, label in names.items():
+        lines.append(f"    {label:54s} {dist(legs[key])}")
+    for bound in (0.005, 0.010):
+        tail = [r for r in rtts if r[0] > bound]
+        if not tail:
+            lines.append(f"  offers over {bound * 1e3:g} ms: none")
+            continue
+        worst_leg: dict[str, int] = {}
+        overlaps = {
+            "gc": 0.0,
+            "provider gc": 0.0,
+            "commits": 0.0,
+            "checkpoint": 0,
+            "long rounds": 0.0,
+        }
+        loop = [0.0, 0.0, 0.0]  # the loop thread during these offers: CPU, run queue, idle
+        for rtt, _, (run_id, sent, started, _written, answered, cpu, rq) in tail:
+            loop[0] += cpu
+            loop[1] += rq
+            loop[2] += rtt - cpu - rq
+            st = stamps[run_id]
+            parts = {
+                "link": started - sent,
+                "to_provider": st["offer"] - started,
+                "provider": st["answer"] - st["offer"],
+                "to_server": answered - st["answer"],
+            }
+            worst = max(parts, key=lambda k: parts[k])
+            worst_leg[worst] = worst_leg.get(worst, 0) + 1
+            overlaps["gc"] += _overlap([(g[0], g[1]) for g in gcs], sent, answered)
+            overlaps["provider gc"] += _overlap([(g[0], g[1]) for g in pgc], sent, answered)
+            overlaps["commits"] += _overlap([(c[0], c[1]) for c in commits], sent, answered)
+            overlaps["checkpoint"] += any(
+                _overlap([(c[0], c[1])], sent, answered) > 0 for c in checkpoints
+            )
+            overlaps["long rounds"] += _overlap([(r[0], r[1]) for r in rounds], sent, answered)
+        n = len(tail)
+        lines.append(
+            f"  offers over {bound * 1e3:g} ms: {n} ({n / len(rtts) * 100:.1f}%); their longest "
+            "leg: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(worst_leg.items(), key=lambda i: -i[1]))
+        )
+        lines.append(
+            f"    meanwhile, per such offer: gc {overlaps['gc'] / n * 1e3:.2f} ms (the providers' "
+            f"{overlaps['provider gc'] / n * 1e3:.2f} ms), commits "
+            f"{overlaps['commits'] / n * 1e3:.2f} ms, rounds > 2 ms "
+            f"{overlaps['long rounds'] / n * 1e3:.2f} ms; a checkpoint ran during "
+            f"{overlaps['checkpoint']:.0f} of them"
+        )
+        lines.append(
+            f"    the loop thread meanwhile, per such offer: CPU {loop[0] / n * 1e3:.2f} ms, "
+            f"run queue (no core) {loop[1] / n * 1e3:.2f} ms, waiting on I/O (the provider's "
+            f"side) {loop[2] / n * 1e3:.2f} ms"
+        )
+    return "\n".join(lines)
+
+
+def rate_arg(text: str) -> float | str:
+    return text if text == "half" else float(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
@@ -316,11 +538,13 @@ def main() -> None:
     parser.add_argument("--door", choices=["mix", "a2a", "agui"], default="mix")
     parser.add_argument(
         "--rate",
-        type=float,
+        type=rate_arg,
         default=None,
         metavar="RUNS_PER_S",
         help="offer the load at this rate (runs start on a clock) instead of "
-        "as fast as the callers go; --threads is then the most in flight",
+        "as fast as the callers go; --threads is then the most in flight. "
+        "'half': first a saturating load of --runs, then the measured one at "
+        "half the runs/s it reached",
     )
     parser.add_argument(
         "--client",
@@ -365,6 +589,26 @@ def main() -> None:
         "load (provider-link frames per round)",
     )
     parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="diagnostic: trace the server (harness.ServerTrace: GC passes, group "
+        "commits, checkpoints, each offer's timeline, long scheduler rounds) and "
+        "lay the offers over the provider's stamps: where the round trip's tail goes",
+    )
+    parser.add_argument(
+        "--server-gc",
+        choices=["on", "off"],
+        default="on",
+        help="diagnostic: off turns the server's cyclic GC off once it has started",
+    )
+    parser.add_argument(
+        "--checkpoint-seconds",
+        type=float,
+        default=None,
+        help="diagnostic: the SQLite record's checkpoint period (a large value: none "
+        "during the load)",
+    )
+    parser.add_argument(
         "--server-switch-interval",
         type=float,
         default=None,
@@ -381,9 +625,19 @@ def main() -> None:
             workdir / "data",
             switch_interval=args.server_switch_interval,
             sched_stats=args.sched_stats,
+            trace=args.trace,
+            env={
+                **({"FUNDUQ_BENCH_GC": "off"} if args.server_gc == "off" else {}),
+                **(
+                    {"FUNDUQ_BENCH_CHECKPOINT_SECONDS": str(args.checkpoint_seconds)}
+                    if args.checkpoint_seconds is not None
+                    else {}
+                ),
+            },
         )
         providers: list[h.ProviderChild] = []
         stamps: dict[str, dict[str, float]] = {}
+        provider_gc: list[list[float]] = []
         try:
             for i in range(args.providers):
                 providers.append(
@@ -402,6 +656,7 @@ def main() -> None:
         finally:
             for p in providers:
                 stamps.update(p.stop())
+                provider_gc.extend(p.gc_passes)
             server.stop()
         log_trouble = server.errors_in_log()
 
@@ -424,10 +679,29 @@ def main() -> None:
         f"{load.events_per_run} events each, {args.providers} {args.provider} provider "
         f"process(es) over websockets, server in its own process, SQLite on disk, "
         f"{args.client} callers"
-        + (f", offered at {args.rate:g} runs/s" if args.rate else ", as fast as they go")
+        + (f", offered at {out['rate']:.1f} runs/s" if out["rate"] else ", as fast as they go")
     )
+    if "saturating" in out:
+        print(
+            f"  saturating load     {out['saturating']:10.1f} runs/s   (as fast as the callers "
+            f"go, just before; the load below is offered at half of it)"
+        )
     print(f"  wall time           {seconds:10.2f} s")
     print(f"  runs/s              {runs_per_s:10.1f}")
+    if not out["rate"]:
+        print(
+            f"  saturating load     {runs_per_s:10.1f} runs/s   (half: {runs_per_s / 2:.1f}; "
+            "`--rate half` measures there)"
+        )
+    else:
+        lag = [r["began"] - r["due"] for r in results if "due" in r]
+        starts = sorted(r["began"] for r in results)
+        bunched = sum(b - a < 0.001 for a, b in zip(starts, starts[1:], strict=False))
+        print(
+            f"  start lag           {h.ms(lag, 0.5):10.2f} ms   p99 {h.ms(lag, 0.99):8.2f} ms   "
+            f"(run due on the clock -> request sent; {bunched} of {len(starts)} runs "
+            f"started < 1 ms after the one before, {1e3 / out['rate']:.1f} ms apart if on time)"
+        )
     print(f"  events/s            {events_per_s:10.1f}   (events in the record / wall time)")
     print(f"  caller latency p50  {h.ms(lat, 0.5):10.2f} ms   p99 {h.ms(lat, 0.99):8.2f} ms")
     for door, values in by_door.items():
@@ -496,6 +770,13 @@ def main() -> None:
         "(100% = one core; this host has "
         f"{__import__('os').cpu_count()} cores)"
     )
+    print(
+        "  run-queue wait      "
+        + ", ".join(f"{n} {w * 1e3:.0f} ms/s" for n, w in out["runqueue"].items())
+        + "   (runnable, waiting for a core: /proc/<pid>/task/*/schedstat)"
+    )
+    if "trace" in out:
+        print(trace_report(out["trace"], out["window"], results, stamps, provider_gc))
     print(f"  record              {v['statuses']}, {len(v['short'])} completed with events missing")
     print(f"  runs not completed  {not_completed:10d}   (caller errors: {len(load.errors)})")
     for line in load.errors[:5]:

@@ -74,6 +74,20 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def runqueue_wait(pid: int) -> float:
+    """Seconds the threads of a process have spent runnable but waiting for
+    a core, so far (the second field of each /proc/<pid>/task/*/schedstat):
+    on a shared host, time no code of the process could help."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as fh:
+                total += int(fh.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def self_cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -173,6 +187,12 @@ def _wait_in_log(
     raise SystemExit(f"{what} printed nothing matching {pattern!r} within {timeout}s")
 
 
+#: Diagnostics `serve-instrumented` applies when set in the server's environment:
+#: FUNDUQ_BENCH_GC=off turns the cyclic GC off once the server has started;
+#: FUNDUQ_BENCH_CHECKPOINT_SECONDS sets the SQLite record's checkpoint period.
+DIAGNOSTIC_ENV = ("FUNDUQ_BENCH_GC", "FUNDUQ_BENCH_CHECKPOINT_SECONDS")
+
+
 class Server:
     """`funduq-trio serve` in a child process with its own data directory."""
 
@@ -184,13 +204,16 @@ class Server:
         flags: list[str] | None = None,
         switch_interval: float | None = None,
         sched_stats: bool = False,
+        trace: bool = False,
     ) -> None:
         self.data_dir = data_dir
         self.log_path = data_dir / "server.log"
         data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- the child's, closed in stop()
         self.sched_path = data_dir / "scheduler.json" if sched_stats else None
-        if switch_interval is None and not sched_stats:
+        self.trace_path = data_dir / "trace.json" if trace else None
+        diagnostic = any(k in (env or {}) for k in DIAGNOSTIC_ENV)
+        if switch_interval is None and not sched_stats and not trace and not diagnostic:
             launch = [sys.executable, "-m", "funduq_trio"]
         else:
             # Diagnostics: the same CLI, run through harness.py's `serve` with
@@ -201,6 +224,7 @@ class Server:
                 "serve-instrumented",
                 str(switch_interval or 0),
                 str(self.sched_path or ""),
+                str(self.trace_path or ""),
                 "--",
             ]
         self.proc = subprocess.Popen(
@@ -251,6 +275,18 @@ class Server:
             time.sleep(0.01)
         time.sleep(0.01)
         return json.loads(self.sched_path.read_text())
+
+    def trace(self) -> dict[str, Any]:
+        """With trace: the server's `ServerTrace` so far."""
+        assert self.trace_path is not None
+        self.trace_path.unlink(missing_ok=True)
+        self.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 30
+        while not self.trace_path.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not write its trace")
+            time.sleep(0.01)
+        return json.loads(self.trace_path.read_text())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -311,6 +347,8 @@ class ProviderChild:
                 raise ValueError("the unbatched (raw) provider is the bench's own, not the CLI")
             argv += ["--unbatched"]
         self.use_cli = use_cli
+        #: The provider's GC passes (start, seconds, generation), once stopped.
+        self.gc_passes: list[list[float]] = []
         self.proc = subprocess.Popen(
             [*DIE_WITH_PARENT, *argv],
             stdin=subprocess.DEVNULL,
@@ -339,7 +377,9 @@ class ProviderChild:
         self._log.close()
         if self.use_cli or not self.stamps_path.exists():
             return {}
-        return json.loads(self.stamps_path.read_text())
+        stamps: dict[str, Any] = json.loads(self.stamps_path.read_text())
+        self.gc_passes = stamps.pop("__gc__", [])
+        return stamps
 
 
 class StampingConnection:
@@ -467,7 +507,22 @@ def provider_main(argv: list[str]) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
+    # Its cyclic GC passes (start, seconds, generation; CLOCK_MONOTONIC): a
+    # pause here is inside the server's offer round trip too.
+    passes: list[tuple[float, float, int]] = []
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.monotonic()
+        else:
+            passes.append((began[0], time.monotonic() - began[0], info["generation"]))
+
+    import gc
+
+    gc.callbacks.append(on_gc)
     trio.run(main)
+    stamps["__gc__"] = passes  # type: ignore[assignment]
     tmp = args.stamps + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(stamps, fh)
@@ -1026,19 +1081,298 @@ def trio_floor(count: int) -> float:
     return float(out.stdout.strip())
 
 
+class ServerTrace:
+    """Diagnostic: what the server did when, on CLOCK_MONOTONIC (the clock
+    the bench and the providers stamp with), so a slow offer can be laid
+    next to whatever ran meanwhile. Installed from outside by
+    `serve-instrumented` (wrapping a few methods and adding a gc callback
+    and a trio Instrument); nothing in funduq_trio is changed. Records:
+
+    - ``gc``: each cyclic GC pass on the loop's thread (start, seconds,
+      generation, collected, thread CPU seconds, run-queue seconds);
+    - ``commits``: each group commit (start, seconds on the loop, writes,
+      the oldest write's wait from queued to durable, thread CPU seconds,
+      run-queue seconds: runnable with no core);
+    - ``waits``: every write's wait from queued to its batch committed;
+    - ``reads``: each read in its worker thread (start, seconds, thread CPU
+      seconds; the checkpoints are reads too);
+    - ``checkpoints``: each WAL checkpoint (start, seconds, log frames,
+      frames copied, thread CPU seconds), in its worker thread;
+    - ``offers``: offer id -> [run id, handed to the link, its websocket
+      message started, written, answer read, the loop thread's CPU seconds
+      and run-queue seconds from handing to answer];
+    - ``rounds``: scheduler rounds over ``LONG_ROUND`` (start, wall seconds,
+      thread CPU seconds, task steps, the longest step's seconds and task,
+      run-queue seconds). Wall - CPU - run queue = blocked (I/O, the GIL).
+    """
+
+    LONG_ROUND = 0.002
+
+    def __init__(self) -> None:
+        self.gc: list[tuple[float, float, int, int, float, float]] = []
+        self.commits: list[tuple[float, float, int, float, float, float]] = []
+        self.waits: list[float] = []
+        self.checkpoints: list[tuple[float, float, int, int, float]] = []
+        self.reads: list[tuple[float, float, float]] = []
+        self.offers: dict[str, list[Any]] = {}
+        self.rounds: list[tuple[float, float, float, int, float, str, float]] = []
+        self._encoded: list[str] = []
+
+    def install(self) -> Any:
+        """Wrap what is traced; returns the trio Instrument to run with."""
+        import gc
+        import threading
+
+        import trio
+
+        from funduq_trio.broker import providers, record, store
+        from funduq_trio.web import provider_socket
+
+        now = time.monotonic
+        trace = self
+        gc_began = [0.0]
+        # The loop thread's run-queue wait so far (ns): time it was runnable
+        # but had no core. Wall - thread CPU - this = blocked (I/O, the GIL).
+        schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+
+        def waited() -> float:
+            return int(os.pread(schedstat, 100, 0).split()[1]) / 1e9
+
+        gc_cpu = [0.0]
+
+        gc_rq = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                return  # a worker thread's (rare): the loop's are what matter
+            if phase == "start":
+                gc_began[0], gc_cpu[0], gc_rq[0] = now(), time.thread_time(), waited()
+            else:
+                t = gc_began[0]
+                trace.gc.append(
+                    (
+                        t,
+                        now() - t,
+                        info["generation"],
+                        info["collected"],
+                        time.thread_time() - gc_cpu[0],
+                        waited() - gc_rq[0],
+                    )
+                )
+
+        gc.callbacks.append(on_gc)
+
+        write_init = store._Write.__init__
+
+        def queued_write(op: Any, *args: Any, **kwargs: Any) -> None:
+            write_init(op, *args, **kwargs)
+            op.queued = now()
+
+        store._Write.__init__ = queued_write  # type: ignore[method-assign]
+
+        commit = record.SqliteStore._commit
+
+        async def timed_commit(self: Any, ops: list[Any]) -> None:
+            t, cpu, rq = now(), time.thread_time(), waited()
+            try:
+                await commit(self, ops)
+            finally:
+                end = now()
+                waits = [end - getattr(op, "queued", end) for op in ops]
+                trace.waits.extend(waits)
+                trace.commits.append(
+                    (t, end - t, len(ops), max(waits), time.thread_time() - cpu, waited() - rq)
+                )
+
+        record.SqliteStore._commit = timed_commit  # type: ignore[method-assign]
+
+        read_sync = record.SqliteStore._read_sync
+
+        def timed_read(self: Any, fn: Any) -> Any:
+            t, cpu = now(), time.thread_time()
+            try:
+                return read_sync(self, fn)
+            finally:
+                trace.reads.append((t, now() - t, time.thread_time() - cpu))
+
+        record.SqliteStore._read_sync = timed_read  # type: ignore[method-assign]
+
+        checkpoint = record.SqliteStore._checkpoint
+
+        def timed_checkpoint(conn: Any) -> Any:
+            t, cpu = now(), time.thread_time()
+            out = checkpoint(conn)
+            trace.checkpoints.append((t, now() - t, out[1], out[2], time.thread_time() - cpu))
+            return out
+
+        record.SqliteStore._checkpoint = staticmethod(timed_checkpoint)  # type: ignore[assignment]
+
+        send = providers.ProviderSession.send
+
+        def traced_send(self: Any, offer: Any, run: Any) -> None:
+            send(self, offer, run)
+            if offer.id in self.offers:
+                trace.offers[offer.id] = [
+                    offer.lane.run_id,
+                    now(),
+                    None,
+                    None,
+                    None,
+                    time.thread_time(),
+                    waited(),
+                ]
+
+        providers.ProviderSession.send = traced_send  # type: ignore[method-assign]
+
+        answer = providers.ProviderSession.answer
+
+        def traced_answer(self: Any, offer_id: str, *args: Any, **kwargs: Any) -> None:
+            seen = trace.offers.get(offer_id)
+            if seen is not None and seen[4] is None:
+                seen[4] = now()
+                # The loop thread meanwhile: CPU it spent, time it sat in the
+                # run queue (the rest it waited on I/O: the provider's side).
+                seen[5] = time.thread_time() - seen[5]
+                seen[6] = waited() - seen[6]
+            answer(self, offer_id, *args, **kwargs)
+
+        providers.ProviderSession.answer = traced_answer  # type: ignore[method-assign]
+
+        encoded = provider_socket._encoded
+
+        def traced_encoded(frame: Any) -> str | None:
+            if getattr(frame, "kind", None) == "offer":
+                trace._encoded.append(frame.id)
+            return encoded(frame)
+
+        provider_socket._encoded = traced_encoded
+
+        ws_send = provider_socket.AsgiWebsocket.send
+
+        async def traced_ws_send(self: Any, data: Any) -> None:
+            # The link's writer encodes a message's frames and sends it with
+            # no yield in between: what was encoded since is in this message.
+            ids, trace._encoded = trace._encoded, []
+            t = now()
+            await ws_send(self, data)
+            end = now()
+            for offer_id in ids:
+                seen = trace.offers.get(offer_id)
+                if seen is not None:
+                    seen[2], seen[3] = t, end
+
+        provider_socket.AsgiWebsocket.send = traced_ws_send  # type: ignore[method-assign]
+
+        class LongRounds(trio.abc.Instrument):
+            def __init__(self) -> None:
+                self._began: float | None = None
+                self._cpu = 0.0
+                self._rq = 0.0
+                self._steps = 0
+                self._longest = (0.0, "")
+                self._step_began = 0.0
+
+            def after_io_wait(self, timeout: float) -> None:
+                self._began, self._cpu, self._rq = now(), time.thread_time(), waited()
+                self._steps, self._longest = 0, (0.0, "")
+
+            def before_io_wait(self, timeout: float) -> None:
+                if self._began is None:
+                    return
+                wall = now() - self._began
+                if wall > trace.LONG_ROUND:
+                    cpu = time.thread_time() - self._cpu
+                    rq = waited() - self._rq
+                    trace.rounds.append((self._began, wall, cpu, self._steps, *self._longest, rq))
+                self._began = None
+
+            def before_task_step(self, task: Any) -> None:
+                self._steps += 1
+                self._step_began = now()
+
+            def after_task_step(self, task: Any) -> None:
+                spent = now() - self._step_began
+                if spent > self._longest[0]:
+                    self._longest = (spent, task.name)
+
+        return LongRounds()
+
+    def dump(self, path: str) -> None:
+        import gc
+        from collections import Counter
+
+        # A full pass now (the load's garbage still in it) and one right after
+        # (traversal alone), in thread CPU: what a full pass costs this heap.
+        passes = []
+        for _ in range(2):
+            cpu = time.thread_time()
+            collected = gc.collect()
+            passes.append((time.thread_time() - cpu, collected))
+        old = gc.get_objects(2)
+        kinds = Counter(type(o).__qualname__ for o in old).most_common(15)
+        del old
+        heap = {
+            "thresholds": gc.get_threshold(),
+            "counts": gc.get_count(),
+            "frozen": gc.get_freeze_count(),
+            "generation2": sum(n for _, n in kinds),
+            "generation2_kinds": kinds,
+            "generation2_total": len(gc.get_objects(2)),
+            "full_passes": passes,
+        }
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(
+                {
+                    "gc": self.gc,
+                    "commits": self.commits,
+                    "waits": self.waits,
+                    "checkpoints": self.checkpoints,
+                    "reads": self.reads,
+                    "offers": self.offers,
+                    "rounds": self.rounds,
+                    "heap": heap,
+                },
+                fh,
+            )
+        os.replace(tmp, path)
+
+
 def serve_instrumented_main(argv: list[str]) -> int:
-    """`harness.py serve-instrumented SWITCH SCHED_PATH -- <funduq-trio args>`:
+    """`harness.py serve-instrumented SWITCH SCHED_PATH TRACE_PATH -- <funduq-trio args>`:
     the funduq-trio CLI, unchanged, with sys.setswitchinterval(SWITCH) when
-    SWITCH > 0 and, when SCHED_PATH is given, a trio Instrument counting the
-    run loop's rounds and task steps, written to SCHED_PATH on SIGUSR1. It
-    wraps trio.run from outside; nothing in funduq_trio is touched."""
+    SWITCH > 0; when SCHED_PATH is given, a trio Instrument counting the
+    run loop's rounds and task steps, written to SCHED_PATH on SIGUSR1; when
+    TRACE_PATH is given, a `ServerTrace`, written to TRACE_PATH on SIGUSR2.
+    It wraps trio.run from outside; nothing in funduq_trio is touched."""
     import functools
 
     import trio
 
-    switch, sched_path, _, *cli_args = argv
+    switch, sched_path, trace_path, _, *cli_args = argv
     if float(switch) > 0:
         sys.setswitchinterval(float(switch))
+    if os.environ.get("FUNDUQ_BENCH_CHECKPOINT_SECONDS"):
+        from funduq_trio.broker import record
+
+        record.CHECKPOINT_SECONDS = float(os.environ["FUNDUQ_BENCH_CHECKPOINT_SECONDS"])
+    if os.environ.get("FUNDUQ_BENCH_GC") == "off":
+        import gc
+
+        from funduq_trio import server
+
+        freeze = server.freeze_startup_objects
+
+        def freeze_and_stop_gc() -> None:
+            freeze()
+            gc.disable()
+
+        server.freeze_startup_objects = freeze_and_stop_gc
+    instruments: list[Any] = []
+    if trace_path:
+        trace = ServerTrace()
+        instruments.append(trace.install())
+        signal.signal(signal.SIGUSR2, lambda signum, frame: trace.dump(trace_path))
     if sched_path:
 
         class Rounds(trio.abc.Instrument):
@@ -1093,7 +1427,9 @@ def serve_instrumented_main(argv: list[str]) -> int:
             os.replace(tmp, sched_path)
 
         signal.signal(signal.SIGUSR1, write)
-        trio.run = functools.partial(trio.run, instruments=[rounds])  # type: ignore[assignment]
+        instruments.append(rounds)
+    if instruments:
+        trio.run = functools.partial(trio.run, instruments=instruments)  # type: ignore[assignment]
     from funduq_trio.cli import main
 
     return main(cli_args)

@@ -129,3 +129,73 @@ async def test_the_log_is_copied_into_the_database_file_each_second_off_the_loop
         mock_clock.jump(CHECKPOINT_SECONDS)
         await quiet()
         assert path.stat().st_size > before + 400 * 500  # now in the file itself
+
+
+async def test_commits_landing_during_a_checkpoint_do_not_keep_the_log_growing(
+    tmp_path, mock_clock, monkeypatch
+):
+    """The log starts over from its beginning only once a checkpoint pass
+    copied all of it with nothing committed meanwhile. Commits that land
+    during a pass (steady load) are chased by further passes at once, so the
+    log starts over at the next commit instead of growing for as long as the
+    load lasts; and every commit is still there after a restart."""
+    import sqlite3
+
+    import trio
+    from broker_support import quiet
+
+    from funduq_trio.broker import record as R
+
+    path = tmp_path / "record.sqlite3"
+    monkeypatch.setattr(R, "CATCH_UP_FRAMES", 10)
+    passes: list[tuple[int, int, int]] = []
+    real = R.SqliteStore._checkpoint
+    batch = 0
+
+    def insert(conn) -> None:
+        conn.executemany(
+            "INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at) "
+            "VALUES (?, 'k', 'a', ?, 0)",
+            [(f"t{batch}-{i}", "x" * 500) for i in range(100)],
+        )
+
+    async def commit_a_batch() -> None:
+        nonlocal batch
+        await record.write(insert)
+        batch += 1
+
+    def raced_checkpoint(conn):
+        if len(passes) >= 2:
+            out = real(conn)
+        else:
+            # The first two passes: a commit lands after the pass took its
+            # view of the log (a reader's older snapshot stands for that
+            # moment), so the pass cannot copy it.
+            before = sqlite3.connect(path, isolation_level=None)
+            before.execute("BEGIN")
+            before.execute("SELECT COUNT(*) FROM threads").fetchone()
+            trio.from_thread.run(commit_a_batch)
+            out = real(conn)
+            before.execute("COMMIT")
+            before.close()
+        passes.append(out)
+        return out
+
+    def log_frames(conn) -> int:
+        return conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+
+    async with R.open_record(path) as record:
+        monkeypatch.setattr(R.SqliteStore, "_checkpoint", staticmethod(raced_checkpoint))
+        await commit_a_batch()
+        await quiet()
+        mock_clock.jump(R.CHECKPOINT_SECONDS)
+        await quiet()
+        # Two passes left what landed meanwhile; the third copied it all.
+        assert [copied < frames for _, frames, copied in passes] == [True, True, False]
+        first_batch = passes[0][2]
+        assert first_batch > 10
+        await commit_a_batch()  # the writer's next commit starts the log over
+        assert await record.read(log_frames) <= first_batch
+    async with R.open_record(path) as record:
+        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
+        assert count == (400,)
