@@ -26,7 +26,6 @@ from a2a.utils.errors import (
     InvalidRequestError,
     VersionNotSupportedError,
 )
-from a2a.utils.proto_utils import validate_proto_required_fields
 from a2a.utils.task import decode_page_token
 from google.protobuf.json_format import ParseDict
 from google.protobuf.message import Message as ProtoMessage
@@ -52,6 +51,7 @@ from .calls import (
     Call,
 )
 from .render import error_response, v03_error_envelope
+from .required import validate_required_fields
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -290,7 +290,7 @@ def _validate(call: Call) -> None:
     if call.op == EXTENDED_CARD:
         raise ExtendedAgentCardNotConfiguredError()
     request = call.request
-    validate_proto_required_fields(request)
+    validate_required_fields(request)
     if call.op in (SEND, STREAM):
         config = request.configuration
         if config.HasField("history_length") and config.history_length < 0:
