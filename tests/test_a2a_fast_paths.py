@@ -9,13 +9,16 @@ from typing import Any
 from unittest import mock
 
 from a2a.types import a2a_pb2 as pb
-from google.protobuf.json_format import ParseDict
+from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from funduq_trio.protocol.a2a import parsing
+from funduq_trio.protocol.a2a.calls import REST, SEND, V03, V1, Call
 from funduq_trio.protocol.a2a.parsing import CallRejected, parse_call, plain_send_request
+from funduq_trio.protocol.a2a.projection import snapshot_of_record, task_from_record
+from funduq_trio.protocol.a2a.render import result_response
 from funduq_trio.protocol.a2a.structs import proto_timestamp
 
 
@@ -232,3 +235,153 @@ def test_a_send_call_parses_the_same_either_way(params: Any, method: str, versio
     with mock.patch.object(parsing, "plain_send_request", lambda params: None):
         general = parsed(body, version)
     assert fast == general
+
+
+# ------------------------------------------------------- a blocking answer's Task
+
+_IDS = st.sampled_from(["m1", "m2", "", None, 5, "m\u00e9"])
+_DELTAS = st.sampled_from(["Hel", "lo", "", " ", "\u00e9t\u00e9", "\ud800", None, 3])
+_TEXT_ARTIFACT = {"artifactId": "art-1", "parts": [{"text": "whole"}]}
+
+agui_events = st.one_of(
+    st.builds(
+        lambda kind, mid, delta: {
+            k: v
+            for k, v in {"type": kind, "messageId": mid, "delta": delta}.items()
+            if v is not None
+        },
+        st.sampled_from(["TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_CHUNK"]),
+        _IDS,
+        _DELTAS,
+    ),
+    st.builds(
+        lambda kind, mid: {"type": kind, "messageId": mid, "role": "assistant"},
+        st.sampled_from(["TEXT_MESSAGE_START", "TEXT_MESSAGE_END"]),
+        _IDS,
+    ),
+    st.sampled_from(
+        [
+            {"type": "RUN_STARTED", "threadId": "t", "runId": "r"},
+            {"type": "RUN_FINISHED", "threadId": "t", "runId": "r"},
+            {"type": "RUN_ERROR", "message": "fell over"},
+            {"type": "STEP_STARTED", "stepName": "s"},
+            {"type": "CUSTOM", "name": "a2a.artifact", "value": _TEXT_ARTIFACT},
+            {
+                "type": "CUSTOM",
+                "name": "a2a.artifact",
+                "value": {"artifactId": "m1", "parts": [{"text": "x"}]},
+            },
+            {
+                "type": "CUSTOM",
+                "name": "a2a.artifact",
+                "value": {"name": "n", "parts": [{"kind": "text", "text": "y"}]},
+            },
+            {"type": "CUSTOM", "name": "a2a.artifact", "value": "not json"},
+            {"type": "CUSTOM", "name": "other", "value": 1},
+            "not an event",
+            None,
+        ]
+    ),
+)
+
+run_records = st.builds(
+    lambda run_id, thread_id, status, metadata, stamps, events: {
+        "runId": run_id,
+        "threadId": thread_id,
+        "agent": {"provider": "ab" * 32, "name": "echo"},
+        "status": status,
+        "metadata": metadata,
+        "createdAt": stamps[0],
+        "startedAt": stamps[1],
+        "completedAt": stamps[2],
+        "events": [{"seq": i + 1, "event": e} for i, e in enumerate(events)],
+    },
+    st.sampled_from(["run_1", "", "r\u00e9"]),
+    st.sampled_from(["thread_1", "", "t\u00e9"]),
+    st.sampled_from(
+        [
+            "queued",
+            "offering",
+            "running",
+            "cancelling",
+            "input-required",
+            "completed",
+            "failed",
+            "cancelled",
+            "bogus",
+        ]
+    ),
+    st.sampled_from(
+        [
+            {},
+            {"failureReason": "agent_offline"},
+            {"interrupts": [{"id": "i1", "message": "ok?"}]},
+            {"funduq": {"cancelRequestedBy": "k"}},
+            {"other": 1},
+        ]
+    ),
+    st.sampled_from(
+        [
+            ("2026-12-03T10:00:00.000Z", "2026-12-03T10:00:00.001Z", "2026-12-03T10:00:00.004Z"),
+            ("2026-12-03T10:00:00.000Z", None, None),
+            (None, None, None),
+            (1_700_000_000.25, None, None),
+            ("garbage", None, None),
+        ]
+    ),
+    st.lists(agui_events, max_size=8),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(run_records, st.booleans())
+def test_a_plain_task_is_what_protobuf_writes(record: dict[str, Any], cancel: bool) -> None:
+    projection = snapshot_of_record(record, cancel_requested=cancel)
+    plain = projection.plain_task_json()
+    if plain is None:
+        return  # written through protobuf
+    expected = MessageToDict(pb.SendMessageResponse(task=projection.task()))["task"]
+    assert json.dumps(plain) == json.dumps(expected)
+
+
+@settings(max_examples=500, deadline=None)
+@given(run_records, st.sampled_from([V1, V03, REST]))
+def test_a_send_answer_is_the_same_from_the_projection(
+    record: dict[str, Any], dialect: str
+) -> None:
+    call = Call(9, "SendMessage", SEND, dialect, pb.SendMessageRequest(), {})
+    try:
+        expected = json.dumps(result_response(call, task_from_record(record)))
+    except Exception as exc:  # noqa: BLE001 - then both fail alike
+        expected = repr(exc)
+    try:
+        got = json.dumps(result_response(call, snapshot_of_record(record)))
+    except Exception as exc:  # noqa: BLE001
+        got = repr(exc)
+    assert got == expected
+
+
+def test_an_echo_run_takes_the_plain_way() -> None:
+    record = {
+        "runId": "run_1",
+        "threadId": "thread_1",
+        "status": "completed",
+        "metadata": {},
+        "createdAt": "2026-12-03T10:00:00.000Z",
+        "startedAt": "2026-12-03T10:00:00.001Z",
+        "completedAt": "2026-12-03T10:00:00.004Z",
+        "events": [
+            {"seq": 1, "event": {"type": "RUN_STARTED", "threadId": "thread_1", "runId": "run_1"}},
+            {
+                "seq": 2,
+                "event": {"type": "TEXT_MESSAGE_START", "messageId": "m", "role": "assistant"},
+            },
+            {"seq": 3, "event": {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "he"}},
+            {"seq": 4, "event": {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "y"}},
+            {"seq": 5, "event": {"type": "TEXT_MESSAGE_END", "messageId": "m"}},
+            {"seq": 6, "event": {"type": "RUN_FINISHED", "threadId": "thread_1", "runId": "run_1"}},
+        ],
+    }
+    plain = snapshot_of_record(record).plain_task_json()
+    assert plain == MessageToDict(pb.SendMessageResponse(task=task_from_record(record)))["task"]
+    assert plain["artifacts"] == [{"artifactId": "m", "parts": [{"text": "hey"}]}]
