@@ -9,7 +9,13 @@ envelope -- not the broker and not the HTTP server. The coroutine is stepped
 by hand (the stub never suspends), so no scheduler time is counted either.
 
     python bench/a2a_handler.py                 # best of 7 x 2,000, each case
-    python bench/a2a_handler.py --profile       # cProfile of the 1.0 case
+    python bench/a2a_handler.py --profile       # cProfile of each case
+
+Instructions per call, deterministic whatever the host's load (callgrind; the
+difference of two runs over the calls made):
+
+    valgrind --tool=callgrind python bench/a2a_handler.py --case 1.0 --number 0 --repeat 1
+    valgrind --tool=callgrind python bench/a2a_handler.py --case 1.0 --number 200 --repeat 1
 
 Figures are µs per call (best of the repeats: the least disturbed by the
 host's other load).
@@ -137,9 +143,12 @@ def main() -> int:
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--case", default="", help="only the cases whose name contains this")
     args = parser.parse_args()
     funduq = StubFunduq(echo_record("run_bench", "thread_9f2c", TEXT))
     for name, (body, headers) in bodies().items():
+        if args.case not in name:
+            continue
         door = A2ADoor(funduq, PROVIDER, "echo", StubRequest(headers))
         answer = run_once(door, body)
         if "result" not in answer.payload:
@@ -153,6 +162,8 @@ def main() -> int:
             print(f"== {name}")
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
             continue
+        if not args.number:
+            continue  # (instruction counts: the same process without the calls)
         times = timeit.repeat(
             lambda door=door, body=body: run_once(door, body),
             number=args.number,

@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 from funduq_trio.protocol.a2a import parsing
 from funduq_trio.protocol.a2a.calls import REST, SEND, V03, V1, Call
 from funduq_trio.protocol.a2a.parsing import CallRejected, parse_call, plain_send_request
-from funduq_trio.protocol.a2a.projection import snapshot_of_record, task_from_record
+from funduq_trio.protocol.a2a.projection import (
+    TaskProjection,
+    snapshot_of_record,
+    task_from_record,
+)
 from funduq_trio.protocol.a2a.render import result_response
 from funduq_trio.protocol.a2a.structs import proto_timestamp
 
@@ -385,3 +389,46 @@ def test_an_echo_run_takes_the_plain_way() -> None:
     plain = snapshot_of_record(record).plain_task_json()
     assert plain == MessageToDict(pb.SendMessageResponse(task=task_from_record(record)))["task"]
     assert plain["artifacts"] == [{"artifactId": "m", "parts": [{"text": "hey"}]}]
+
+
+def folded_one_by_one(record: dict[str, Any]) -> TaskProjection:
+    """`from_record` as it was: every event through `apply`."""
+    projection = TaskProjection(task_id=str(record["runId"]), context_id=str(record["threadId"]))
+    for entry in record.get("events") or ():
+        projection.apply(int(entry.get("seq", 0)), entry.get("event"), updates=False)
+    projection.observe(record)
+    return projection
+
+
+continuing_texts = st.lists(
+    st.one_of(
+        st.builds(
+            lambda mid, delta: {"type": "TEXT_MESSAGE_CONTENT", "messageId": mid, "delta": delta},
+            st.sampled_from(["m1", "m2", "", "m\u00e9"]),
+            st.sampled_from(["a", "bc", "", "\u00e9", "\ud800"]),
+        ),
+        agui_events,
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(run_records, continuing_texts, st.sampled_from(["seq", "shuffled", "zero"]))
+def test_a_record_folds_as_event_by_event(
+    record: dict[str, Any], events: list[Any], numbering: str
+) -> None:
+    seqs = list(range(1, len(events) + 1))
+    if numbering == "shuffled":
+        seqs = seqs[::-1][: len(seqs) // 2] + seqs[len(seqs) // 2 :]
+    elif numbering == "zero":
+        seqs = [0] * len(events)
+    record = {
+        **record,
+        "events": [{"seq": s, "event": e} for s, e in zip(seqs, events, strict=True)],
+    }
+    fast, slow = TaskProjection.from_record(record), folded_one_by_one(record)
+    assert fast == slow
+    assert fast.task().SerializeToString(deterministic=True) == slow.task().SerializeToString(
+        deterministic=True
+    )

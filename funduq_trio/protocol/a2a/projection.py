@@ -38,6 +38,7 @@ ARTIFACT_EVENT_NAME = "a2a.artifact"
 _TEXT_DELTA_TYPES = frozenset(
     {EventType.TEXT_MESSAGE_CONTENT.value, EventType.TEXT_MESSAGE_CHUNK.value}
 )
+_CONTENT = EventType.TEXT_MESSAGE_CONTENT.value
 _RUN_STARTED = EventType.RUN_STARTED.value
 _RUN_FINISHED = EventType.RUN_FINISHED.value
 _RUN_ERROR = EventType.RUN_ERROR.value
@@ -158,8 +159,28 @@ class TaskProjection:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> TaskProjection:
         projection = cls(task_id=str(record["runId"]), context_id=str(record["threadId"]))
+        texts = projection._texts
         for entry in record.get("events") or ():
-            projection.apply(int(entry.get("seq", 0)), entry.get("event"), updates=False)
+            seq = int(entry.get("seq", 0))
+            event = entry.get("event")
+            # Most of a record is text deltas continuing the text just
+            # before them: folded here as `apply` folds them (same checks,
+            # ASCII needs no `utf8`), without its dispatch per event.
+            if type(event) is dict and event.get("type") == _CONTENT and seq > projection.last_seq:
+                delta = event.get("delta")
+                message_id = event.get("messageId")
+                if (
+                    type(delta) is str
+                    and delta
+                    and delta.isascii()
+                    and type(message_id) is str
+                    and message_id == projection._last_text_id
+                    and message_id in texts
+                ):
+                    texts[message_id].append(delta)
+                    projection.last_seq = seq
+                    continue
+            projection.apply(seq, event, updates=False)
         projection.observe(record)
         return projection
 
