@@ -1,6 +1,6 @@
 """The A2A door's shortcuts answer what the general paths they skip answer
-(bench/README.md, "The A2A handler"): each is held equal to the general path
-on generated input, malformed input included."""
+(bench/README.md, "Step 4: the A2A handler's own work"): each is held equal
+to the general path on generated input, malformed input included."""
 
 from __future__ import annotations
 

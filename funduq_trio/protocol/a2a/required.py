@@ -5,11 +5,12 @@ worked out once per message type.
 the request and everything below it on each call, reading each field's
 options (`GetOptions().Extensions[field_behavior]`) as it goes; for a plain
 `SendMessageRequest` that was 75 µs, a third of the A2A door's handler
-(bench/README.md, "The A2A handler"). `required_field_errors` makes the same
-walk in the same order and answers the same list, but from a plan per message
-type: only the fields that are REQUIRED or lead to a message type that has a
-REQUIRED field somewhere below it (a request's `metadata` Struct, for one,
-has none, so it is never entered). `tests/test_a2a_required.py` holds it
+(bench/README.md, "Step 4: the A2A handler's own work").
+`required_field_errors` makes the same walk in the same order and answers
+the same list, but from a plan per message type: only the fields that are
+REQUIRED or lead to a message type that has a REQUIRED field somewhere below
+it (a request's `metadata` Struct, for one, has none, so it is never
+entered). `tests/test_a2a_required.py` holds it
 equal to the SDK's walk.
 """
 
