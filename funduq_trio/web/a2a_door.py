@@ -78,7 +78,13 @@ from ..protocol.a2a.card import agent_card
 from ..protocol.a2a.listing import TaskPage, list_tasks_response
 from ..protocol.a2a.messages import run_input_from_message
 from ..protocol.a2a.parsing import CallRejected, parse_call
-from ..protocol.a2a.projection import TaskProjection, status_of_state, task_from_record, task_state
+from ..protocol.a2a.projection import (
+    TaskProjection,
+    snapshot_of_record,
+    status_of_state,
+    task_from_record,
+    task_state,
+)
 from ..protocol.a2a.render import error_response, result_response, stream_frame
 from .a2a_rest import mount_a2a_rest
 from .access import of_agent, reader_of
@@ -257,7 +263,9 @@ class A2ADoor:
                 if blocking
                 else await self.funduq.get_run(run_id)
             )
-            return task_from_record(record)
+            # The projection, not its Task: the answer is usually written
+            # from it directly (`render.result_response`).
+            return snapshot_of_record(record)
         if call.op == GET:
             return task_from_record(await self.readable_record(call.request.id))
         if call.op == CANCEL:

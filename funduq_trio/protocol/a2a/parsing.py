@@ -26,7 +26,6 @@ from a2a.utils.errors import (
     InvalidRequestError,
     VersionNotSupportedError,
 )
-from a2a.utils.proto_utils import validate_proto_required_fields
 from a2a.utils.task import decode_page_token
 from google.protobuf.json_format import ParseDict
 from google.protobuf.message import Message as ProtoMessage
@@ -52,6 +51,7 @@ from .calls import (
     Call,
 )
 from .render import error_response, v03_error_envelope
+from .required import validate_required_fields
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -232,7 +232,9 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
         raise CallRejected(build_error_response(request_id, rpc.MethodNotFoundError()))
     op, model = METHODS_V1[method]
     try:
-        request = ParseDict(params, model(), ignore_unknown_fields=True)
+        request = (
+            plain_send_request(params) if model is pb.SendMessageRequest else None
+        ) or ParseDict(params, model(), ignore_unknown_fields=True)
     except Exception as exc:  # noqa: BLE001 - any parse failure is the params' fault
         raise CallRejected(
             build_error_response(request_id, InvalidParamsError(data={"parseError": str(exc)}))
@@ -244,6 +246,65 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
     except A2AError as exc:
         raise CallRejected(error_response(call, exc)) from None
     return call
+
+
+#: The message fields a plain SendMessage sets, by their JSON names.
+_PLAIN_MESSAGE_FIELDS = {"messageId": "message_id", "contextId": "context_id", "taskId": "task_id"}
+_ROLES = {name: pb.Role.Value(name) for name in pb.Role.keys()}
+
+
+def plain_send_request(params: Any) -> pb.SendMessageRequest | None:
+    """The `SendMessageRequest` that `ParseDict(params, ...,
+    ignore_unknown_fields=True)` makes of the common shape, built directly
+    (ParseDict walks the descriptors field by field: 27 µs of a 120 µs
+    handler); None for anything else, which ParseDict then parses.
+
+    The common shape: params with a `message` and optionally `metadata` (an
+    object) and a `configuration` of `returnImmediately` alone; the message's
+    `messageId`, `contextId`, `taskId` strings, a `role` by name, and `parts`
+    of text alone. Anything else -- another key, another type, null, a role by
+    number or unknown -- goes the general way, errors included.
+    `tests/test_a2a_fast_paths.py` holds the two equal."""
+    if not isinstance(params, dict) or not isinstance(message := params.get("message"), dict):
+        return None
+    fields: dict[str, Any] = {}
+    for key, value in message.items():
+        if key == "parts":
+            if not isinstance(value, list):
+                return None
+            for part in value:
+                if type(part) is not dict or len(part) != 1 or type(part.get("text")) is not str:
+                    return None
+            fields["parts"] = [pb.Part(text=part["text"]) for part in value]
+        elif key == "role":
+            if type(value) is not str or value not in _ROLES:
+                return None
+            fields["role"] = _ROLES[value]
+        elif key in _PLAIN_MESSAGE_FIELDS and type(value) is str:
+            fields[_PLAIN_MESSAGE_FIELDS[key]] = value
+        else:
+            return None
+    try:
+        request = pb.SendMessageRequest(message=pb.Message(**fields))
+        for key, value in params.items():
+            if key == "metadata" and isinstance(value, dict):
+                request.metadata.SetInParent()  # present even when empty, as ParseDict leaves it
+                ParseDict(value, request.metadata)
+            elif (
+                key == "configuration"
+                and isinstance(value, dict)
+                and value.keys() == {"returnImmediately"}
+            ):
+                flag = value["returnImmediately"]
+                if type(flag) is not bool:
+                    return None
+                request.configuration.SetInParent()
+                request.configuration.return_immediately = flag
+            elif key != "message":
+                return None
+    except Exception:  # noqa: BLE001 - ParseDict then says what is wrong
+        return None
+    return request
 
 
 def _parse_v03(
@@ -290,7 +351,7 @@ def _validate(call: Call) -> None:
     if call.op == EXTENDED_CARD:
         raise ExtendedAgentCardNotConfiguredError()
     request = call.request
-    validate_proto_required_fields(request)
+    validate_required_fields(request)
     if call.op in (SEND, STREAM):
         config = request.configuration
         if config.HasField("history_length") and config.history_length < 0:

@@ -30,6 +30,7 @@ from .calls import (
     V1,
     Call,
 )
+from .projection import TaskProjection
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -101,11 +102,21 @@ def _v1_result(call: Call, result: Any) -> Any:
 def result_response(call: Call, result: Any) -> dict[str, Any]:
     """The JSON-RPC success answer to a non-streaming call.
 
-    `result` is a 1.0 `Task` (SendMessage, GetTask, CancelTask),
+    `result` is a 1.0 `Task` (SendMessage, GetTask, CancelTask) or the
+    `TaskProjection` it would be built from,
     `ListTasksResponse` (ListTasks), `TaskPushNotificationConfig` (create,
     get), `ListTaskPushNotificationConfigsResponse` (list) or None (delete);
     0.3 calls get the v0.3 shapes the SDK's converters make of it.
     """
+    if isinstance(result, TaskProjection):
+        # A Task still as its projection: the common one is written without
+        # building the protobuf Task (`plain_task_json`), the rest are built.
+        plain = result.plain_task_json() if call.op == SEND and call.dialect != V03 else None
+        if plain is not None:
+            if call.dialect == REST:
+                return {"task": plain}
+            return _jsonrpc_result({"task": plain}, call.request_id)
+        result = result.task()
     if call.dialect == REST:
         rendered = _v1_result(call, result)
         return {} if rendered is None else rendered

@@ -9,12 +9,15 @@ DEGRADED_KEY, so one odd event never fails a whole view.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, cast
 
 from google.protobuf.json_format import MessageToDict, ParseDict
 from google.protobuf.message import Message as ProtoMessage
+from google.protobuf.timestamp_pb2 import Timestamp
 
 #: Metadata key: what this metadata carries was altered to fit an A2A answer
 #: (see `_fit`); the run's record (`GET /runs/{id}`) holds it as sent.
@@ -124,8 +127,6 @@ def set_struct(target: Any, value: Mapping[str, Any]) -> None:
 
 def proto_timestamp(value: Any) -> Any | None:
     """A protobuf Timestamp from a record time (ISO-8601 text or epoch seconds)."""
-    from google.protobuf.timestamp_pb2 import Timestamp
-
     ts = Timestamp()
     try:
         if isinstance(value, bool) or value is None:
@@ -137,8 +138,36 @@ def proto_timestamp(value: Any) -> Any | None:
             text = value.replace("+00:00", "Z")
             if not text.endswith("Z") and "+" not in text[10:] and "-" not in text[10:]:
                 text += "Z"
+            stamp = _RECORD_STAMP.fullmatch(text)
+            if stamp is not None:
+                # What `FromJsonString` makes of it, its strptime paid once per
+                # second: a snapshot reads three stamps, mostly of one second.
+                seconds = _whole_seconds(stamp[1])
+                if seconds is not None:
+                    fraction = stamp[2]
+                    ts.seconds = seconds
+                    ts.nanos = round(float("0." + fraction) * 1e9) if fraction else 0
+                    return ts
             ts.FromJsonString(text)
             return ts
     except (ValueError, TypeError, OverflowError):
         return None
     return None
+
+
+#: The record's own stamps (`store.iso`): UTC, whole seconds and a fraction.
+_RECORD_STAMP = re.compile(
+    r"([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2})(?:\.([0-9]{1,9}))?Z"
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _whole_seconds(text: str) -> int | None:
+    """`Timestamp.FromJsonString`'s seconds for `YYYY-MM-DDTHH:MM:SS` UTC, or
+    None where it refuses the text (it then refuses the whole stamp too)."""
+    ts = Timestamp()
+    try:
+        ts.FromJsonString(text + "Z")
+    except ValueError:
+        return None
+    return int(ts.seconds)
