@@ -59,6 +59,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
+from trio.lowlevel import Abort, RaiseCancelT
 
 from ..protocol import agui, carriable
 from ..protocol.statuses import Status
@@ -133,7 +134,7 @@ class Feed:
     Older ones leave memory and ``first_seq`` moves past them: a follower
     behind that reads them from the record (``Funduq.follow``)."""
 
-    __slots__ = ("first_seq", "events", "closed", "_changed", "_closing", "keep")
+    __slots__ = ("first_seq", "events", "closed", "_followers", "_closing", "keep")
 
     def __init__(self, first_seq: int, keep: int | None = None) -> None:
         #: The seq of the first event held (or of the next one, while none is).
@@ -141,15 +142,19 @@ class Feed:
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.closed = False
         self.keep = keep
-        # Made by the first follower to wait: a run nobody follows has none.
-        self._changed: trio.Event | None = None
+        # The tasks waiting in ``changed``, parked on the feed itself rather
+        # than on a trio.Event: an event, its parking lot and their two
+        # frames are most of a kilobyte per followed waiting run. Made by the
+        # first follower to wait: a run nobody follows has none.
+        self._followers: list[trio.lowlevel.Task] | None = None
         # Made by the first to wait for the end alone (``wait_closed``).
         self._closing: trio.Event | None = None
 
     def _wake(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        followers, self._followers = self._followers, None
+        if followers:
+            for task in followers:
+                trio.lowlevel.reschedule(task)
 
     def publish(self, seq: int, event: dict[str, Any]) -> None:
         events = self.events
@@ -166,12 +171,21 @@ class Feed:
             self._closing.set()
 
     async def changed(self) -> None:
-        """Wait for the next publish or the close."""
+        """Wait for the next publish or the close (as ``Event.wait`` would:
+        cancellable while it waits)."""
         if self.closed:
             return
-        if self._changed is None:
-            self._changed = trio.Event()
-        await self._changed.wait()
+        followers = self._followers
+        if followers is None:
+            followers = self._followers = []
+        task = trio.lowlevel.current_task()
+        followers.append(task)
+
+        def abort(_: RaiseCancelT) -> Abort:
+            followers.remove(task)
+            return Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def wait_closed(self) -> None:
         """Wait for the close only: a waiter that reads no events is not woken
