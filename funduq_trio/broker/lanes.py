@@ -64,7 +64,7 @@ from trio.lowlevel import Abort, RaiseCancelT
 from ..protocol import agui, carriable
 from ..protocol.statuses import Status
 from . import run_machine as rm
-from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
+from .inbox import Cancel, Finish, Gone, Inbox, Message, Report, Turn, Wake
 from .run_machine import Input, Phase, RunMachine, Verdict
 from .store import NotLeader, PendingWrite, Store, iso, record_trouble
 
@@ -281,7 +281,6 @@ class Lane:
         "arriving",
         "feed",
         "thread",
-        "_send",
         "_inbox",
         "_finished",
         "_cancels",
@@ -324,7 +323,7 @@ class Lane:
         self.arriving = arriving
         self.feed = Feed(self.next_seq)
         self.thread: ThreadLanes | None = None
-        self._send, self._inbox = trio.open_memory_channel[Message](math.inf)
+        self._inbox: Inbox[Message] = Inbox()
         # The RUN_FINISHED the stream carried (its interrupts, on a pause).
         self._finished: dict[str, Any] | None = None
         # Cancels read and not answered yet, oldest first (AnswerCancel answers them).
@@ -363,9 +362,14 @@ class Lane:
 
     # -- the inbox ---------------------------------------------------------------
 
+    @property
+    def _send(self) -> Inbox[Message]:
+        """The inbox's sending side: the inbox itself (one object, both ends)."""
+        return self._inbox
+
     def tell(self, message: Message) -> None:
         try:
-            self._send.send_nowait(message)
+            self._inbox.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if isinstance(message, Cancel):
                 message.refuse()  # the run ended before it could be read
