@@ -584,8 +584,11 @@ class Lane:
         """The next message for a queued run; None when the lane acted instead
         (offered, or its unserved window ran out)."""
         message = self._receive_nowait()
+        # Nothing is read early (the backlog is empty): the waits below read
+        # the inbox itself, without ``_receive``'s frame, which every queued
+        # run would hold while it waits.
         if message is not None or not self.machine.wants_place:
-            return message if message is not None else await self._receive()
+            return message if message is not None else await self._inbox.receive()
         providers = self.f.providers
         session = providers.serving(self.key, self.agent)
         if session is None:
@@ -601,7 +604,7 @@ class Lane:
         elif self.machine.declined or not session.has_room():
             self._pass_baton()
             providers.wait(self.key, self, for_room=True)
-            message = await self._receive()
+            message = await self._inbox.receive()
         else:
             await self._offer_to(session)
             return None
