@@ -66,3 +66,19 @@ async def test_the_readers_close_drops_what_is_unread_and_breaks_senders() -> No
         inbox.receive_nowait()
     with pytest.raises(trio.ClosedResourceError):
         await inbox.receive()
+
+
+async def test_a_reader_that_never_catches_up_keeps_order_and_not_what_it_read() -> None:
+    inbox: Inbox[int] = Inbox()
+    sent = received = 0
+    for _ in range(1000):  # two in, one out: the inbox never empties
+        inbox.send_nowait(sent)
+        inbox.send_nowait(sent + 1)
+        sent += 2
+        assert inbox.receive_nowait() == received
+        received += 1
+    assert inbox.statistics().current_buffer_used == sent - received
+    assert len(inbox._items) < 2 * (sent - received)  # what was read is not kept
+    while received < sent:
+        assert await inbox.receive() == received
+        received += 1

@@ -75,6 +75,11 @@ class Gone:
 Message = Turn | Wake | Cancel | Report | Finish | Gone
 
 
+#: An inbox drops what its reader took once that is this many messages and
+#: half its list.
+COMPACT_AFTER = 64
+
+
 class InboxStatistics(NamedTuple):
     """As trio's ``MemoryChannelStatistics``, for what an inbox can say."""
 
@@ -122,13 +127,20 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
         items = self._items
         if self._head == len(items):
             raise trio.WouldBlock
-        value = items[self._head]
-        self._head += 1
-        if self._head == len(items):
+        head = self._head
+        value = items[head]
+        head += 1
+        if head == len(items):
             items.clear()
-            self._head = 0
+            head = 0
+        elif head >= COMPACT_AFTER and 2 * head >= len(items):
+            # A lane that never quite catches up never empties the list:
+            # what it read goes, at most half the list's length at a time.
+            del items[:head]
+            head = 0
         else:
-            items[self._head - 1] = None  # type: ignore[assignment]  # not held once read
+            items[head - 1] = None  # type: ignore[assignment]  # not held once read
+        self._head = head
         return value
 
     async def receive(self) -> T:
