@@ -2,9 +2,23 @@
 ten thousand of each (bench/scale.py measures the whole)."""
 
 import contextvars
+import gc
 
 import trio
-from broker_support import AGENT, Provider, broker, quiet, user_input
+from broker_support import (
+    AGENT,
+    Follower,
+    Provider,
+    accepted,
+    broker,
+    quiet,
+    reply,
+    start,
+    user_input,
+)
+
+from funduq_trio.broker.inbox import Inbox
+from funduq_trio.broker.lanes import Feed, Lane, ThreadLanes
 
 #: Stands in for quart's request context variable, which holds the whole request.
 CALLER = contextvars.ContextVar("caller")
@@ -40,3 +54,31 @@ async def test_a_waiting_run_does_not_keep_its_callers_context(tmp_path, mock_cl
         assert all(lane.status == "queued" for lane in funduq.lanes.values())
         held = [t.name for t in all_tasks() if t.context.get(CALLER, None) is not None]
         assert held == []
+
+
+async def test_nothing_of_a_run_is_kept_once_it_ends(tmp_path, mock_clock):
+    """Settled, cancelled or followed: once its runs end, no lane, feed,
+    inbox or thread of them is left in memory."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        async with trio.open_nursery() as nursery:
+            done = await accepted(funduq, p, text="followed to its end")
+            follower = Follower(funduq, done.run_id)
+            nursery.start_soon(follower.run)
+            waiting = await start(funduq, p, text="waits for a place, then is cancelled")
+            waiting_follower = Follower(funduq, waiting.run_id)
+            nursery.start_soon(waiting_follower.run)
+            await quiet()
+            await funduq.cancel_run(waiting.run_id)
+            p.stream(done.run_id, *reply(done.run_id, done.thread_id, deltas=3))
+            await quiet()
+        assert follower.ended.is_set() and waiting_follower.ended.is_set()
+        await quiet()
+        assert funduq.lanes == {} and funduq.threads == {}
+        gc.collect()
+        kept = [
+            type(o).__name__
+            for o in gc.get_objects()
+            if isinstance(o, (Lane, Feed, ThreadLanes, Inbox))
+        ]
+        assert kept == []

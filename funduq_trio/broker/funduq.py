@@ -98,7 +98,7 @@ class KyokRun:
     actor_chain: list[str] | None
 
 
-@dataclass
+@dataclass(slots=True)
 class ThreadInfo:
     id: str
     key: str

@@ -59,11 +59,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
+from trio.lowlevel import Abort, RaiseCancelT
 
 from ..protocol import agui, carriable
 from ..protocol.statuses import Status
 from . import run_machine as rm
-from .inbox import Cancel, Finish, Gone, Message, Report, Turn, Wake
+from .inbox import Cancel, Finish, Gone, Inbox, Message, Report, Turn, Wake
 from .run_machine import Input, Phase, RunMachine, Verdict
 from .store import NotLeader, PendingWrite, Store, iso, record_trouble
 
@@ -133,7 +134,7 @@ class Feed:
     Older ones leave memory and ``first_seq`` moves past them: a follower
     behind that reads them from the record (``Funduq.follow``)."""
 
-    __slots__ = ("first_seq", "events", "closed", "_changed", "_closing", "keep")
+    __slots__ = ("first_seq", "events", "closed", "_followers", "_closing", "keep")
 
     def __init__(self, first_seq: int, keep: int | None = None) -> None:
         #: The seq of the first event held (or of the next one, while none is).
@@ -141,15 +142,19 @@ class Feed:
         self.events: list[tuple[int, dict[str, Any]]] = []
         self.closed = False
         self.keep = keep
-        # Made by the first follower to wait: a run nobody follows has none.
-        self._changed: trio.Event | None = None
+        # The tasks waiting in ``changed``, parked on the feed itself rather
+        # than on a trio.Event: an event, its parking lot and their two
+        # frames are most of a kilobyte per followed waiting run. Made by the
+        # first follower to wait: a run nobody follows has none.
+        self._followers: list[trio.lowlevel.Task] | None = None
         # Made by the first to wait for the end alone (``wait_closed``).
         self._closing: trio.Event | None = None
 
     def _wake(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        followers, self._followers = self._followers, None
+        if followers:
+            for task in followers:
+                trio.lowlevel.reschedule(task)
 
     def publish(self, seq: int, event: dict[str, Any]) -> None:
         events = self.events
@@ -166,12 +171,21 @@ class Feed:
             self._closing.set()
 
     async def changed(self) -> None:
-        """Wait for the next publish or the close."""
+        """Wait for the next publish or the close (as ``Event.wait`` would:
+        cancellable while it waits)."""
         if self.closed:
             return
-        if self._changed is None:
-            self._changed = trio.Event()
-        await self._changed.wait()
+        followers = self._followers
+        if followers is None:
+            followers = self._followers = []
+        task = trio.lowlevel.current_task()
+        followers.append(task)
+
+        def abort(_: RaiseCancelT) -> Abort:
+            followers.remove(task)
+            return Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def wait_closed(self) -> None:
         """Wait for the close only: a waiter that reads no events is not woken
@@ -267,7 +281,6 @@ class Lane:
         "arriving",
         "feed",
         "thread",
-        "_send",
         "_inbox",
         "_finished",
         "_cancels",
@@ -310,7 +323,7 @@ class Lane:
         self.arriving = arriving
         self.feed = Feed(self.next_seq)
         self.thread: ThreadLanes | None = None
-        self._send, self._inbox = trio.open_memory_channel[Message](math.inf)
+        self._inbox: Inbox[Message] = Inbox()
         # The RUN_FINISHED the stream carried (its interrupts, on a pause).
         self._finished: dict[str, Any] | None = None
         # Cancels read and not answered yet, oldest first (AnswerCancel answers them).
@@ -349,9 +362,14 @@ class Lane:
 
     # -- the inbox ---------------------------------------------------------------
 
+    @property
+    def _send(self) -> Inbox[Message]:
+        """The inbox's sending side: the inbox itself (one object, both ends)."""
+        return self._inbox
+
     def tell(self, message: Message) -> None:
         try:
-            self._send.send_nowait(message)
+            self._inbox.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if isinstance(message, Cancel):
                 message.refuse()  # the run ended before it could be read
@@ -566,8 +584,11 @@ class Lane:
         """The next message for a queued run; None when the lane acted instead
         (offered, or its unserved window ran out)."""
         message = self._receive_nowait()
+        # Nothing is read early (the backlog is empty): the waits below read
+        # the inbox itself, without ``_receive``'s frame, which every queued
+        # run would hold while it waits.
         if message is not None or not self.machine.wants_place:
-            return message if message is not None else await self._receive()
+            return message if message is not None else await self._inbox.receive()
         providers = self.f.providers
         session = providers.serving(self.key, self.agent)
         if session is None:
@@ -583,7 +604,7 @@ class Lane:
         elif self.machine.declined or not session.has_room():
             self._pass_baton()
             providers.wait(self.key, self, for_room=True)
-            message = await self._receive()
+            message = await self._inbox.receive()
         else:
             await self._offer_to(session)
             return None
