@@ -42,16 +42,19 @@ async def read(sock: socket.socket) -> bytes:
     waited = False
     while True:
         try:
+            return_now = True
             data = sock.recv(READ_BYTES)
         except BlockingIOError:
-            await wait_readable(sock)  # a checkpoint of its own
-            waited = True
-            continue
+            return_now = False  # waited for below: not inside the except, whose
+            # exception would be held (with its traceback) as long as the wait
         except OSError:
             data = b""
-        if not waited:
-            await cancel_shielded_checkpoint()
-        return data
+        if return_now:
+            if not waited:
+                await cancel_shielded_checkpoint()
+            return data
+        await wait_readable(sock)  # a checkpoint of its own
+        waited = True
 
 
 async def write_all(sock: socket.socket, data: bytes) -> bool:
