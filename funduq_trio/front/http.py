@@ -9,6 +9,7 @@ h11 says the connection may be kept. A websocket upgrade is handed to
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from email.utils import formatdate
 from typing import Any
@@ -17,13 +18,11 @@ from urllib.parse import unquote
 import h11
 import trio
 
+from . import sockets
 from .limits import FrontLimits
 
 log = logging.getLogger("funduq_trio.server")
 
-#: One socket read. Large enough that a burst of pipelined requests or
-#: websocket frames is parsed in one step.
-READ_BYTES = 65536
 #: After refusing a request whose body is not read (413, 408), funduq reads
 #: and drops what the caller still sends, for at most this long and this
 #: much, before closing: closing with unread bytes resets the connection, and
@@ -34,7 +33,6 @@ LINGER_BYTES = 64 * 1024 * 1024
 
 DISCONNECT = {"type": "http.disconnect"}
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
-_BUSY_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class Connection:
@@ -47,51 +45,59 @@ class Connection:
         "h11",
         "limits",
         "server",
-        "stream",
-        "_write_lock",
-        "_peer",
+        "sock",
+        "_writing",
+        "_write_turns",
     )
 
-    def __init__(self, stream: trio.SocketStream, app: Any, limits: FrontLimits) -> None:
-        self.stream = stream
+    def __init__(
+        self, sock: socket.socket, client: tuple[str, int] | None, app: Any, limits: FrontLimits
+    ) -> None:
+        self.sock = sock
         self.app = app
         self.limits = limits
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         #: The caller is gone (EOF, reset, or a write that failed or was cut):
         #: nothing more is written and the connection closes after this request.
         self.gone = False
-        self._write_lock = trio.StrictFIFOLock()
+        self.client = client
         try:
-            self.client: tuple[str, int] | None = _address(stream.socket.getpeername())
-            self.server: tuple[str, int] | None = _address(stream.socket.getsockname())
+            self.server: tuple[str, int] | None = _address(sock.getsockname())
         except OSError:
-            self.client = self.server = None
-        self._peer = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+            self.server = None
+        self._writing = False
+        #: Writers waiting for the one in progress (made when first needed:
+        #: two writers at once are rare, an SSE keepalive beside a burst).
+        self._write_turns: trio.lowlevel.ParkingLot | None = None
 
     # -- socket -----------------------------------------------------------------
 
     async def read(self) -> bytes:
         """The next bytes from the caller, b"" at its end (or a reset)."""
-        try:
-            return await self.stream.receive_some(READ_BYTES)
-        except _BUSY_ERRORS:
-            return b""
+        return await sockets.read(self.sock)
 
     async def write(self, data: bytes) -> None:
-        """Write `data` whole, or mark the caller gone. A write cut half way
-        (cancelled) leaves the stream unusable, so it marks it gone too."""
+        """Write `data` whole, or mark the caller gone. Writes never
+        interleave; a write cut half way (cancelled) leaves the connection
+        unusable, so it marks it gone too."""
         if self.gone or not data:
             return
-        async with self._write_lock:
-            done = False
-            try:
-                await self.stream.send_all(data)
-                done = True
-            except _BUSY_ERRORS:
-                pass
-            finally:
-                if not done:
-                    self.gone = True
+        while self._writing:
+            if self._write_turns is None:
+                self._write_turns = trio.lowlevel.ParkingLot()
+            await self._write_turns.park()
+            if self.gone:
+                return
+        self._writing = True
+        done = False
+        try:
+            done = await sockets.write_all(self.sock, data)
+        finally:
+            self._writing = False
+            if not done:
+                self.gone = True
+            if self._write_turns is not None:
+                self._write_turns.unpark()
 
     async def next_event(self) -> Any:
         """h11's next event, reading the socket as h11 needs."""
@@ -188,30 +194,29 @@ class Connection:
 
     async def _close(self) -> None:
         """Say we are done, read what the caller still sends (bounded), close.
-        Not shielded: a server being cancelled closes at once (trio's
-        `aclose` closes even when cancelled)."""
-        stream = self.stream
+        Not shielded: a server being cancelled closes at once."""
+        sock = self.sock
         try:
             if not self.gone:
-                await stream.send_eof()
+                sock.shutdown(socket.SHUT_WR)
             with trio.move_on_after(LINGER_SECONDS):
                 drained = 0
                 while drained < LINGER_BYTES:
-                    data = await stream.receive_some(READ_BYTES)
+                    data = await sockets.read(sock)
                     if not data:
                         break
                     drained += len(data)
-        except (*_BUSY_ERRORS, trio.BusyResourceError, OSError):
+        except OSError:
             pass
         finally:
-            await stream.aclose()
+            sockets.close(sock)
 
     def _log_access(self, request: h11.Request, exchange: Exchange, took: float) -> None:
         headers = dict(request.headers)
         assert self.limits.access_log is not None
         self.limits.access_log.info(
             '%s - - [%s] "%s %s %s" %s %s "%s" "%s" %.1fms',
-            self._peer,
+            f"{self.client[0]}:{self.client[1]}" if self.client else "-",
             time.strftime("%d/%b/%Y:%H:%M:%S %z"),
             request.method.decode(),
             exchange.target,

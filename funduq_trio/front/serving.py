@@ -11,6 +11,7 @@ import trio
 
 from .http import Connection
 from .limits import FrontLimits
+from .sockets import accept_forever
 
 log = logging.getLogger("funduq_trio.server")
 
@@ -31,17 +32,16 @@ async def serve_asgi(
     (a bound socket) accepts; report started once connections are taken.
     Runs until cancelled."""
     listening.listen(BACKLOG)
-    listener = trio.SocketListener(trio.socket.from_stdlib_socket(listening))
 
-    async def serve_connection(stream: trio.SocketStream) -> None:
+    async def serve_connection(sock: socket.socket, client: tuple[str, int] | None) -> None:
         try:
-            await Connection(stream, app, limits).serve()
+            await Connection(sock, client, app, limits).serve()
         except Exception:  # one connection's failure is never the server's
             log.exception("a connection failed")
 
     async with trio.open_nursery() as nursery:
         await nursery.start(_lifespan, app)
-        await nursery.start(trio.serve_listeners, serve_connection, [listener])
+        nursery.start_soon(accept_forever, listening, serve_connection, nursery)
         task_status.started()
 
 

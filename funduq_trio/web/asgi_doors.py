@@ -189,6 +189,7 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         try:
             body = await read_body(scope, receive, limit, timeout)
             reply = await _until_gone(receive, door, body)
+            del body  # not held for as long as a stream lasts
         except _Gone:
             return
         except RequestEntityTooLarge as exc:
@@ -221,12 +222,15 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
             if method == "POST":
                 parts = path.split("/")
                 if len(parts) in (4, 5) and parts[0] == "" and parts[2] and parts[3]:
-                    door = parts[1]
-                    if door == "a2a" and (len(parts) == 4 or parts[4] == ""):
-                        await a2a(scope, receive, send, parts[2], parts[3])
+                    door, provider, agent = parts[1], parts[2], parts[3]
+                    bare = len(parts) == 4  # no trailing slash (the A2A door takes one)
+                    slash = not bare and parts[4] == ""
+                    del parts  # not held for as long as a stream lasts
+                    if door == "a2a" and (bare or slash):
+                        await a2a(scope, receive, send, provider, agent)
                         return
-                    if door == "agui" and len(parts) == 4:
-                        await agui(scope, receive, send, parts[2], parts[3])
+                    if door == "agui" and bare:
+                        await agui(scope, receive, send, provider, agent)
                         return
             elif method == "GET" and path == "/healthz":
                 await answer_json(scope, send, Json(_HEALTHZ))

@@ -1,0 +1,117 @@
+"""The front's socket calls: a non-blocking stdlib socket and trio's waits.
+
+trio's `SocketStream` puts a conflict detector, a method wrapper and a
+context manager around each call, and its lock-free send needs a lock
+around it once two tasks may write (an SSE keepalive beside a burst). A
+connection here reads and writes often and briefly (a request, its answer,
+every websocket message), so each call is the syscall, trio's wait when the
+kernel says "would block", and the one checkpoint trio's rules ask of every
+async call (bench/README.md: 21 -> 9 us a read on a busy host).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import trio
+from trio.lowlevel import (
+    cancel_shielded_checkpoint,
+    checkpoint_if_cancelled,
+    wait_readable,
+    wait_writable,
+)
+
+log = logging.getLogger("funduq_trio.server")
+
+#: One socket read. Large enough that a burst of pipelined requests or
+#: websocket frames is parsed in one step.
+READ_BYTES = 65536
+
+#: accept() errors that mean "out of a resource": wait a little and go on,
+#: rather than spin or stop serving (trio's serve_listeners does the same).
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+OUT_OF_RESOURCES_PAUSE = 0.1
+
+
+async def read(sock: socket.socket) -> bytes:
+    """The next bytes `sock` has, b"" at its end (or when it is reset)."""
+    await checkpoint_if_cancelled()
+    waited = False
+    while True:
+        try:
+            return_now = True
+            data = sock.recv(READ_BYTES)
+        except BlockingIOError:
+            return_now = False  # waited for below: not inside the except, whose
+            # exception would be held (with its traceback) as long as the wait
+        except OSError:
+            data = b""
+        if return_now:
+            if not waited:
+                await cancel_shielded_checkpoint()
+            return data
+        await wait_readable(sock)  # a checkpoint of its own
+        waited = True
+
+
+async def write_all(sock: socket.socket, data: bytes) -> bool:
+    """Write all of `data`; False if the peer is gone. Cancelled half way, the
+    connection cannot be used again (the caller marks it so)."""
+    await checkpoint_if_cancelled()
+    try:
+        sent = sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    except OSError:
+        return False
+    if sent == len(data):
+        await cancel_shielded_checkpoint()
+        return True
+    view = memoryview(data)
+    while sent < len(data):
+        await wait_writable(sock)
+        try:
+            sent += sock.send(view[sent:])
+        except BlockingIOError:
+            continue
+        except OSError:
+            return False
+    return True
+
+
+def close(sock: socket.socket) -> None:
+    """Close `sock`, waking any task still waiting on it (trio's rule)."""
+    trio.lowlevel.notify_closing(sock)
+    sock.close()
+
+
+async def accept_forever(
+    listening: socket.socket,
+    serve: Callable[[socket.socket, tuple[str, int] | None], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    """Accept every connection `listening` gets, each served by `serve` in a
+    task of `nursery`. Runs until cancelled."""
+    listening.setblocking(False)
+    while True:
+        await wait_readable(listening)
+        try:
+            sock, address = listening.accept()
+        except BlockingIOError:
+            continue  # another accept took it, or the caller gave up
+        except OSError as exc:
+            if exc.errno in _OUT_OF_RESOURCES:
+                log.error("cannot accept a connection (%s); pausing", exc.strerror)
+                await trio.sleep(OUT_OF_RESOURCES_PAUSE)
+                continue
+            if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                continue  # that one connection's trouble
+            raise
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = (str(address[0]), int(address[1])) if isinstance(address, tuple) else None
+        nursery.start_soon(serve, sock, peer)
