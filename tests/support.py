@@ -45,7 +45,12 @@ import httpx
 import stores
 import trio
 from httpx_sse import EventSource
-from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    WebSocketConnection,
+    open_websocket_url,
+)
 
 from funduq_trio.config import Settings
 from funduq_trio.identity import (
@@ -73,6 +78,21 @@ async def running_server(tmp_path: Path, **overrides: Any) -> AsyncIterator[Serv
             yield info
         finally:
             nursery.cancel_scope.cancel()
+
+
+async def refused_handshake(url: str) -> ConnectionRejected:
+    """Open a websocket to `url` whose handshake the server refuses: the refusal."""
+    refused: BaseException | None = None
+    try:
+        async with open_websocket_url(url):
+            pass  # pragma: no cover - the handshake is refused
+    except BaseException as exc:  # noqa: BLE001 -- unwrapped and checked below
+        refused = exc
+    # Older trio-websocket releases raise it inside a nursery's group.
+    while isinstance(refused, BaseExceptionGroup) and len(refused.exceptions) == 1:
+        refused = refused.exceptions[0]
+    assert isinstance(refused, ConnectionRejected), refused
+    return refused
 
 
 def http_client(info: ServerInfo, **kwargs: Any) -> httpx.AsyncClient:
