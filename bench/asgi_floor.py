@@ -68,17 +68,16 @@ def quart_app() -> Any:
 
 def serve_main(kind: str) -> int:
     """The child: serve `kind` on 127.0.0.1, port 0, print the URL."""
-    from funduq_trio.config import Settings
-    from funduq_trio.server import front_limits, listen_socket
-
-    settings = Settings(host=h.HOST, port=0)
     app = quart_app() if kind == "quart" else bare_app
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             if kind == "front":
+                from funduq_trio.config import Settings
                 from funduq_trio.front import serve_asgi
+                from funduq_trio.server import front_limits, listen_socket
 
+                settings = Settings(host=h.HOST, port=0)
                 listening = listen_socket(settings)
                 await nursery.start(serve_asgi, app, listening, front_limits(settings))
                 url = f"http://{h.HOST}:{listening.getsockname()[1]}"
@@ -89,7 +88,7 @@ def serve_main(kind: str) -> int:
                 config = Config()
                 config.bind = [f"{h.HOST}:0"]
                 config.accesslog = None
-                config.keep_alive_timeout = front_limits(settings).keep_alive_seconds
+                config.keep_alive_timeout = 5.0  # as funduq's own (server.KEEP_ALIVE_SECONDS)
                 url = (await nursery.start(hypercorn.trio.serve, app, config))[0]
             print(f"asgi floor serving on {url}", flush=True)
 
