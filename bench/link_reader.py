@@ -121,9 +121,17 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=None,
+        help="no timing: run the reader over CALLS runs' messages once and stop (for "
+        "instruction counts: callgrind with 0 and with N calls, subtracted)",
+    )
     args = parser.parse_args()
     texts = run_frames("r-0000000000000001")
     n = len(texts)
+    timed = args.calls is None
     reports = [t for t in texts if '"kind":"report"' in t]
     print(f"{n} messages a run ({len(reports)} reports)")
 
@@ -131,8 +139,9 @@ def main() -> None:
         for text in reports:
             f.decode_frame(text, accept=f.FROM_PROVIDER)
 
-    us = per_message(decode_only, len(reports), args.rounds)
-    print(f"frames.decode_frame (a report):          {us:6.2f} us")
+    if timed:
+        us = per_message(decode_only, len(reports), args.rounds)
+        print(f"frames.decode_frame (a report):          {us:6.2f} us")
 
     machine = attached_machine()
 
@@ -140,8 +149,9 @@ def main() -> None:
         for text in reports:
             machine.receive(text)
 
-    us = per_message(machine_reports, len(reports), args.rounds)
-    print(f"LinkMachine.receive (a report):          {us:6.2f} us")
+    if timed:
+        us = per_message(machine_reports, len(reports), args.rounds)
+        print(f"LinkMachine.receive (a report):          {us:6.2f} us")
 
     # The reader loop over a run's messages, the broker stubbed: the offer
     # each run's `ok` answers is made on the machine first.
@@ -173,6 +183,19 @@ def main() -> None:
             best = min(best, time.perf_counter() - start)
         return best / (5 * n) * 1e6
 
+    async def reader_calls(calls: int) -> None:
+        for _ in range(calls):
+            sock.machine._outstanding["o-r-0000000000000001"] = "r-0000000000000001"
+            sock.machine._answered_set.discard("o-r-0000000000000001")
+            sock._ws = _Socket(texts)
+            try:
+                await sock._reader(None)
+            except _Done:
+                pass
+
+    if args.calls is not None:
+        trio.run(reader_calls, args.calls)
+        return
     print(f"ProviderSocket._reader (any message):    {trio.run(reader_rounds):6.2f} us")
 
 
