@@ -177,3 +177,13 @@ def test_parse_json_is_json_loads() -> None:
             assert str(exc) == expected
         else:  # pragma: no cover
             raise AssertionError(bad)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_frames(), min_size=1, max_size=4))
+def test_a_batch_is_read_as_the_long_road_reads_it(items: list[dict[str, Any]]) -> None:
+    # A batch goes the long road, on the object `receive` parsed already.
+    text = json.dumps({"kind": "batch", "frames": items})
+    short, long = _attached(), _attached()
+    assert short.receive(text) == long._read(text)
+    assert _state(short) == _state(long)
