@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeGuard, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -97,6 +97,10 @@ __all__ = [
     "message_frames",
     "read_message",
     "batch_text",
+    "parse_json",
+    "plain_finish",
+    "plain_ok",
+    "plain_report",
     "wire_bytes",
     "decode_frame",
     "decode_object",
@@ -478,11 +482,40 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+#: `message_frames`' default: the text is still to be parsed.
+_UNPARSED: Any = object()
+
+# One decoder for every message: `json.loads` with a keyword builds a new
+# JSONDecoder per call, a tenth of a lone report's decode (bench/README.md,
+# "The per-message path of a provider without batches").
+_JSON = json.JSONDecoder(parse_constant=_no_constants)
+
+
+def parse_json(text: str | bytes) -> Any:
+    """`json.loads(text, parse_constant=...)` (NaN and Infinity are not JSON),
+    raising what it raises, on one shared decoder."""
+    if type(text) is str and not text.startswith("\ufeff"):
+        return _JSON.decode(text)
+    return json.loads(text, parse_constant=_no_constants)  # its BOM and bytes errors
+
+
 def _usable_id(obj: dict[str, Any]) -> str | None:
     value = obj.get("id")
-    if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS:
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and _utf8(value):
         return value
     return None
+
+
+def _utf8(value: str) -> bool:
+    """An `err` can echo it: a lone surrogate (`"\\ud800"` in the JSON) is no
+    string pydantic takes, and the answer would fail where the frame did."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _describe(error: ValidationError) -> str:
@@ -504,7 +537,7 @@ def decode_frame(text: str | bytes, *, accept: frozenset[str] | None = None) -> 
     if isinstance(text, (bytes, bytearray, memoryview)):
         raise FrameError("frames are JSON text messages, not binary")
     try:
-        obj = json.loads(text, parse_constant=_no_constants)
+        obj = parse_json(text)
     except (ValueError, RecursionError) as exc:
         raise FrameError(f"frame is not JSON: {exc}") from None
     return decode_object(obj, accept=accept)
@@ -528,6 +561,66 @@ def decode_object(obj: Any, *, accept: frozenset[str] | None = None) -> Frame:
         raise FrameError(f"{kind!r} frame does not validate: {_describe(exc)}", frame_id) from None
 
 
+# --- the commonest frames, read without a model ----------------------------
+#
+# A provider without batches sends every event as its own `report` message,
+# and a run's `ok` and `finish` too: a dozen messages a run, each of which
+# pydantic would validate. The readers below take such an object when it is
+# beyond doubt what `decode_object` would accept as it is (only keys the
+# frame's model knows by their wire names, every value of exactly the type
+# it must have, nothing to convert) and give back the fields the link
+# machine uses; anything else -- an unknown or snake_case key, a null where
+# a value is required, a non-ASCII id, a bool for an int -- answers None and
+# is decoded the long way, which decides it. `obj` must come from
+# `parse_json` (its keys are strings). tests/test_frames_plain.py holds them
+# equal to `decode_object`.
+
+_REPORT_KEYS = frozenset({"kind", "runId", "event", "seq"})
+_FINISH_KEYS = frozenset({"kind", "runId"})
+_OK_KEYS = frozenset({"kind", "id", "verdict", "reason", "payload"})
+
+
+def _plain_id(value: Any) -> TypeGuard[str]:
+    # ASCII: pydantic refuses a string it cannot encode (a lone surrogate).
+    return type(value) is str and 0 < len(value) <= MAX_ID_CHARS and value.isascii()
+
+
+def plain_report(obj: dict[str, Any]) -> tuple[str, dict[str, Any], int | None] | None:
+    """A `report`'s (runId, event, seq), or None: decode it the long way."""
+    if not obj.keys() <= _REPORT_KEYS or obj.get("kind") != "report":
+        return None
+    run_id, event, seq = obj.get("runId"), obj.get("event"), obj.get("seq")
+    if not _plain_id(run_id) or type(event) is not dict:
+        return None
+    if seq is not None and (type(seq) is not int or seq < 1):
+        return None
+    return run_id, event, seq
+
+
+def plain_finish(obj: dict[str, Any]) -> str | None:
+    """A `finish`'s runId, or None: decode it the long way."""
+    if not obj.keys() <= _FINISH_KEYS or obj.get("kind") != "finish":
+        return None
+    run_id = obj.get("runId")
+    return run_id if _plain_id(run_id) else None
+
+
+def plain_ok(obj: dict[str, Any]) -> tuple[str, str | None, str | None] | None:
+    """An `ok`'s (id, verdict, reason), or None: decode it the long way.
+    (Its payload, anything at all, is not read: an offer's answer has none
+    that matters.)"""
+    if not obj.keys() <= _OK_KEYS or obj.get("kind") != "ok":
+        return None
+    frame_id, verdict, reason = obj.get("id"), obj.get("verdict"), obj.get("reason")
+    if not _plain_id(frame_id):
+        return None
+    if verdict is not None and (type(verdict) is not str or verdict not in VERDICTS):
+        return None
+    if reason is not None and (type(reason) is not str or not reason.isascii()):
+        return None
+    return frame_id, verdict, reason
+
+
 def batch_items(batch: Batch, *, accept: frozenset[str]) -> Iterator[Frame | FrameError]:
     """A batch's frames in order, each decoded on its own: the frame, or the
     FrameError that item would have raised alone, its reason prefixed
@@ -540,15 +633,23 @@ def batch_items(batch: Batch, *, accept: frozenset[str]) -> Iterator[Frame | Fra
 
 
 def message_frames(
-    text: str | bytes, *, accept: frozenset[str], in_batch: frozenset[str]
+    text: str | bytes,
+    *,
+    accept: frozenset[str],
+    in_batch: frozenset[str],
+    parsed: Any = _UNPARSED,
 ) -> Iterator[Frame | FrameError]:
     """One message's frames in order, each decoded on its own: the frame
     itself, or a batch's items (`batch_items` with `in_batch`, which never
     lists "batch": a nested batch is an item that does not decode); a message
     that does not decode yields its FrameError. Both ends of the link read
-    every message through this, by way of `read_message`."""
+    every message through this, by way of `read_message`. `parsed` is
+    `parse_json(text)` when the caller has it already."""
     try:
-        frame = decode_frame(text, accept=accept)
+        if parsed is _UNPARSED:
+            frame = decode_frame(text, accept=accept)
+        else:
+            frame = decode_object(parsed, accept=accept)
     except FrameError as exc:
         yield exc
         return
@@ -570,15 +671,16 @@ def read_message(
     answer_err: Callable[[Err], list[_Action]],
     violation: Callable[[str], list[_Action]],
     closed: Callable[[], bool],
+    parsed: Any = _UNPARSED,
 ) -> list[_Action]:
     """One attached link end's reading of a message (funduq's in
     protocol/link.py, the SDK's in protocol/provider_link.py): each of its
     `message_frames` in order, as if it had come alone. A frame goes to
     `on_frame`; one that does not decode is answered `err {id, reason}` when
     it carried a usable id and is a `violation` otherwise; nothing after the
-    item that closed the link is read."""
+    item that closed the link is read. `parsed` as for `message_frames`."""
     actions: list[_Action] = []
-    for item in message_frames(text, accept=accept, in_batch=in_batch):
+    for item in message_frames(text, accept=accept, in_batch=in_batch, parsed=parsed):
         if not isinstance(item, FrameError):
             actions += on_frame(item)
         elif item.id is not None:

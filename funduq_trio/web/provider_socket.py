@@ -132,18 +132,10 @@ class ProviderSocket:
                 if self._session is not None and not self._session.report(
                     action.run_id, action.event
                 ):
-                    log.info(
-                        "provider %s reported for run %s, which it does not hold: ignored",
-                        self.machine.public_key,
-                        action.run_id,
-                    )
+                    self._not_held("reported for", action.run_id)
             elif isinstance(action, L.Finish):
                 if self._session is not None and not self._session.finish(action.run_id):
-                    log.info(
-                        "provider %s finished run %s, which it does not hold: ignored",
-                        self.machine.public_key,
-                        action.run_id,
-                    )
+                    self._not_held("finished", action.run_id)
             elif isinstance(action, L.Answer):
                 if self._session is not None:
                     self._session.answer(action.offer_id, action.verdict, action.reason)
@@ -176,6 +168,14 @@ class ProviderSocket:
                 self._begin_close(action)
             else:
                 raise AssertionError(f"{action!r} needs the reader loop")  # pragma: no cover
+
+    def _not_held(self, what: str, run_id: str) -> None:
+        log.info(
+            "provider %s %s run %s, which it does not hold: ignored",
+            self.machine.public_key,
+            what,
+            run_id,
+        )
 
     def _queue(self, frame: Any) -> None:
         if self._close is not None:
@@ -315,14 +315,21 @@ class ProviderSocket:
         nursery.cancel_scope.cancel()
 
     async def _reader(self, nursery: trio.Nursery) -> None:
-        while self.machine.state is not L.State.CLOSED:
+        machine = self.machine
+        while machine.state is not L.State.CLOSED:
             message = await self._ws.receive()
             if message is None:  # quart-trio hands an empty binary frame over as None
                 message = b""
             # In order, the waiting ones included: a batch's frames take effect
             # exactly as if they had come one by one.
-            for action in self.machine.receive(message):
-                if isinstance(action, L.Register):
+            for action in machine.receive(message):
+                session = self._session
+                if type(action) is L.Report and session is not None:
+                    # The commonest action, straight to the session (`_perform`'s
+                    # own case for it, less the list and the type tests before it).
+                    if not session.report(action.run_id, action.event):
+                        self._not_held("reported for", action.run_id)
+                elif isinstance(action, L.Register):
                     await self._register(action)
                 elif isinstance(action, L.RegisterLlm):
                     await self._register_llm(action)
@@ -340,7 +347,7 @@ class ProviderSocket:
                         nursery.start_soon(self._query, action)
                 else:
                     self._perform([action])
-            if self._session is not None:
+            if self._session is not None and self._session.behind:
                 # Backpressure: funduq is behind recording this provider's
                 # reports; read no more from it until it has caught up.
                 await self._session.can_read()
