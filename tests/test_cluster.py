@@ -213,7 +213,7 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
         on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
         assert on_b == ids[1:], on_b
         assert [o.run_id for o in peer.offer_log if o.link.number == 1] == ids[:1]
-        assert b.logged("took over 1 threads"), b.lines
+        await b.wait_logged("took over 1 threads")
 
         # The thread is B's to go on with (it released it once idle).
         a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
@@ -255,7 +255,7 @@ async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more
             await peer.wait_cancel(held["id"])
             assert await metric(http_a, "funduq_threads_let_go_total") == 1
             assert await metric(http_a, "funduq_threads_led") == 0
-            assert a.logged("letting go"), a.lines
+            await a.wait_logged("letting go")
 
             # The provider carries on regardless: none of it is recorded.
             offer = peer.offers_of(held["id"])[0]
