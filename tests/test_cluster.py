@@ -242,6 +242,15 @@ async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
             held = await send(a2a, "hold me")
             await wait_status(http_a, held["id"], {"running"})
+
+            # "running" is the provider's accept; its RUN_STARTED comes after
+            # and must be in the record before the takeover, or it would be
+            # fenced off with the rest (a busy host delays it that long).
+            async def started_recorded() -> bool:
+                run = await get_run(http_a, held["id"])
+                return run is not None and event_types(run) == ["RUN_STARTED"]
+
+            await eventually(started_recorded, "the run's RUN_STARTED in the record")
             thread = held["contextId"]
             with psycopg.connect(stores.database_url, autocommit=True) as conn:
                 taken = conn.execute(
