@@ -759,6 +759,8 @@ class ServerProcess:
         self.process: trio.Process | None = None
         self.url: str | None = None
         self.lines: list[str] = []
+        #: Set (and replaced) each time `lines` grows: `wait_logged` waits on it.
+        self._more_lines = trio.Event()
         self._serving = trio.Event()
         self.exited = trio.Event()
 
@@ -790,6 +792,7 @@ class ServerProcess:
             stderr=subprocess.PIPE,
             env=env,
         )
+        self._more_lines = trio.Event()  # a restart's lines are to come
         nursery.start_soon(self._drain)
         with trio.move_on_after(SAFETY):
             await self._serving.wait()
@@ -802,7 +805,8 @@ class ServerProcess:
         buffer = b""
         async with await trio.open_file(self.log_path, "ab") as log:
             async for chunk in self.process.stderr:
-                await log.write(chunk)
+                # The lines first, the file after: the file's write is a worker
+                # thread's, which a busy host may leave waiting a while.
                 buffer += chunk
                 *complete, buffer = buffer.split(b"\n")
                 for raw in complete:
@@ -812,12 +816,37 @@ class ServerProcess:
                     if found and self.url is None:
                         self.url = found.group(1)
                         self._serving.set()
+                if complete:
+                    self._more_lines.set()
+                    self._more_lines = trio.Event()
+                await log.write(chunk)
+        self._more_lines.set()  # no more to come: a waiter stops waiting
         await self.process.wait()
         self.exited.set()
         self._serving.set()
 
     def logged(self, text: str) -> list[str]:
+        """The lines read so far holding ``text``. Lines reach here through a
+        pipe and a task of this process, after the server wrote them: what the
+        server did next (a metric, a frame) may be seen first. To check that a
+        line was written, `wait_logged`; this is for what must not be."""
         return [line for line in self.lines if text in line]
+
+    async def wait_logged(self, text: str, *, timeout: float = SAFETY) -> list[str]:
+        """The lines holding ``text``, once one was read. The timeout is a
+        safety net for a server that never writes it."""
+        with trio.move_on_after(timeout):
+            while not (found := self.logged(text)):
+                more = self._more_lines
+                if more.is_set():
+                    break  # the server's stderr ended without it
+                await more.wait()
+            else:
+                return found
+        raise AssertionError(
+            f"{self.name} logged no line with {text!r} (within {timeout}s):\n"
+            + "\n".join(self.lines[-30:])
+        )
 
     def kill9(self) -> None:
         """SIGKILL: no shutdown path runs, the record is left as the crash left

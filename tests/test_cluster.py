@@ -213,7 +213,7 @@ async def test_a_killed_nodes_thread_moves_on_to_the_node_its_provider_reconnect
         on_b = [o.run_id for o in peer.offer_log if o.link.number > 1]
         assert on_b == ids[1:], on_b
         assert [o.run_id for o in peer.offer_log if o.link.number == 1] == ids[:1]
-        assert b.logged("took over 1 threads"), b.lines
+        await b.wait_logged("took over 1 threads")
 
         # The thread is B's to go on with (it released it once idle).
         a2a_b = A2A(http_b, f"/a2a/{peer.fingerprint}/{AGENT}")
@@ -242,6 +242,15 @@ async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more
             a2a = A2A(http_a, f"/a2a/{peer.fingerprint}/{AGENT}")
             held = await send(a2a, "hold me")
             await wait_status(http_a, held["id"], {"running"})
+
+            # "running" is the provider's accept; its RUN_STARTED comes after
+            # and must be in the record before the takeover, or it would be
+            # fenced off with the rest (a busy host delays it that long).
+            async def started_recorded() -> bool:
+                run = await get_run(http_a, held["id"])
+                return run is not None and event_types(run) == ["RUN_STARTED"]
+
+            await eventually(started_recorded, "the run's RUN_STARTED in the record")
             thread = held["contextId"]
             with psycopg.connect(stores.database_url, autocommit=True) as conn:
                 taken = conn.execute(
@@ -255,7 +264,7 @@ async def test_a_node_whose_lease_was_taken_over_lets_go_and_writes_nothing_more
             await peer.wait_cancel(held["id"])
             assert await metric(http_a, "funduq_threads_let_go_total") == 1
             assert await metric(http_a, "funduq_threads_led") == 0
-            assert a.logged("letting go"), a.lines
+            await a.wait_logged("letting go")
 
             # The provider carries on regardless: none of it is recorded.
             offer = peer.offers_of(held["id"])[0]

@@ -209,7 +209,7 @@ async def test_a_killed_delivering_node_s_config_is_taken_over_and_goes_on_in_or
             assert await metric(http_b, "funduq_push_delivered") == len(expected) - 3
         assert receiver.bodies() == expected
         assert len(expected) > 6
-        assert b.logged("taking over") != []
+        await b.wait_logged("taking over")
         nursery.cancel_scope.cancel()
 
 
