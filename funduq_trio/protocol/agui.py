@@ -5,6 +5,7 @@ without saying so itself. I/O-free; event names come from ag-ui's EventType."""
 from __future__ import annotations
 
 import functools
+import math
 import types
 import typing
 from typing import Any
@@ -33,7 +34,26 @@ class MalformedEvent(ValueError):
 
 
 class InvalidInput(ValueError):
-    """A body that does not validate as RunAgentInput."""
+    """A body that does not validate as RunAgentInput (`errors`: pydantic's
+    account), or that the provider link cannot carry (`not_carriable`: what
+    and where). The message says which, for the broker's callers."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        not_carriable: str | None = None,
+        errors: ValidationError | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.not_carriable = not_carriable
+        self.errors = errors
+
+
+class RunInput(dict[str, Any]):
+    """A RunAgentInput `read_run_input` has read, kept as read by whoever read
+    it (the AG-UI door, which answers a body's refusals its own way): read
+    again, it is taken as it is, so a body is validated once on its way in."""
 
 
 def read_event(raw: Any) -> dict[str, Any]:
@@ -92,16 +112,23 @@ class _Shape(typing.NamedTuple):
     given: frozenset[str]
 
 
+def _validates_plainly(model: type[BaseModel]) -> bool:
+    """No validator, post-init or strictness of the model's own: a value its
+    fields' types take is taken as it is."""
+    decorators = model.__pydantic_decorators__
+    if decorators.validators or decorators.field_validators or decorators.model_validators:
+        return False
+    if model.model_post_init is not BaseModel.model_post_init:
+        return False
+    config = model.model_config
+    return not (config.get("strict") or any(k.startswith("str_") for k in config))
+
+
 def _string_fields(model: type[BaseModel], skip: str = "type") -> _Shape | None:
     """For a model whose every field but `skip` may hold a plain string: its
     `_Shape`. None when a required field takes more than a plain string
     (then every value of the model is validated)."""
-    decorators = model.__pydantic_decorators__
-    if decorators.validators or decorators.field_validators or decorators.model_validators:
-        return None
-    if model.model_post_init is not BaseModel.model_post_init:
-        return None
-    if model.model_config.get("strict") or any(k.startswith("str_") for k in model.model_config):
+    if not _validates_plainly(model):
         return None
     required: set[str] = set()
     defaulted: set[str] = set()
@@ -221,7 +248,9 @@ def run_error(reason: str) -> dict[str, Any]:
 
 def read_run_input(raw: Any) -> dict[str, Any]:
     """Validate a RunAgentInput the provider link can carry; return it in wire
-    form (camelCase, no nulls)."""
+    form (camelCase, no nulls), a new dict. A `RunInput` was read already."""
+    if type(raw) is RunInput:
+        return dict(raw)
     plain = _plain_input(raw)
     if plain is not None:
         return plain
@@ -233,11 +262,14 @@ def _read_run_input_validated(raw: Any) -> dict[str, Any]:
     does not take: carriable, then ag-ui's model and its dump."""
     problem = carriable.problem(raw)
     if problem is not None:
-        raise InvalidInput(INVALID_INPUT_PREFIX + f"it cannot be carried to a provider: {problem}")
+        raise InvalidInput(
+            INVALID_INPUT_PREFIX + f"it cannot be carried to a provider: {problem}",
+            not_carriable=problem,
+        )
     try:
         model = RunAgentInput.model_validate(raw)
     except ValidationError as exc:
-        raise InvalidInput(INVALID_INPUT_PREFIX + _short(exc)) from None
+        raise InvalidInput(INVALID_INPUT_PREFIX + _short(exc), errors=exc) from None
     return model.model_dump(mode="json", by_alias=True)
 
 
@@ -250,31 +282,134 @@ def _short(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
-def _message_shapes() -> dict[str, _Shape]:
+class _Take(typing.NamedTuple):
+    """What a field of a run input takes without validation, read off its type;
+    each such value validates as it is and dumps as given (or copied)."""
+
+    #: The strings it takes (None: any; `_NO_FIELD`: none), ASCII only.
+    strings: frozenset[str] | None
+    #: None, left out of the dump: an optional field defaulting to None.
+    null: bool
+    #: `[]`: a list field (whatever its items, none validate as `[]`).
+    empty_list: bool
+    #: Any plain JSON value (an `Any` field), dumped as a copy.
+    json: bool
+    #: An object of plain JSON values (a `Dict[str, Any]` field), copied.
+    obj: bool
+
+
+class _Form(typing.NamedTuple):
+    """A model's plain form (wire names): what a value of it may hold that
+    validates and dumps with no model run."""
+
+    takes: dict[str, _Take]
+    #: What a plain form must give: the required fields and those whose
+    #: default is not None (a dump writes them even when absent).
+    given: frozenset[str]
+    #: Every field, in the order the model dumps them.
+    order: tuple[str, ...]
+
+
+#: Containers an `Any` or `Dict[str, Any]` field's plain value may nest (the
+#: A2A door's `forwardedProps` is 2): far inside carriable's bound.
+_JSON_DEPTH = 8
+
+#: `typing.Any` as a field's annotation (or a union member) holds it.
+_ANY: Any = Any
+
+
+def _form(model: type[BaseModel], skip: str | None = None) -> _Form | None:
+    """For a model validated and dumped plainly (no validator, no serializer
+    but ag-ui's leaving out of valueless optional fields, wire names alike
+    both ways): its `_Form`. None when a field it must be given takes
+    nothing plain (then every value of the model is validated)."""
+    decorators = model.__pydantic_decorators__
+    if not _validates_plainly(model) or decorators.field_serializers:
+        return None
+    # ag-ui's one serializer leaves out the optional fields that default to
+    # None when they hold None (GeneratedBaseModel); any other, and dumps
+    # are no longer known without running it.
+    if any(name != "_omit_fields_without_value" for name in decorators.model_serializers):
+        return None
+    takes: dict[str, _Take] = {}
+    given: set[str] = set()
+    order: list[str] = []
+    for name, f in model.model_fields.items():
+        if f.validation_alias is not None and not isinstance(f.validation_alias, str):
+            return None  # AliasChoices, AliasPath: read the long way
+        wire = f.validation_alias or f.alias or name
+        if (f.serialization_alias or f.alias or name) != wire or f.exclude:
+            return None
+        order.append(wire)
+        if wire == skip:
+            continue
+        must = f.is_required() or f.default is not None or f.default_factory is not None
+        take = None if f.metadata else _take(f.annotation, null=not must)
+        if take is None:
+            if must:
+                return None
+            continue  # constrained (or of models): such values take the long road
+        takes[wire] = take
+        if must:
+            given.add(wire)
+    return _Form(takes, frozenset(given), tuple(order))
+
+
+def _take(annotation: Any, *, null: bool) -> _Take | None:
+    members = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = list(typing.get_args(annotation))
+    null = null and (type(None) in members or _ANY in members)
+    members = [m for m in members if m is not type(None)]
+    if _ANY in members:
+        return _Take(None, null, True, True, True)
+    strings: frozenset[str] | None = _NO_FIELD
+    if str in members:
+        strings = None  # a union taking str keeps a str as it is
+    else:
+        literals = [m for m in members if typing.get_origin(m) is typing.Literal]
+        if len(literals) == 1 and all(type(v) is str for v in typing.get_args(literals[0])):
+            strings = frozenset(typing.get_args(literals[0]))
+    empty_list = any(typing.get_origin(m) is list for m in members)
+    obj = any(typing.get_origin(m) is dict and typing.get_args(m) == (str, _ANY) for m in members)
+    if strings is _NO_FIELD and not (null or empty_list or obj):
+        return None
+    return _Take(strings, null, empty_list, False, obj)
+
+
+def _message_forms() -> dict[str, _Form]:
     union = typing.get_args(typing.get_args(RunAgentInput.model_fields["messages"].annotation)[0])
     out = {}
     for model in typing.get_args(union[0]):
-        shape = _string_fields(model, skip="")
-        if shape is not None and "role" in shape.defaulted:
-            out[model.model_fields["role"].default] = shape
+        form = _form(model)
+        if form is not None and "role" in form.given:
+            out[model.model_fields["role"].default] = form
     return out
 
 
-#: RunAgentInput and its messages (by role) in their plain-string forms.
-_INPUT_SHAPE = _string_fields(RunAgentInput, skip="messages")
-_MESSAGE_SHAPES = _message_shapes()
+#: RunAgentInput and its messages (by role) in their plain forms.
+_INPUT_FORM = _form(RunAgentInput, skip="messages")
+_MESSAGE_FORMS = _message_forms()
+
+#: A value no plain form holds.
+_NOT_PLAIN: Any = object()
 
 
 def _plain_input(raw: Any) -> dict[str, Any] | None:
     """RunAgentInput's dump, made without running its model, for an input of
-    plain strings: every field a string field the model takes, ASCII, and
-    messages each of plain strings for its role's model (user, assistant,
-    system, developer, tool...). Such an input validates as it is and dumps
-    as the same keys in the model's field order (it is also carriable:
-    three levels, every string UTF-8). None for anything else -- tools,
-    state, a null, an extra key, a non-ASCII string -- which takes the long
-    road. ~2 µs where validating and dumping is ~10."""
-    if type(raw) is not dict or _INPUT_SHAPE is None:
+    plain values: ASCII strings its fields take, nulls for the optional ones
+    (left out, as ag-ui's dump leaves them), `[]` for a list field, plain
+    JSON (ASCII strings, ints, finite floats, bools, nulls, a few levels of
+    objects and lists) for an `Any` one, messages each plain for its role's
+    model (user, assistant, system, developer, tool...). Such an input
+    validates as it is and dumps as the same values in the model's field
+    order (it is also carriable: shallow, every string ASCII, every number
+    finite) -- the A2A door's (`state: {}`, `tools: []`, `context: []`, a
+    small `forwardedProps`) and an AG-UI client's usual one (`state: null`)
+    included. None for anything else -- tools, an extra key, a non-ASCII
+    string, a value a field does not take -- which takes the long road,
+    which alone decides it. ~3 µs where validating and dumping is ~15."""
+    if type(raw) is not dict or _INPUT_FORM is None:
         return None
     messages = raw.get("messages")
     if type(messages) is not list:
@@ -284,19 +419,87 @@ def _plain_input(raw: Any) -> dict[str, Any] | None:
         if type(message) is not dict:
             return None
         role = message.get("role")
-        shape = _MESSAGE_SHAPES.get(role) if type(role) is str else None
-        if shape is None:
+        form = _MESSAGE_FORMS.get(role) if type(role) is str else None
+        if form is None:
             return None
-        out = _dumped(message, shape)
+        out = _dumped(message, form)
         if out is None:
             return None
         dumped.append(out)
-    return _dumped(raw, _INPUT_SHAPE, "messages", dumped)
+    return _dumped(raw, _INPUT_FORM, "messages", dumped)
 
 
 def _dumped(
-    raw: dict[str, Any], shape: _Shape, skip: str = "", value: Any = None
+    raw: dict[str, Any], form: _Form, skip: str | None = None, skipped: Any = None
 ) -> dict[str, Any] | None:
-    if not _plain_strings(raw, shape, skip, shape.given):
+    """The dump of `raw`, plain for `form` (`skip`'s value read already:
+    `skipped`), or None."""
+    takes = form.takes
+    given = form.given
+    values: dict[str, Any] = {}
+    seen = 0
+    for key, value in raw.items():
+        if key == skip:
+            values[key] = skipped
+            continue
+        take = takes.get(key)
+        if take is None:
+            return None
+        kind = type(value)
+        if kind is str:
+            strings = take.strings
+            if not value.isascii() or strings is _NO_FIELD:
+                return None
+            if strings is not None and value not in strings:
+                return None
+        elif value is None:
+            if not take.null:
+                return None
+            continue  # left out of the dump
+        elif take.json or (kind is dict and take.obj):
+            value = _plain_json(value, _JSON_DEPTH)
+            if value is _NOT_PLAIN:
+                return None
+        elif kind is list and not value and take.empty_list:
+            value = []
+        else:
+            return None
+        values[key] = value
+        seen += key in given
+    if seen != len(given):
         return None
-    return {key: value if key == skip else raw[key] for key in shape.order if key in raw}
+    return {key: values[key] for key in form.order if key in values}
+
+
+def _plain_json(value: Any, depth: int) -> Any:
+    """A copy of `value` if it is plain JSON (exact types, ASCII strings and
+    keys, finite floats, containers nested at most `depth`), the way an `Any`
+    field dumps it; else `_NOT_PLAIN`."""
+    kind = type(value)
+    if kind is str:
+        return value if value.isascii() else _NOT_PLAIN
+    if kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else _NOT_PLAIN
+    if depth == 0:
+        return _NOT_PLAIN
+    if kind is dict:
+        out = {}
+        for key, item in value.items():
+            if type(key) is not str or not key.isascii():
+                return _NOT_PLAIN
+            item = _plain_json(item, depth - 1)
+            if item is _NOT_PLAIN:
+                return _NOT_PLAIN
+            out[key] = item
+        return out
+    if kind is list:
+        items = []
+        for item in value:
+            item = _plain_json(item, depth - 1)
+            if item is _NOT_PLAIN:
+                return _NOT_PLAIN
+            items.append(item)
+        return items
+    return _NOT_PLAIN

@@ -43,7 +43,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ag_ui.core import EventType, RunAgentInput, RunStartedEvent
+from ag_ui.core import EventType, RunStartedEvent
 from pydantic import ValidationError
 from quart import request
 from quart_trio import QuartTrio
@@ -57,7 +57,7 @@ from ..broker.errors import (
     UnknownThread,
 )
 from ..broker.funduq import Funduq
-from ..protocol import carriable
+from ..protocol import agui, carriable
 from .access import of_agent, reader_of
 from .exchange import Answer, Json, Streamed, quart_response
 from .sse import LAST_EVENT_ID, Identified, read_cursor, sse_response
@@ -150,21 +150,23 @@ async def run_post(
         raise InvalidJSON(f"request body nests deeper than {MAX_NESTING} levels") from None
     # What the provider link cannot carry is refused here, before anything
     # is recorded: one such run used to break its provider's link for good.
-    problem = carriable.problem(body)
-    if problem is not None:
-        raise InvalidJSON(f"request body cannot be carried to a provider: {problem}")
+    # Read once: the broker takes the input as read here (agui.RunInput).
     try:
-        run_input = RunAgentInput.model_validate(body)
-    except ValidationError as exc:
-        raise invalid_input(exc) from None
+        run_input = agui.RunInput(agui.read_run_input(body))
+    except agui.InvalidInput as exc:
+        if exc.errors is not None:
+            raise invalid_input(exc.errors) from None
+        raise InvalidJSON(
+            f"request body cannot be carried to a provider: {exc.not_carriable}"
+        ) from None
 
     view = funduq.find_agent(provider, agent)
     if view is None:
         raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
-    metadata = request_metadata(run_input.forwarded_props)
+    metadata = request_metadata(run_input.get("forwardedProps"))
+    thread_id = run_input["threadId"]
 
-    if run_input.resume:
-        thread_id = run_input.thread_id
+    if run_input.get("resume"):
         unknown = UnknownThread(f"no thread {thread_id!r} of agent {agent!r}")
         thread = await funduq.get_thread(thread_id)
         if not of_agent(thread, view.key, view.fingerprint, agent):
@@ -178,7 +180,7 @@ async def run_post(
         record = await funduq.get_run(run_id)
         after_seq = max((e["seq"] for e in (record or {}).get("events", [])), default=0)
         try:
-            ticket = await funduq.answer_pause(run_id, body, metadata=metadata)
+            ticket = await funduq.answer_pause(run_id, run_input, metadata=metadata)
         except NotAuthorized:
             # Refuse first, say nothing: only a reader of the thread may
             # learn that it has a paused run its answer failed to reach.
@@ -190,8 +192,8 @@ async def run_post(
         ticket = await funduq.start_run(
             provider,
             agent,
-            body,
-            thread_id=run_input.thread_id,
+            run_input,
+            thread_id=thread_id,
             metadata=metadata,
             create_unknown_thread=True,
         )
