@@ -63,6 +63,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             break
     if scope["path"] == "/fail":
         raise RuntimeError("the app failed on purpose")
+    if scope["path"] == "/fail-after-start":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("the app failed on purpose, its start sent")
     if scope["path"] == "/stream":
         await send(
             {
@@ -214,16 +217,21 @@ async def test_a_request_the_front_cannot_read_is_refused_and_closed(request_byt
     assert json.loads(body)["error"]["status"] == status
 
 
-async def test_an_app_that_fails_before_answering_is_a_json_500_and_the_connection_goes_on(caplog):
+async def test_an_app_that_fails_before_answering_is_a_json_500_and_a_close(caplog):
     async with front() as port:
         got = await exchange(
             port,
-            b"GET /fail HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+            b"GET /fail HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\n\r\n",
         )
+    assert len(answers(got)) == 1  # the request after it is not read
     head, _, rest = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 500")
     assert json.loads(answers(got)[0][1])["error"]["code"] == "internal_error"
     assert "the app failed on GET /fail" in caplog.text
+    # A start the app sent but no byte of which was written is still a 500.
+    async with front() as port:
+        got = await exchange(port, b"GET /fail-after-start HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 500")
 
 
 async def test_a_streamed_answer_arrives_whole_in_its_bursts():

@@ -156,10 +156,11 @@ class Connection:
             await self.app(self.scope(request, "http"), exchange.receive, exchange.send)
         except Exception:
             log.exception("the app failed on %s %s", request.method.decode(), exchange.target)
-        if not exchange.started:
-            await exchange.answer_plain(500, "internal_error", "the server could not answer")
-        elif not exchange.ended:
-            self.gone = True  # a partial answer is cut, never ended as if whole
+        if not exchange.ended:
+            if self.h11.our_state is h11.SEND_RESPONSE:  # nothing of an answer written yet
+                await exchange.answer_plain(500, "internal_error", "the server could not answer")
+            else:
+                self.gone = True  # a partial answer is cut, never ended as if whole
         if self.limits.access_log is not None:
             self._log_access(request, exchange, time.monotonic() - began)
 
