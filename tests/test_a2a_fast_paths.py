@@ -64,7 +64,7 @@ record_like = st.builds(
 )
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(
     st.one_of(record_like, st.text(max_size=40), st.sampled_from(["", "Z", "1970-01-01T00:00:00Z"]))
 )
@@ -183,7 +183,7 @@ def by_parse_dict(params: Any) -> Any:
         return None
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(send_params)
 def test_a_plain_send_request_is_what_parse_dict_makes(params: Any) -> None:
     fast = plain_send_request(params)
@@ -227,7 +227,7 @@ def parsed(body: bytes, version: str | None) -> Any:
     )
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(
     send_params,
     st.sampled_from(["SendMessage", "SendStreamingMessage"]),
@@ -337,7 +337,7 @@ run_records = st.builds(
 )
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=700, deadline=None)
 @given(run_records, st.booleans())
 def test_a_plain_task_is_what_protobuf_writes(record: dict[str, Any], cancel: bool) -> None:
     projection = snapshot_of_record(record, cancel_requested=cancel)
@@ -413,7 +413,7 @@ continuing_texts = st.lists(
 )
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=700, deadline=None)
 @given(run_records, continuing_texts, st.sampled_from(["seq", "shuffled", "zero"]))
 def test_a_record_folds_as_event_by_event(
     record: dict[str, Any], events: list[Any], numbering: str

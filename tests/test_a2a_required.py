@@ -89,7 +89,7 @@ def messages(draw: Any) -> Any:
     return msg
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(messages())
 def test_the_same_errors_as_the_sdk_walk(msg: Any) -> None:
     assert required_field_errors(msg) == _validate_proto_required_fields_internal(msg)

@@ -99,7 +99,7 @@ def _events(draw: Any) -> dict[str, Any]:
     return event
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=_events())
 def test_plain_events_read_as_validated(raw: dict[str, Any]) -> None:
     """An event of plain strings is taken without running ag-ui's models
@@ -266,7 +266,7 @@ _IDS = {"threadId": "t", "runId": "r"}
 _USER = {"id": "u", "role": "user", "content": "hi"}
 
 
-@settings(max_examples=4000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=_run_inputs())
 @example(raw={**_IDS, "messages": [{**_USER, "": "kept, an extra key"}]})
 @example(raw={**_IDS, "messages": [], "forwardedProps": {"a2a": {"\ud800": 1}}})
@@ -395,7 +395,7 @@ def _door_answer_validating_twice(body: bytes) -> Any:
     return ("handed on", raw)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=_run_inputs())
 def test_the_agui_door_reads_a_body_once_and_refuses_as_before(raw: Any) -> None:
     """The AG-UI door reads a body once (the broker takes what it read, a
