@@ -39,8 +39,7 @@ def is_upgrade(request: h11.Request) -> bool:
     return False
 
 
-def _handshake_problem(request: h11.Request) -> str | None:
-    headers = dict(request.headers)
+def _handshake_problem(request: h11.Request, headers: dict[bytes, bytes]) -> str | None:
     if request.method != b"GET":
         return "a websocket handshake is a GET"
     if b"upgrade" not in [t.strip() for t in headers.get(b"connection", b"").lower().split(b",")]:
@@ -58,17 +57,18 @@ async def serve_websocket(conn: Connection, request: h11.Request) -> None:
         end = await conn.next_event()
     except h11.RemoteProtocolError:
         return
-    problem = _handshake_problem(request) if type(end) is h11.EndOfMessage else "a body"
+    headers = dict(request.headers)
+    problem = _handshake_problem(request, headers) if type(end) is h11.EndOfMessage else "a body"
     if problem is not None:
         if conn.h11.our_state is h11.SEND_RESPONSE:
             await conn.write(_plain_response(conn.h11, 400, "bad_request", problem))
         conn.gone = True
         return
     scope = conn.scope(request, "websocket")
-    protocols = dict(request.headers).get(b"sec-websocket-protocol", b"")
+    protocols = headers.get(b"sec-websocket-protocol", b"")
     scope["subprotocols"] = [p.strip() for p in protocols.decode("latin-1").split(",") if p.strip()]
     scope["extensions"] = {"websocket.http.response": {}}
-    socket = WebSocket(conn, dict(request.headers)[b"sec-websocket-key"])
+    socket = WebSocket(conn, headers[b"sec-websocket-key"])
     try:
         await conn.app(scope, socket.receive, socket.send)
     except Exception:
