@@ -55,6 +55,8 @@ FLAG_HELP = {
     "max_agents_per_provider": "agents one provider key may publish (and have recorded)",
     "handshake_timeout_seconds": "a provider link that has not said 'connect' by then is closed",
     "max_unauthenticated_links": "provider links waiting for 'connect' at once; more are refused",
+    "max_connections": "connections open at once (HTTP, SSE streams, provider links); "
+    "more are answered 503",
     "body_timeout_seconds": "a request body not fully received by then is answered 408 and cut",
     "max_chain_hops": "most hops an actor chain may have (counted before any signature work)",
     "max_spent_proofs": "most fresh accepted proofs kept to refuse their reuse; past it, 503",

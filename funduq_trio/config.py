@@ -27,6 +27,7 @@ LIMITS_AT_LEAST_ONE = (
     "max_feed_events",
     "max_agents_per_provider",
     "max_unauthenticated_links",
+    "max_connections",
 )
 
 
@@ -56,6 +57,9 @@ class Settings:
     max_agents_per_provider: int = 100
     handshake_timeout_seconds: float = 10.0
     max_unauthenticated_links: int = 256
+    #: Connections (HTTP, SSE streams, provider links) open at once; one more
+    #: is answered 503 `too_many_connections` and closed.
+    max_connections: int = 10_000
     body_timeout_seconds: float = 30.0
     max_chain_hops: int = 16
     max_spent_proofs: int = 100_000

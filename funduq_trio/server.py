@@ -80,6 +80,7 @@ def front_limits(settings: Settings) -> FrontLimits:
         # with its reason); the front's bound sits above it so the link's check
         # is the one a provider meets, while a runaway message is still cut.
         max_message_bytes=2 * settings.max_frame_bytes,
+        max_connections=settings.max_connections,
         access_log=logging.getLogger("funduq_trio.access") if settings.access_log else None,
     )
 
@@ -157,12 +158,50 @@ async def serve(
                 # The app's ASGI callable itself, not the app (whose __call__
                 # only awaits it): one frame less held by every connection.
                 await nursery.start(
-                    partial(serve_asgi, app.asgi_app, listening, front_limits(settings))
+                    partial(
+                        serve_asgi,
+                        app.asgi_app,
+                        listening,
+                        front_limits(settings),
+                        counts=funduq.metrics,
+                    )
                 )
                 funduq.served_at(url)
                 task_status.started(ServerInfo(url=url, port=port, funduq=funduq))
     finally:
         listening.close()
+
+
+#: Files the process keeps for itself beside its connections: the record,
+#: its journal, PostgreSQL's connections, outgoing pushes, logs.
+FILES_BESIDE_CONNECTIONS = 256
+
+
+def open_files_for(settings: Settings) -> str | None:
+    """Raise the process's soft limit on open files so FUNDUQ_MAX_CONNECTIONS
+    connections fit (up to the hard limit). A warning to print when they
+    cannot: past it, accepting fails until a connection ends (the front
+    pauses and goes on; nothing served is lost)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform: nothing to raise
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = settings.max_connections + FILES_BESIDE_CONNECTIONS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        return (
+            f"{env_name('max_connections')}={settings.max_connections}, but this process may "
+            f"open only {soft} files (ulimit -n; the hard limit is {hard}): about "
+            f"{max(soft - FILES_BESIDE_CONNECTIONS, 0)} connections fit"
+        )
+    return None
 
 
 def freeze_startup_objects() -> None:
@@ -231,6 +270,7 @@ def run_server(settings: Settings, listener: socket.socket | None = None, versio
     """Serve until SIGINT or SIGTERM, then shut down (the CLI's entry).
     Returns the exit status: 0, or 2 when it could not start (said in one line)."""
     started = False
+    short_of_files = open_files_for(settings)
 
     async def main() -> None:
         nonlocal started
@@ -241,6 +281,8 @@ def run_server(settings: Settings, listener: socket.socket | None = None, versio
                 freeze_startup_objects()
                 for line in banner(info, version):
                     log.info("%s", line)
+                if short_of_files is not None:
+                    log.warning("%s", short_of_files)
                 async for signum in signals:
                     log.info("%s, shutting down", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()

@@ -13,6 +13,7 @@ import json
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -310,3 +311,73 @@ async def test_funduq_on_the_front_keeps_a_connection_across_door_requests(tmp_p
         )
         statuses = [head.split(b" ")[1] for head, _ in answers(got)]
         assert statuses == [b"200", b"404", b"200", b"413"]
+
+
+async def test_connections_past_the_bound_are_answered_503_and_served_again_once_one_ends():
+    """Two connections held open take the two places; a third is answered a
+    JSON 503 before it says anything, and its request (sent or not) changes
+    nothing; once a held one ends, a new connection is served."""
+    counts = Counts()
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            partial(serve_asgi, app, listening, FrontLimits(max_connections=2), counts=counts)
+        )
+        first = await trio.open_tcp_stream("127.0.0.1", port)
+        second = await trio.open_tcp_stream("127.0.0.1", port)
+        await settled(counts, 2)
+
+        refused = await exchange(
+            port, b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi"
+        )
+        head, _, body = refused.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ")
+        assert b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        assert (await exchange(port, b""))[:12] == b"HTTP/1.1 503"  # said before any request
+        assert (counts.connections_open, counts.connections_refused) == (2, 2)
+
+        # The held ones are served as before.
+        await second.send_all(b"GET /still HTTP/1.1\r\nHost: t\r\n\r\n")
+        with trio.fail_after(NET):
+            assert b'"/still"' in await second.receive_some(65536)
+
+        await first.aclose()
+        await settled(counts, 1)
+        got = await exchange(port, b"GET /again HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200") and b'"/again"' in got
+        await second.aclose()
+        nursery.cancel_scope.cancel()
+
+
+class Counts:
+    connections_open = 0
+    connections_refused = 0
+
+
+async def settled(counts: Counts, open_now: int) -> None:
+    """Until the server has taken (or let go of) connections: the kernel
+    hands them over when the server's loop gets to them."""
+    with trio.fail_after(NET):
+        while counts.connections_open != open_now:
+            await trio.sleep(0.001)
+
+
+async def test_funduq_counts_its_connections_and_refusals_in_metrics(tmp_path):
+    async with (
+        running_server(tmp_path, max_connections=2) as info,
+        httpx.AsyncClient(base_url=info.url, timeout=NET) as client,
+    ):
+        held = await trio.open_tcp_stream("127.0.0.1", info.port)
+        first = (await client.get("/metrics")).text
+        assert "funduq_connections_open 2\n" in first
+        assert "funduq_connections_refused_total 0\n" in first
+        refused = await exchange(info.port, b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert refused.startswith(b"HTTP/1.1 503")
+        # A provider's link attempt past the bound: its handshake's answer.
+        assert (await refused_handshake(info.provider_url)).status_code == 503
+        again = (await client.get("/metrics")).text  # on the kept connection
+        assert "funduq_connections_refused_total 2\n" in again
+        await held.aclose()

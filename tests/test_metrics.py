@@ -38,7 +38,7 @@ def test_every_family_has_help_and_type_and_labels_are_quoted():
     m.completion_ended("0123456789abcdef/fake", "refused")
     text = m.render({"funduq_runs_live": ("Live runs.", 3)})
     names = re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
-    assert len(names) == len(re.findall(r"^# HELP ", text, re.M)) == 7
+    assert len(names) == len(re.findall(r"^# HELP ", text, re.M)) == 9
     assert (
         samples(text)[
             'funduq_kyok_completions_total{offering="0123456789abcdef/fake",outcome="refused"}'

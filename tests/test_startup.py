@@ -304,3 +304,24 @@ async def test_run_lifecycle_lines_at_debug(tmp_path, caplog):
         in said
     )
     assert f"run {run['runId']} ended failed (not today)" in said
+
+
+def test_the_open_files_limit_is_raised_for_max_connections_or_a_warning_says_why_not():
+    import resource
+
+    from funduq_trio.config import Settings
+    from funduq_trio.server import FILES_BESIDE_CONNECTIONS, open_files_for
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        fits = 64
+        assert open_files_for(Settings(max_connections=fits)) is None
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= fits + FILES_BESIDE_CONNECTIONS
+        if hard != resource.RLIM_INFINITY:
+            warning = open_files_for(Settings(max_connections=hard))  # + the files beside
+            assert warning is not None
+            assert f"FUNDUQ_MAX_CONNECTIONS={hard}" in warning
+            assert f"about {hard - FILES_BESIDE_CONNECTIONS} connections fit" in warning
+            assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard  # raised as far as it goes
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

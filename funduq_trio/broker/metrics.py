@@ -85,6 +85,9 @@ class Metrics:
         self.threads_handed_over = 0
         self.calls_forwarded = 0
         self.calls_taken = 0
+        #: The front's (funduq_trio/front/serving.py counts them).
+        self.connections_open = 0
+        self.connections_refused = 0
 
     def run_ended(self, status: str) -> None:
         self.runs_ended[status] = self.runs_ended.get(status, 0) + 1
@@ -152,6 +155,18 @@ class Metrics:
                 (f'{{offering="{o}",outcome="{r}"}}', n)
                 for (o, r), n in sorted(self.completions.items())
             ],
+        )
+        family(
+            "funduq_connections_refused_total",
+            "counter",
+            "Connections answered 503 too_many_connections (FUNDUQ_MAX_CONNECTIONS were open).",
+            [("", self.connections_refused)],
+        )
+        family(
+            "funduq_connections_open",
+            "gauge",
+            "Connections open: HTTP requests, SSE streams, provider links.",
+            [("", self.connections_open)],
         )
         if self.cluster:
             family(

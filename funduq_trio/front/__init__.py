@@ -21,10 +21,12 @@ the app and writes a response in one socket send per ASGI message. Here:
   checkpoint in between; ``send`` frames and writes at once.
 
 What it bounds (every figure from the settings, refused with a clear answer):
-request line and headers (``MAX_HEADER_BYTES``: 431/400 and close), how long
-a connection may sit idle or take to send its headers (``keep_alive``: closed),
-a websocket message (``max_message_bytes``: close 1009). Bodies are bounded by
-the app (413, 408), which reads them through ``receive``. An app that fails
+connections served at once (``max_connections``: one more is answered 503
+at once, with no task started for it), request line and headers
+(``MAX_HEADER_BYTES``: 431/400 and close), how long a connection may sit
+idle or take to send its headers (``keep_alive``: closed), a websocket
+message (``max_message_bytes``: close 1009). Bodies are bounded by the app
+(413, 408), which reads them through ``receive``. An app that fails
 before answering gets a JSON 500; after answering, the connection is cut so
 the caller cannot mistake a partial answer for a whole one.
 

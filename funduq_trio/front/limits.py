@@ -15,5 +15,7 @@ class FrontLimits:
     max_header_bytes: int = 16 * 1024
     #: A websocket message larger than this closes the connection with 1009.
     max_message_bytes: int = 16 * 1024 * 1024
+    #: Connections served at once; one more is answered 503 and closed.
+    max_connections: int = 10_000
     #: One line per HTTP request when set (``funduq_trio.access``).
     access_log: logging.Logger | None = None

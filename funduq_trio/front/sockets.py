@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import trio
 from trio.lowlevel import (
@@ -90,11 +90,10 @@ def close(sock: socket.socket) -> None:
 
 async def accept_forever(
     listening: socket.socket,
-    serve: Callable[[socket.socket, tuple[str, int] | None], Awaitable[None]],
-    nursery: trio.Nursery,
+    take: Callable[[socket.socket, tuple[str, int] | None], None],
 ) -> None:
-    """Accept every connection `listening` gets, each served by `serve` in a
-    task of `nursery`. Runs until cancelled."""
+    """Hand every connection `listening` gets to `take` (which starts its
+    task, or refuses it). Runs until cancelled."""
     listening.setblocking(False)
     while True:
         await wait_readable(listening)
@@ -114,4 +113,19 @@ async def accept_forever(
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = (str(address[0]), int(address[1])) if isinstance(address, tuple) else None
-        nursery.start_soon(serve, sock, peer)
+        take(sock, peer)
+
+
+def refuse_at_once(sock: socket.socket, answer: bytes) -> None:
+    """Write `answer` (short: it fits the kernel's buffer) and close, without
+    waiting for anything. What the peer already sent (one read's worth) is
+    dropped first: closing on unread bytes would reset the connection, and
+    the peer could lose the answer."""
+    try:
+        sock.send(answer)
+        sock.shutdown(socket.SHUT_WR)
+        sock.recv(READ_BYTES)
+    except OSError:  # BlockingIOError included: nothing (more) has come
+        pass
+    finally:
+        sock.close()
