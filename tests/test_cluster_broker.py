@@ -288,6 +288,8 @@ async def test_work_sent_while_a_thread_is_taken_over_waits_for_the_dead_leaders
         orphan = await b.get_run("run_held")
         assert orphan is not None and orphan["status"] == "failed"
         assert orphan["metadata"]["failureReason"] == "orphaned_by_restart"
+        await committed(b)
+        assert not b.leases.leads(tid)  # idle again: released
 
 
 def _row(run_id: str, thread_id: str, key: str) -> dict[str, Any]:
