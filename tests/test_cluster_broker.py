@@ -292,6 +292,56 @@ async def test_work_sent_while_a_thread_is_taken_over_waits_for_the_dead_leaders
         assert not b.leases.leads(tid)  # idle again: released
 
 
+async def test_a_run_sent_as_a_thread_is_handed_over_comes_after_its_queued_runs(tmp_path, store):
+    """A hands a thread with two queued runs over to B (A's provider link
+    dropped; B's serves the agent). Before B's lease task claims the thread,
+    a run Y for it reaches B. Y must not take the thread as an idle one
+    (its lease there for the taking) and be offered alone: B takes the
+    thread over first, and offers the queued runs, then Y, each once."""
+    identity = Identity.generate()
+    async with (
+        broker(tmp_path / "a", lease_seconds=3600) as a,
+        broker(tmp_path / "b", lease_seconds=3600) as b,
+    ):
+        b.served_at("http://127.0.0.1:9")  # where A would reach B (never, here)
+        # B's lease task is woken only when the test says (its own round
+        # comes an hour on): the window before it claims is held open.
+        woken: list[bool] = []
+        b._wake_lease_task = lambda: woken.append(True)  # type: ignore[method-assign]
+        pb = await Provider(b, identity=identity).attach()
+        # A serves the agent through a link that can hold one run at a time.
+        pa = await Provider(a, identity=identity, max_concurrent=1).attach()
+        busy = await a.start_run(pa.key, AGENT, user_input("busy", "m0"))
+        await take(a, pa, busy.run_id)
+        first = await a.start_run(pa.key, AGENT, user_input("q1", "q1"))
+        tid = first.thread_id
+        second = await a.start_run(pa.key, AGENT, user_input("q2", "q2"), thread_id=tid)
+        await quiet()
+        assert (await a.get_run(first.run_id))["status"] == "queued"
+        assert a.leases.leads(tid)
+
+        pa.session.detach()  # A serves the agent no more; B does
+        await quiet()
+        await committed(a)
+        assert a.metrics.threads_handed_over == 1
+        assert not a.leases.leads(tid) and not b.leases.leads(tid)
+
+        y = await b.start_run(pb.key, AGENT, user_input("y", "y"), thread_id=tid)
+        order = [first.run_id, second.run_id, y.run_id]
+        names = {first.run_id: "q1", second.run_id: "q2", y.run_id: "y"}
+        for n in range(len(order)):
+            await quiet()
+            if len(pb.link.offers) <= n:
+                break  # nothing more is offered
+            offer_id, run = pb.link.offers[n]
+            pb.session.answer(offer_id, "accepted")
+            await quiet()
+            pb.stream(run["runId"], *reply(run["runId"], tid))
+            assert (await b.wait_run(run["runId"]))["status"] == "completed"
+        await quiet()
+        assert [names.get(r, r) for r in offered_runs(pb.link)] == ["q1", "q2", "y"]
+
+
 def _row(run_id: str, thread_id: str, key: str) -> dict[str, Any]:
     return {
         "id": run_id,

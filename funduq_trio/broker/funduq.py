@@ -642,7 +642,7 @@ class Funduq:
                 del self.threads[tid]
                 still.depose()
                 self.leases.lost(tid)
-                self.record.release_lease(tid)
+                self.record.hand_over_lease(tid)  # its queued runs need a leader
                 self._thread_info.pop(tid, None)
                 handed += 1
         if handed:
