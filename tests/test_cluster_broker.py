@@ -23,6 +23,7 @@ from broker_support import (
     broker,
     interrupt_finish,
     last_offer_for,
+    offered_runs,
     quiet,
     reply,
     resume_input,
@@ -33,6 +34,7 @@ from funduq_trio.broker.errors import ThreadLedElsewhere
 from funduq_trio.broker.funduq import Funduq
 from funduq_trio.broker.postgres import PostgresStore
 from funduq_trio.broker.store import run_store
+from funduq_trio.identity import Identity
 
 pytestmark = pytest.mark.parametrize("store", ["postgres"], indirect=True)
 
@@ -157,6 +159,187 @@ async def test_a_run_arriving_for_a_dead_nodes_thread_takes_it_over_first(tmp_pa
         await take(b, pb, third.run_id)
         pb.stream(third.run_id, *reply(third.run_id, tid))
         assert (await b.wait_run(third.run_id))["status"] == "completed"
+
+
+@pytest.mark.parametrize("held", ["before the restore reads", "after the restore read"])
+@pytest.mark.parametrize("taken_by", ["the lease task", "an arriving run"])
+async def test_work_sent_while_a_thread_is_taken_over_waits_for_the_dead_leaders_runs(
+    tmp_path, store, taken_by, held
+):
+    """A node died leaving a thread with a paused run, a running one and two
+    queued ones; its lease lapsed. Node B takes the thread over -- by its
+    lease task's claim round (a provider attaching), or because a run X
+    arrives for the thread -- and, between the claim and the end of the
+    restore, the pause is answered and a run Y is sent, one after the
+    other. The restore is held at a gate (before it reads the thread's runs,
+    or after) until both are recorded. The provider must be offered the
+    thread's runs in the order they were recorded -- the dead node's queued
+    runs first, then the answer, then Y (then X, recorded once the thread
+    was taken) -- each once, none lost (docs/cluster.md, "How ownership
+    moves")."""
+    assert stores.database_url is not None
+    tid = "thread_of_the_dead"
+    identity = Identity.generate()
+    key = identity.public_key_hex
+    # A lease lasting an hour: no periodic round claims anything meanwhile.
+    async with broker(tmp_path, lease_seconds=3600) as b:
+        pb = Provider(b, identity=identity)
+        if taken_by == "an arriving run":
+            # The provider first, and the claim rounds its attaching starts
+            # (one at once, one when B hears its own roster notification)
+            # done before the lease lapses: X's takeover is the only one.
+            heard, wake = trio.Event(), b._wake_lease_task
+
+            def woken() -> None:
+                heard.set()
+                wake()
+
+            b._wake_lease_task = woken  # type: ignore[method-assign]
+            await pb.attach()
+            await heard.wait()
+            await quiet()
+        async with run_store(PostgresStore(stores.database_url, node="node_dead")) as dead:
+            new = (tid, key, AGENT, None, time.time())
+            await dead.insert_run(_row("run_paused", tid, key), new, [])
+            for to in ("offering", "running", "input-required"):
+                assert await dead.move("run_paused", to)
+            await dead.insert_run(_row("run_held", tid, key), None, [])
+            assert await dead.move("run_held", "offering")
+            assert await dead.move("run_held", "running")
+            for run_id in ("run_queued_1", "run_queued_2"):
+                await dead.insert_run(_row(run_id, tid, key), None, [])
+        with psycopg.connect(stores.database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
+                "WHERE thread_id = %s",
+                (tid,),
+            )
+
+        # The takeover's restore of the thread waits at the gate.
+        at_gate, gate = trio.Event(), trio.Event()
+        restore_reads = b.record.restore_reads
+
+        async def held_restore_reads(orphaned: Any, threads: Any = None) -> Any:
+            if threads is None or tid not in threads:
+                return await restore_reads(orphaned, threads)
+            if held == "before the restore reads":
+                at_gate.set()
+                await gate.wait()
+            found = await restore_reads(orphaned, threads)
+            if held == "after the restore read":
+                at_gate.set()
+                await gate.wait()
+            return found
+
+        b.record.restore_reads = held_restore_reads  # type: ignore[method-assign]
+        tickets: dict[str, str] = {}
+
+        async def send(name: str, text: str) -> None:
+            ticket = await b.start_run(key, AGENT, user_input(text, text), thread_id=tid)
+            tickets[name] = ticket.run_id
+
+        async def answer() -> None:
+            ticket = await b.answer_pause("run_paused", resume_input("ask-1", text="yes"))
+            tickets["answer"] = ticket.run_id
+
+        async def recorded() -> list[str]:
+            """The thread's runs in the record, in arrival order."""
+            await quiet()
+            thread = await b.get_thread(tid)
+            assert thread is not None
+            return [r["runId"] for r in thread["runs"]]
+
+        async with trio.open_nursery() as nursery:
+            if taken_by == "the lease task":
+                await pb.attach()  # its agent served here now: the lease task claims
+            else:
+                nursery.start_soon(send, "x", "x")  # finds the lease lapsed: takes over
+            await at_gate.wait()
+            assert b.leases.leads(tid)  # claimed; not yet restored
+            # Sent one after the other, each recorded before the next is sent.
+            nursery.start_soon(answer)
+            await quiet()
+            assert (await b.get_run("run_paused"))["status"] != "input-required"  # recorded
+            nursery.start_soon(send, "y", "y")
+            before = await recorded()
+            assert len(before) == 5, before  # Y is in the record, X not yet
+            gate.set()
+        assert b.record.restore_reads is held_restore_reads
+
+        # Every caller has its ticket. The provider takes each offer as it
+        # comes, one at a time, and finishes it.
+        order = ["run_queued_1", "run_queued_2", "run_paused", tickets["y"]]
+        if taken_by == "an arriving run":
+            order.append(tickets["x"])
+        assert (await recorded())[1:] == order  # the record's arrival order, after run_held
+        for n in range(len(order)):
+            await quiet()
+            if len(pb.link.offers) <= n:
+                break  # nothing more is offered
+            offer_id, run = pb.link.offers[n]
+            pb.session.answer(offer_id, "accepted")
+            await quiet()
+            pb.stream(run["runId"], *reply(run["runId"], tid))
+            assert (await b.wait_run(run["runId"]))["status"] == "completed"
+        await quiet()
+        names = {run_id: name for name, run_id in tickets.items()}
+        offered = [names.get(run_id, run_id) for run_id in offered_runs(pb.link)]
+        assert offered == [names.get(run_id, run_id) for run_id in order]
+        orphan = await b.get_run("run_held")
+        assert orphan is not None and orphan["status"] == "failed"
+        assert orphan["metadata"]["failureReason"] == "orphaned_by_restart"
+        await committed(b)
+        assert not b.leases.leads(tid)  # idle again: released
+
+
+async def test_a_run_sent_as_a_thread_is_handed_over_comes_after_its_queued_runs(tmp_path, store):
+    """A hands a thread with two queued runs over to B (A's provider link
+    dropped; B's serves the agent). Before B's lease task claims the thread,
+    a run Y for it reaches B. Y must not take the thread as an idle one
+    (its lease there for the taking) and be offered alone: B takes the
+    thread over first, and offers the queued runs, then Y, each once."""
+    identity = Identity.generate()
+    async with (
+        broker(tmp_path / "a", lease_seconds=3600) as a,
+        broker(tmp_path / "b", lease_seconds=3600) as b,
+    ):
+        b.served_at("http://127.0.0.1:9")  # where A would reach B (never, here)
+        # B's lease task is woken only when the test says (its own round
+        # comes an hour on): the window before it claims is held open.
+        woken: list[bool] = []
+        b._wake_lease_task = lambda: woken.append(True)  # type: ignore[method-assign]
+        pb = await Provider(b, identity=identity).attach()
+        # A serves the agent through a link that can hold one run at a time.
+        pa = await Provider(a, identity=identity, max_concurrent=1).attach()
+        busy = await a.start_run(pa.key, AGENT, user_input("busy", "m0"))
+        await take(a, pa, busy.run_id)
+        first = await a.start_run(pa.key, AGENT, user_input("q1", "q1"))
+        tid = first.thread_id
+        second = await a.start_run(pa.key, AGENT, user_input("q2", "q2"), thread_id=tid)
+        await quiet()
+        assert (await a.get_run(first.run_id))["status"] == "queued"
+        assert a.leases.leads(tid)
+
+        pa.session.detach()  # A serves the agent no more; B does
+        await quiet()
+        await committed(a)
+        assert a.metrics.threads_handed_over == 1
+        assert not a.leases.leads(tid) and not b.leases.leads(tid)
+
+        y = await b.start_run(pb.key, AGENT, user_input("y", "y"), thread_id=tid)
+        order = [first.run_id, second.run_id, y.run_id]
+        names = {first.run_id: "q1", second.run_id: "q2", y.run_id: "y"}
+        for n in range(len(order)):
+            await quiet()
+            if len(pb.link.offers) <= n:
+                break  # nothing more is offered
+            offer_id, run = pb.link.offers[n]
+            pb.session.answer(offer_id, "accepted")
+            await quiet()
+            pb.stream(run["runId"], *reply(run["runId"], tid))
+            assert (await b.wait_run(run["runId"]))["status"] == "completed"
+        await quiet()
+        assert [names.get(r, r) for r in offered_runs(pb.link)] == ["q1", "q2", "y"]
 
 
 def _row(run_id: str, thread_id: str, key: str) -> dict[str, Any]:

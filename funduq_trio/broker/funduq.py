@@ -72,6 +72,34 @@ THREAD_CACHE = 16384
 PROOF_KEYS = ("cancel", "resolution", "presenter")
 
 
+class _Takeover:
+    """A claim of thread leases and the restore of the threads it won, in
+    flight on this node (``Funduq._take_threads``).
+
+    Between the claim and the end of the restore, this node leads the
+    threads won, so new work of theirs -- a run sent, a pause answered -- is
+    recorded at once; laned at once, it would be offered ahead of the runs
+    the old leader left queued, which the restore has not laned yet. So such
+    work is ``held`` here and laned by the restore after them (in the order
+    this node recorded it), and a run the restore read as queued and laned
+    itself is not laned again (``laned``)."""
+
+    __slots__ = ("claimed", "won", "done", "restored", "held", "laned")
+
+    def __init__(self) -> None:
+        #: Set once the claim answered: ``won`` holds the threads it took.
+        self.claimed = trio.Event()
+        self.won: set[str] = set()
+        #: Set once the restore ended (laned what it could, or failed);
+        #: ``restored`` once it went through.
+        self.done = trio.Event()
+        self.restored = False
+        #: (this node's arrival, the run's row, arriving) of new work waiting.
+        self.held: list[tuple[int, dict[str, Any], bool]] = []
+        #: The runs the restore laned (the queued it read, then the held).
+        self.laned: set[str] = set()
+
+
 def _check_carriable(metadata: Any, thread_id: Any = None) -> None:
     """Refuse request metadata (or a thread id) the provider link could not
     carry -- the doors refuse it first; this keeps any other way in honest."""
@@ -133,6 +161,9 @@ class Funduq:
         self.node = new_node_id(settings.node_name)
         self.leases = Leases(self.node, settings.lease_seconds)
         self._claim_now = trio.Event()
+        #: Claims of thread leases and the restores of what they won, in
+        #: flight: new work of those threads waits for them (_lane_in_order).
+        self._takeovers: list[_Takeover] = []
         #: What is served changed (here, or on another node): look for threads
         #: led here whose agent only another node serves now (_hand_over).
         self._handover_due = False
@@ -347,14 +378,82 @@ class Funduq:
         if not self.record.shared:
             await self._restore_threads(None)
             return
-        claimed = await self.record.claim_threads(unleased=True)
-        self.leases.taken(claimed)
-        await self._restore_threads(claimed)
+        await self._take_threads(unleased=True)
 
-    async def _restore_threads(self, threads: list[str] | None) -> None:
+    async def _take_threads(self, **claim: Any) -> list[str]:
+        """Claim thread leases (``claim_threads``'s arguments) and restore the
+        threads won; the threads won. While either is in flight, new work
+        recorded here on a thread it may win waits for it (``_Takeover``)."""
+        takeover = _Takeover()
+        self._takeovers.append(takeover)
+        try:
+            won = await self.record.claim_threads(**claim)
+            takeover.won.update(won)
+            takeover.claimed.set()
+            if won:
+                self.leases.taken(won)
+                await self._restore_threads(won, takeover)
+                takeover.restored = True
+            return won
+        finally:
+            if takeover in self._takeovers:
+                self._takeovers.remove(takeover)
+            takeover.claimed.set()
+            takeover.done.set()
+
+    def _taking_over(self, thread_id: str) -> bool:
+        """Whether a takeover of the thread is being restored here."""
+        return bool(self._takeovers) and any(thread_id in t.won for t in self._takeovers)
+
+    async def _lane_in_order(
+        self,
+        row: dict[str, Any],
+        arrival: int,
+        takeovers: tuple[_Takeover, ...],
+        *,
+        arriving: bool,
+    ) -> bool:
+        """Lane a run this node just recorded (a new run, a paused one
+        answered) in its thread's order. ``takeovers``: those in flight when
+        its write was sent -- only they can have claimed its thread before the
+        write took the lease (a claim sent later finds the lease ours). A
+        takeover that won the thread lanes the run after the old leader's
+        queued runs (``_Takeover``). True when the run is laned."""
+        found: _Takeover | None = None
+        held = False
+        # Shielded: the run is recorded, and once held a takeover lanes it;
+        # a caller gone meanwhile must not leave it unlaned.
+        with trio.CancelScope(shield=True):
+            for takeover in takeovers:
+                await takeover.claimed.wait()
+                if row["thread_id"] in takeover.won:
+                    found = takeover
+                    if not takeover.done.is_set():
+                        held = True
+                        takeover.held.append((arrival, row, arriving))
+                        await takeover.done.wait()
+                    break
+        if found is None or (
+            # The restore ended before the run's write returned here: it did
+            # not read the run, and laned everything it read.
+            not held and found.restored and row["id"] not in found.laned
+        ):
+            self._start_lane(row, arriving=arriving)
+            return True
+        if row["id"] in found.laned:
+            return True
+        # The takeover failed, or lost the thread: the run waits in the
+        # record for the thread's next leader.
+        self.waiting.release(row["id"])
+        return False
+
+    async def _restore_threads(
+        self, threads: list[str] | None, takeover: _Takeover | None = None
+    ) -> None:
         """The restart rules, for every thread (None) or for threads whose
-        lease this node just took: what their old leader held fails
-        ``orphaned_by_restart``, their queued runs lane again in arrival order."""
+        lease this node just took (by ``takeover``): what their old leader
+        held fails ``orphaned_by_restart``, their queued runs lane again in
+        arrival order, then the new work recorded here meanwhile."""
         arrival, orphans, queued = await self.record.restore_reads(
             tuple(st.ORPHANED_BY_RESTART), threads
         )
@@ -389,6 +488,22 @@ class Funduq:
             await self._thread(row["thread_id"])  # its history, for the replies it will add
             self._start_lane(row, arriving=False)
             laned += 1
+            if takeover is not None:
+                takeover.laned.add(row["id"])
+        if takeover is not None:
+            # New work recorded here since the claim, after the old leader's
+            # runs, in the order this node recorded it (a run read above as
+            # queued was laned there, in the record's order, and is not laned
+            # twice); no await from here until the takeover is done.
+            for _, row, arriving in sorted(takeover.held, key=lambda held: held[0]):
+                tid = row["thread_id"]
+                if row["id"] not in takeover.laned and tid not in lost and self.leases.leads(tid):
+                    self._start_lane(row, arriving=arriving)
+                    takeover.laned.add(row["id"])
+            takeover.held.clear()
+            # All laned: from here its threads are as any led here (below, a
+            # thread with nothing left to lead is released).
+            self._takeovers.remove(takeover)
         for tid in threads or ():
             if tid in lost:
                 self._lost_lead(tid)
@@ -476,10 +591,7 @@ class Funduq:
         if agents:
             # Lapsed leases, and threads nobody leads though they have runs
             # needing a leader (another node handed them over).
-            won = await self.record.claim_threads(agents=agents, unleased=True)
-            if won:
-                self.leases.taken(won)
-                await self._restore_threads(won)
+            await self._take_threads(agents=agents, unleased=True)
 
     async def _hand_over(self) -> int:
         """Let go of the threads led here whose agent no link here serves any
@@ -494,7 +606,12 @@ class Funduq:
         served = set(self._served_pairs())
         idle: dict[tuple[str, str], list[str]] = {}
         for tid, thread in self.threads.items():
-            if tid in self._reserved or tid in self._answering or not thread.pending:
+            if (
+                tid in self._reserved
+                or tid in self._answering
+                or not thread.pending
+                or self._taking_over(tid)  # its old leader's runs not all laned yet
+            ):
                 continue
             lanes = thread.pending
             if len(lanes) != thread.lanes or any(lane.status != st.QUEUED for lane in lanes):
@@ -517,6 +634,7 @@ class Funduq:
                     still is None
                     or tid in self._reserved
                     or tid in self._answering
+                    or self._taking_over(tid)
                     or any(lane.status != st.QUEUED for lane in still.pending)
                     or self.providers.serving(key, agent) is not None
                 ):
@@ -524,7 +642,7 @@ class Funduq:
                 del self.threads[tid]
                 still.depose()
                 self.leases.lost(tid)
-                self.record.release_lease(tid)
+                self.record.hand_over_lease(tid)  # its queued runs need a leader
                 self._thread_info.pop(tid, None)
                 handed += 1
         if handed:
@@ -573,7 +691,10 @@ class Funduq:
         if not self.record.shared:
             return
         busy = (
-            thread_id in self.threads or thread_id in self._reserved or thread_id in self._answering
+            thread_id in self.threads
+            or thread_id in self._reserved
+            or thread_id in self._answering
+            or self._taking_over(thread_id)  # its restore is not done (or its held work laned)
         )
         if self.leases.release(thread_id, busy=busy):
             self.record.release_lease(thread_id)
@@ -584,10 +705,7 @@ class Funduq:
         """A write found the thread's lease another node's: take it over if
         it lapsed (settling what its old leader left first). True when this
         node leads the thread now."""
-        won = await self.record.claim_threads(threads=[thread_id])
-        if won:
-            self.leases.taken(won)
-            await self._restore_threads(won)
+        await self._take_threads(threads=[thread_id])
         return self.leases.leads(thread_id)
 
     def _forget_unled(self, thread_id: str) -> None:
@@ -872,6 +990,8 @@ class Funduq:
                 raise
             try:
                 try:
+                    # The takeovers in flight as the write is sent (see _lane_in_order).
+                    takeovers = tuple(self._takeovers)
                     await self.record.insert_run(row, new_thread, messages)
                 except NotLeader:
                     # Another node holds the thread's lease: take it over if
@@ -881,6 +1001,7 @@ class Funduq:
                             f"thread {tid} is led by another funduq node right now; retry "
                             "on the node that leads it"
                         ) from None
+                    takeovers = tuple(self._takeovers)
                     await self.record.insert_run(row, new_thread, messages)
             except BaseException as exc:
                 self.waiting.release(run_id)
@@ -909,14 +1030,19 @@ class Funduq:
                     await self._settle_unlaned(run_id, row["metadata"], 1, action)
                 self.metrics.runs_started += 1
                 return RunTicket(run_id, tid)
-            laning = True
+            if takeovers:
+                # A takeover of the thread may be in flight: laned after the
+                # old leader's runs (docs/cluster.md, "How ownership moves").
+                laning = await self._lane_in_order(row, row["arrival"], takeovers, arriving=True)
+            else:
+                self._start_lane(row, arriving=True)
+                laning = True
         finally:
             self._reserved[tid] -= 1
             if not self._reserved[tid]:
                 del self._reserved[tid]
             if not laning:
                 self._maybe_release(tid)
-        self._start_lane(row, arriving=True)
         self.metrics.runs_started += 1
         if log.isEnabledFor(logging.DEBUG):  # the fingerprint costs a hash: only when shown
             log.debug(
@@ -1528,10 +1654,12 @@ class Funduq:
 
             try:
                 try:
+                    takeovers = tuple(self._takeovers)  # see _lane_in_order
                     moved = await reopen()
                 except NotLeader:
                     if not await self._take_over(tid):
                         raise
+                    takeovers = tuple(self._takeovers)
                     moved = await reopen()
             except BaseException as exc:
                 if info:
@@ -1550,10 +1678,14 @@ class Funduq:
                 if info:
                     self._unsee(info, messages, new=False)  # not recorded
                 raise RunNotPaused(f"run {run_id} is not waiting for an answer")
-            if run_id in self.lanes:
-                raise RunNotPaused(f"run {run_id} is not waiting for an answer")
             row["status"] = move.to
-            self._start_lane(row, arriving=False)
+            if takeovers:
+                # Laned after the old leader's runs when a takeover of the
+                # thread is in flight; laned by it if its restore read the
+                # answered run as queued (which is no refusal of the answer).
+                await self._lane_in_order(row, arrival, takeovers, arriving=False)
+            else:
+                self._start_lane(row, arriving=False)
             if self.pushes is not None:
                 self.pushes.resumed(run_id)
         except BaseException:

@@ -700,6 +700,24 @@ class PostgresStore(SqlStore):
             )
         )
 
+    def hand_over_lease(self, thread_id: str) -> PendingWrite | None:
+        # Deleted, the row would leave the thread looking idle: a run reaching
+        # the serving node before its claim round would take the lease in its
+        # own insert and be laned alone, ahead of the queued runs handed over
+        # (which no claim round takes then: the thread is leased). Lapsed and
+        # nobody's (no node id is empty), that insert is refused and its node
+        # takes the thread over first, as from a dead node (docs/cluster.md).
+        node = self.node
+        if node is None:
+            return None
+        return self.write_soon(
+            lambda c: c.execute(
+                "UPDATE thread_leases SET node = '', expires_at = '-infinity' "
+                "WHERE thread_id = ? AND node = ?",
+                (thread_id, node),
+            )
+        )
+
     # -- push delivery leases (docs/cluster.md) ------------------------------------------
 
     def _lease_push_config(self, conn: Any, task_id: str, config_id: str) -> None:

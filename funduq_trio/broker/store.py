@@ -245,6 +245,13 @@ class Store(Protocol):
         """Give up the thread's lease (queued first-in first-out)."""
         ...
 
+    def hand_over_lease(self, thread_id: str) -> PendingWrite | None:
+        """Give up the lease of a thread whose runs still need a leader
+        (queued first-in first-out): left lapsed and no node's, so the next
+        node to lead it takes it over -- restoring it first -- rather than
+        take it as an idle thread's."""
+        ...
+
     # -- the cluster's roster and forwarding (docs/cluster.md)
 
     def heartbeat(
@@ -594,6 +601,9 @@ class SqlStore:
         return []
 
     def release_lease(self, thread_id: str) -> PendingWrite | None:
+        return None
+
+    def hand_over_lease(self, thread_id: str) -> PendingWrite | None:
         return None
 
     # -- the cluster's roster and forwarding (docs/cluster.md): nothing on a
