@@ -163,7 +163,17 @@ async def provider_on_a_and_c(
 
 
 def streamed_text(events: list[pb.StreamResponse]) -> str:
-    return "".join(
+    """The reply's text as the caller sees it: a fast echo may already be
+    whole in the stream's opening Task (its artifacts), the rest arrives as
+    artifact updates."""
+    opening = [
+        part.text
+        for e in events[:1]
+        if e.HasField("task")
+        for artifact in e.task.artifacts
+        for part in artifact.parts
+    ]
+    return "".join(opening) + "".join(
         part.text
         for e in events
         if e.HasField("artifact_update")
