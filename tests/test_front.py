@@ -310,3 +310,68 @@ async def test_funduq_on_the_front_keeps_a_connection_across_door_requests(tmp_p
         )
         statuses = [head.split(b" ")[1] for head, _ in answers(got)]
         assert statuses == [b"200", b"404", b"200", b"413"]
+
+
+def _client_frame(opcode: int, payload: bytes, key: bytes = b"\x0f\xf0\x55\xaa") -> bytes:
+    n = len(payload)
+    length = bytes((0x80 | n,)) if n < 126 else bytes((0x80 | 126,)) + n.to_bytes(2, "big")
+    masked = bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+    return bytes((0x80 | opcode,)) + length + key + masked
+
+
+def _server_frames(raw: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    while raw:
+        opcode, n, head = raw[0] & 0x0F, raw[1] & 0x7F, 2
+        if n == 126:
+            n, head = int.from_bytes(raw[2:4], "big"), 4
+        out.append((opcode, raw[head : head + n]))
+        raw = raw[head + n :]
+    return out
+
+
+async def test_websocket_frames_in_one_write_in_pieces_and_around_a_ping():
+    """Hand-written client frames over a real socket: many in one write (the
+    front's own read of the common frame), one cut across writes, a ping
+    between (wsproto's), then bytes that are not UTF-8 (close 1007)."""
+    seen.clear()
+    async with front() as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(
+                b"GET /echo HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                + _client_frame(1, b"with the handshake")
+            )
+            got = b""
+            with trio.fail_after(NET):
+                while b"\r\n\r\n" not in got:
+                    got += await stream.receive_some(65536)
+            head, _, got = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 101")
+            many = [_client_frame(1, f"event {i}".encode()) for i in range(20)]
+            long = _client_frame(1, "é".encode() * 200)
+            await stream.send_all(b"".join(many) + long[:5])
+            await stream.send_all(long[5:300])
+            await stream.send_all(
+                long[300:] + _client_frame(9, b"ping?") + _client_frame(2, b"\x00")
+            )
+            with trio.fail_after(NET):  # every echo back before the bad frame
+                while len(_server_frames(got)) < 24 or _server_frames(got)[-1][0] != 2:
+                    got += await stream.receive_some(65536)
+            await stream.send_all(
+                _client_frame(1, b"\xc3\x28 not utf-8") + _client_frame(1, b"never")
+            )
+            with trio.fail_after(NET):
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+    frames = _server_frames(got)
+    assert frames[0] == (1, b"with the handshake")
+    assert frames[1:21] == [(1, f"event {i}".encode()) for i in range(20)]
+    # A ping is answered as it is parsed, before the app takes the messages
+    # that one read held (the long one's end among them).
+    assert frames[21:24] == [(0xA, b"ping?"), (1, "é".encode() * 200), (2, b"\x00")]
+    assert frames[24][0] == 8 and int.from_bytes(frames[24][1][:2], "big") == 1007
+    assert len(frames) == 25
+    await trio.testing.wait_all_tasks_blocked()
+    assert seen == [{"type": "websocket.disconnect", "code": 1007}]
