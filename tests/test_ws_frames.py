@@ -306,3 +306,17 @@ def test_a_server_frame_is_wsprotos_frame(n):
     wsproto_conn = WsConnection(ConnectionType.SERVER)
     assert server_frame(0x1, "é".encode()) == wsproto_conn.send(TextMessage(data="é"))
     assert server_frame(0x2, b"") == wsproto_conn.send(BytesMessage(data=b""))
+
+
+def test_a_ping_after_the_apps_close_is_not_answered_and_breaks_nothing():
+    """Found by the property test above: the front answered a ping that came
+    after the app's close with a pong wsproto refuses to send in that state,
+    and the app's receive raised LocalProtocolError."""
+    stream = client_frame(1, b"one") + client_frame(9, b"") + client_frame(8, b"\x03\xe8")
+    received, written, code = both_roads([stream[:9], stream[9:]], 1000, close_after=1)
+    assert code == 1000
+    assert received == [
+        {"type": "websocket.receive", "text": "one"},
+        {"type": "websocket.disconnect", "code": 1000},
+    ]
+    assert written == server_frame(0x8, (4000).to_bytes(2, "big") + b"app")

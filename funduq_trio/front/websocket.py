@@ -172,7 +172,10 @@ class WebSocket:
                     else:
                         self._ready.append({"type": "websocket.receive", "bytes": b"".join(parts)})
             elif isinstance(event, Ping):
-                await self.conn.write(ws.send(event.response()))
+                # After our close only the peer's close is awaited: a ping
+                # then goes unanswered (wsproto refuses to send a pong).
+                if ws.state is ConnectionState.OPEN:
+                    await self.conn.write(ws.send(event.response()))
             elif isinstance(event, CloseConnection):
                 if ws.state is ConnectionState.REMOTE_CLOSING:
                     await self.conn.write(ws.send(event.response()))
