@@ -244,6 +244,40 @@ async def test_a_streamed_answer_arrives_whole_in_its_bursts():
             assert [line async for line in reply.aiter_lines()] == ["one", "two"]
 
 
+async def test_a_chunked_body_is_written_by_the_front_and_a_counted_one_by_h11(monkeypatch):
+    """The chunks of a streamed answer are framed by the front itself, byte
+    for byte as h11 frames them (h11 is not asked: an SSE burst's write is
+    mostly h11's event round otherwise); a Content-Length body still goes
+    through h11, which counts it against the length."""
+    import h11
+
+    sent: list[str] = []
+    h11_send = h11.Connection.send
+
+    def counted(self: h11.Connection, event: Any) -> bytes | None:
+        sent.append(type(event).__name__)
+        return h11_send(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", counted)
+    async with front() as port:
+        got = await exchange(port, b"GET /stream HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert sent == ["Response", "EndOfMessage"]
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head.lower()
+        reference = h11.Connection(h11.SERVER)
+        reference.receive_data(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        reference.next_event(), reference.next_event()
+        h11_send(reference, h11.Response(status_code=200, headers=[]))
+        assert body == b"".join(
+            h11_send(reference, event) or b""
+            for event in (h11.Data(data=b"one\n"), h11.Data(data=b"two\n"), h11.EndOfMessage())
+        )
+        sent.clear()
+        got = await exchange(port, b"GET /x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert sent == ["Response", "Data", "EndOfMessage"]
+        assert json.loads(got.partition(b"\r\n\r\n")[2])["path"] == "/x"
+
+
 async def test_an_idle_connection_is_closed_after_keep_alive(autojump_clock):
     async with front(keep_alive_seconds=5) as port:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
