@@ -1,9 +1,12 @@
 """In-process cost of one provider message on funduq's side of the link,
 step by step, for a provider that sends one frame per message (no `batch`):
-the frame decode (`frames.decode_frame`), the link machine's `receive` (the
-decode plus its dispatch to actions), and the provider socket's reader loop
-handing the actions to a session (`ProviderSocket._reader`, the broker side
-stubbed). Deterministic enough to compare trees: the same frames, many rounds.
+the front's websocket read (`front/websocket.py` `WebSocket.receive`: one run's
+masked client frames in one socket read, then one read per frame, the socket
+stubbed) and a message written (`WebSocket.send`), the frame decode
+(`frames.decode_frame`), the link machine's `receive` (the decode plus its
+dispatch to actions), and the provider socket's reader loop handing the
+actions to a session (`ProviderSocket._reader`, the broker side stubbed).
+Deterministic enough to compare trees: the same frames, many rounds.
 
     python bench/link_reader.py [--rounds 2000]
 """
@@ -116,6 +119,84 @@ class _Done(Exception):
     pass
 
 
+def masked_frame(text: str, key: bytes = b"\x37\xfa\x21\x3d") -> bytes:
+    """`text` as a client's one-frame text message (RFC 6455 §5.2-5.3)."""
+    payload = text.encode()
+    n = len(payload)
+    length = bytes((0x80 | n,)) if n < 126 else bytes((0x80 | 126,)) + n.to_bytes(2, "big")
+    masked = bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+    return bytes((0x81,)) + length + key + masked
+
+
+class _Wire:
+    """The front's `Connection` as an open websocket uses it: `reads` in
+    turn, writes dropped."""
+
+    class limits:
+        max_message_bytes = 16 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self.reads: list[bytes] = []
+        self.at = 0
+
+    async def read(self) -> bytes:
+        self.at += 1
+        return self.reads[self.at - 1]
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+
+def front_socket(wire: _Wire) -> Any:
+    from wsproto.connection import Connection, ConnectionType
+
+    from funduq_trio.front.websocket import WebSocket
+
+    socket = WebSocket(wire, b"key")  # type: ignore[arg-type]
+    socket.ws = Connection(ConnectionType.SERVER)
+    socket.state = "open"
+    return socket
+
+
+def front_per_message(texts: list[str], rounds: int, *, one_read: bool) -> float:
+    """Microseconds for `WebSocket.receive` to hand over one message."""
+    frames = [masked_frame(t) for t in texts]
+    reads = [b"".join(frames)] if one_read else frames
+    n = len(texts)
+
+    async def timed() -> float:
+        best = float("inf")
+        for _ in range(max(200, rounds // 5)):
+            sockets = []
+            for _ in range(5):
+                wire = _Wire()
+                wire.reads = reads
+                sockets.append(front_socket(wire))
+            start = time.perf_counter()
+            for socket in sockets:
+                for _ in range(n):
+                    await socket.receive()
+            best = min(best, time.perf_counter() - start)
+        return best / (5 * n) * 1e6
+
+    return trio.run(timed)
+
+
+def front_send_per_message(text: str, rounds: int) -> float:
+    async def timed() -> float:
+        socket = front_socket(_Wire())
+        message = {"type": "websocket.send", "text": text}
+        best = float("inf")
+        for _ in range(max(200, rounds // 5)):
+            start = time.perf_counter()
+            for _ in range(50):
+                await socket.send(message)
+            best = min(best, time.perf_counter() - start)
+        return best / 50 * 1e6
+
+    return trio.run(timed)
+
+
 def main() -> None:
     from funduq_trio.web.provider_socket import ProviderSocket
 
@@ -134,6 +215,14 @@ def main() -> None:
     timed = args.calls is None
     reports = [t for t in texts if '"kind":"report"' in t]
     print(f"{n} messages a run ({len(reports)} reports)")
+
+    if timed:
+        us = front_per_message(texts, args.rounds, one_read=True)
+        print(f"WebSocket.receive (a run in one read):   {us:6.2f} us")
+        us = front_per_message(texts, args.rounds, one_read=False)
+        print(f"WebSocket.receive (a read per message):  {us:6.2f} us")
+        us = front_send_per_message(texts[1], args.rounds)
+        print(f"WebSocket.send (a {len(texts[1])}-byte text):      {us:6.2f} us")
 
     def decode_only() -> None:
         for text in reports:

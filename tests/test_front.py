@@ -245,6 +245,40 @@ async def test_a_streamed_answer_arrives_whole_in_its_bursts():
             assert [line async for line in reply.aiter_lines()] == ["one", "two"]
 
 
+async def test_a_chunked_body_is_written_by_the_front_and_a_counted_one_by_h11(monkeypatch):
+    """The chunks of a streamed answer are framed by the front itself, byte
+    for byte as h11 frames them (h11 is not asked: an SSE burst's write is
+    mostly h11's event round otherwise); a Content-Length body still goes
+    through h11, which counts it against the length."""
+    import h11
+
+    sent: list[str] = []
+    h11_send = h11.Connection.send
+
+    def counted(self: h11.Connection, event: Any) -> bytes | None:
+        sent.append(type(event).__name__)
+        return h11_send(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", counted)
+    async with front() as port:
+        got = await exchange(port, b"GET /stream HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert sent == ["Response", "EndOfMessage"]
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head.lower()
+        reference = h11.Connection(h11.SERVER)
+        reference.receive_data(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        reference.next_event(), reference.next_event()
+        h11_send(reference, h11.Response(status_code=200, headers=[]))
+        assert body == b"".join(
+            h11_send(reference, event) or b""
+            for event in (h11.Data(data=b"one\n"), h11.Data(data=b"two\n"), h11.EndOfMessage())
+        )
+        sent.clear()
+        got = await exchange(port, b"GET /x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        assert sent == ["Response", "Data", "EndOfMessage"]
+        assert json.loads(got.partition(b"\r\n\r\n")[2])["path"] == "/x"
+
+
 async def test_an_idle_connection_is_closed_after_keep_alive(autojump_clock):
     async with front(keep_alive_seconds=5) as port:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -381,3 +415,68 @@ async def test_funduq_counts_its_connections_and_refusals_in_metrics(tmp_path):
         again = (await client.get("/metrics")).text  # on the kept connection
         assert "funduq_connections_refused_total 2\n" in again
         await held.aclose()
+
+
+def _client_frame(opcode: int, payload: bytes, key: bytes = b"\x0f\xf0\x55\xaa") -> bytes:
+    n = len(payload)
+    length = bytes((0x80 | n,)) if n < 126 else bytes((0x80 | 126,)) + n.to_bytes(2, "big")
+    masked = bytes(b ^ key[i % 4] for i, b in enumerate(payload))
+    return bytes((0x80 | opcode,)) + length + key + masked
+
+
+def _server_frames(raw: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    while raw:
+        opcode, n, head = raw[0] & 0x0F, raw[1] & 0x7F, 2
+        if n == 126:
+            n, head = int.from_bytes(raw[2:4], "big"), 4
+        out.append((opcode, raw[head : head + n]))
+        raw = raw[head + n :]
+    return out
+
+
+async def test_websocket_frames_in_one_write_in_pieces_and_around_a_ping():
+    """Hand-written client frames over a real socket: many in one write (the
+    front's own read of the common frame), one cut across writes, a ping
+    between (wsproto's), then bytes that are not UTF-8 (close 1007)."""
+    seen.clear()
+    async with front() as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(
+                b"GET /echo HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                + _client_frame(1, b"with the handshake")
+            )
+            got = b""
+            with trio.fail_after(NET):
+                while b"\r\n\r\n" not in got:
+                    got += await stream.receive_some(65536)
+            head, _, got = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 101")
+            many = [_client_frame(1, f"event {i}".encode()) for i in range(20)]
+            long = _client_frame(1, "é".encode() * 200)
+            await stream.send_all(b"".join(many) + long[:5])
+            await stream.send_all(long[5:300])
+            await stream.send_all(
+                long[300:] + _client_frame(9, b"ping?") + _client_frame(2, b"\x00")
+            )
+            with trio.fail_after(NET):  # every echo back before the bad frame
+                while len(_server_frames(got)) < 24 or _server_frames(got)[-1][0] != 2:
+                    got += await stream.receive_some(65536)
+            await stream.send_all(
+                _client_frame(1, b"\xc3\x28 not utf-8") + _client_frame(1, b"never")
+            )
+            with trio.fail_after(NET):
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+    frames = _server_frames(got)
+    assert frames[0] == (1, b"with the handshake")
+    assert frames[1:21] == [(1, f"event {i}".encode()) for i in range(20)]
+    # A ping is answered as it is parsed, before the app takes the messages
+    # that one read held (the long one's end among them).
+    assert frames[21:24] == [(0xA, b"ping?"), (1, "é".encode() * 200), (2, b"\x00")]
+    assert frames[24][0] == 8 and int.from_bytes(frames[24][1][:2], "big") == 1007
+    assert len(frames) == 25
+    await trio.testing.wait_all_tasks_blocked()
+    assert seen == [{"type": "websocket.disconnect", "code": 1007}]

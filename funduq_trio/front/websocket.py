@@ -4,12 +4,15 @@
 a valid one is answered 400), gives the app an ASGI ``websocket`` scope, and
 answers its ``websocket.accept`` with the 101 and the accept token. From then
 on `receive` parses whatever one socket read holds and hands the app each
-whole message in turn without reading again; pings are answered as they are
-parsed; a close frame is answered and reported as ``websocket.disconnect``
-with the peer's code (1006 when the connection simply ended). A message over
-``max_message_bytes`` is refused with close 1009. Closing before accepting is
-a 403 (the ASGI rule), or the app's own answer through the
-``websocket.http.response`` extension.
+whole message in turn without reading again: the common frame (one whole
+masked text or binary message) is read by `ws_frames.ClientFrames`, every
+other frame by wsproto, which stays the authority on the protocol; a message
+is written as one frame built here (wsproto's bytes, without its events and
+copies). Pings are answered as they are parsed; a close frame is answered
+and reported as ``websocket.disconnect`` with the peer's code (1006 when
+the connection simply ended). A message over ``max_message_bytes`` is
+refused with close 1009. Closing before accepting is a 403 (the ASGI rule),
+or the app's own answer through the ``websocket.http.response`` extension.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from typing import Any
 import h11
 from wsproto.connection import Connection as WsConnection
 from wsproto.connection import ConnectionState, ConnectionType
-from wsproto.events import BytesMessage, CloseConnection, Message, Ping, TextMessage
+from wsproto.events import CloseConnection, Message, Ping, TextMessage
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import generate_accept_token
 
 from .http import Connection, _date, _plain_response
+from .ws_frames import ClientFrames, ForWsproto, server_frame
 
 log = logging.getLogger("funduq_trio.server")
 
@@ -79,7 +83,18 @@ async def serve_websocket(conn: Connection, request: h11.Request) -> None:
 class WebSocket:
     """The ASGI ``websocket`` calls over one connection."""
 
-    __slots__ = ("conn", "key", "ws", "state", "close_code", "_ready", "_parts", "_size", "_denial")
+    __slots__ = (
+        "conn",
+        "key",
+        "ws",
+        "state",
+        "close_code",
+        "_frames",
+        "_ready",
+        "_parts",
+        "_size",
+        "_denial",
+    )
 
     def __init__(self, conn: Connection, key: bytes) -> None:
         self.conn = conn
@@ -90,6 +105,7 @@ class WebSocket:
         #: "closing" (our close sent, the peer's awaited), "closed".
         self.state = "new"
         self.close_code = 1006
+        self._frames = ClientFrames(conn.limits.max_message_bytes)
         self._ready: deque[dict[str, Any]] = deque()
         self._parts: list[Any] = []  # the message being assembled
         self._size = 0
@@ -103,10 +119,13 @@ class WebSocket:
             if self._ready:
                 return self._ready.popleft()
             if self.state == "open" or self.state == "closing":
-                assert self.ws is not None
                 data = await self.conn.read()
-                self.ws.receive_data(data or None)  # None: the end, reported as 1006
-                await self._take_events()
+                if data:
+                    await self._take(data)
+                else:
+                    assert self.ws is not None
+                    self.ws.receive_data(None)  # the end, reported as 1006
+                    await self._take_events()
             elif self.state == "connecting" or self.state == "answered":
                 # Before the handshake's answer only the caller's end can
                 # come; bytes it sends early wait in h11 for the socket.
@@ -117,6 +136,22 @@ class WebSocket:
                     self.state = "closed"
             else:
                 return {"type": "websocket.disconnect", "code": self.close_code}
+
+    async def _take(self, data: bytes) -> None:
+        """Parse `data`: the common frames here, the rest by wsproto, in order."""
+        ready = self._ready
+        for item in self._frames.feed(data):
+            kind = type(item)
+            if kind is str:
+                ready.append({"type": "websocket.receive", "text": item})
+            elif kind is bytes:
+                ready.append({"type": "websocket.receive", "bytes": item})
+            else:
+                assert self.ws is not None and isinstance(item, ForWsproto)
+                self.ws.receive_data(item.data)
+                await self._take_events()
+                if self.state == "closed":
+                    return
 
     async def _take_events(self) -> None:
         ws = self.ws
@@ -137,7 +172,10 @@ class WebSocket:
                     else:
                         self._ready.append({"type": "websocket.receive", "bytes": b"".join(parts)})
             elif isinstance(event, Ping):
-                await self.conn.write(ws.send(event.response()))
+                # After our close only the peer's close is awaited: a ping
+                # then goes unanswered (wsproto refuses to send a pong).
+                if ws.state is ConnectionState.OPEN:
+                    await self.conn.write(ws.send(event.response()))
             elif isinstance(event, CloseConnection):
                 if ws.state is ConnectionState.REMOTE_CLOSING:
                     await self.conn.write(ws.send(event.response()))
@@ -159,12 +197,10 @@ class WebSocket:
             if self.state != "open" or self.ws is None:
                 return  # the peer is gone or going; the app learns it from receive
             text = message.get("text")
-            event = (
-                TextMessage(data=text)
-                if text is not None
-                else BytesMessage(data=message.get("bytes") or b"")
-            )
-            await self.conn.write(self.ws.send(event))
+            if text is not None:
+                await self.conn.write(server_frame(0x1, text.encode()))
+            else:
+                await self.conn.write(server_frame(0x2, message.get("bytes") or b""))
         elif kind == "websocket.accept":
             await self._accept(message)
         elif kind == "websocket.close":
@@ -198,9 +234,10 @@ class WebSocket:
         headers.extend(message.get("headers", ()))
         response = h11.InformationalResponse(status_code=101, headers=headers)
         await self.conn.write(machine.send(response) or b"")
-        self.ws = WsConnection(ConnectionType.SERVER, trailing_data=machine.trailing_data[0])
+        self.ws = WsConnection(ConnectionType.SERVER)
         self.state = "open"
-        await self._take_events()  # frames that came with the handshake
+        if machine.trailing_data[0]:
+            await self._take(machine.trailing_data[0])  # frames that came with the handshake
 
     async def _answer_http(self, status: int, headers: list[Any], body: bytes) -> None:
         machine = self.conn.h11
