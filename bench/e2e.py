@@ -33,6 +33,7 @@ the child processes are stopped at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -616,6 +617,16 @@ def main() -> None:
         help="diagnostic: run the server with sys.setswitchinterval(SECONDS) "
         "(CPython's default is 0.005)",
     )
+    parser.add_argument(
+        "--nice-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a different measurement: the load generator (this process, its "
+        "threads and children) and the providers run at nice N, so the server "
+        "gets a core first, as it would with callers and providers on other "
+        "machines. Printed in the header; compare only with runs at the same N",
+    )
     args = parser.parse_args()
 
     build = h.describe_build()
@@ -651,6 +662,12 @@ def main() -> None:
                         unbatched=args.provider == "raw",
                     )
                 )
+            if args.nice_load:
+                # After the server started (it keeps nice 0); every thread of
+                # this process and of each provider (nice is per thread on Linux).
+                for pid in [os.getpid(), *(p.proc.pid for p in providers)]:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        os.setpriority(os.PRIO_PROCESS, int(tid), args.nice_load)
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -681,6 +698,12 @@ def main() -> None:
         f"{args.client} callers"
         + (f", offered at {out['rate']:.1f} runs/s" if out["rate"] else ", as fast as they go")
     )
+    if args.nice_load:
+        print(
+            f"  NOTE --nice-load {args.nice_load}: callers and providers at nice "
+            f"{args.nice_load}, the server at 0 (callers on other machines, modelled); "
+            "not the same measurement as without"
+        )
     if "saturating" in out:
         print(
             f"  saturating load     {out['saturating']:10.1f} runs/s   (as fast as the callers "
