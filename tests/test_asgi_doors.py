@@ -15,10 +15,13 @@ import json
 from typing import Any
 
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from quart_trio import QuartTrio
 from reliability_support import eventually
 from support import raw_provider, running_server, sdk_provider
 
-from funduq_trio.web.app import create_app
+from funduq_trio.web.app import compact_dumps, create_app
 
 NET = 15  # a safety net against a hung test, never a behaviour clock
 
@@ -270,3 +273,27 @@ async def test_an_agui_post_whose_caller_left_starts_its_run_and_returns(tmp_pat
             return record is not None and record["status"] == "running"
 
         await eventually(running, "the run running")
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+    | st.datetimes()  # the provider's `default` writes these
+    | st.uuids(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES)
+def test_the_doors_json_is_the_apps_json(value):
+    """The doors write JSON with an encoder made once; it writes exactly what
+    the app's JSON provider writes (lone surrogates escaped, key order kept,
+    its `default` for what JSON has no type for)."""
+    app = QuartTrio(__name__)
+    app.json.sort_keys = False  # as create_app sets it
+    assert compact_dumps(app)(value) == app.json.dumps(value, separators=(",", ":"))
