@@ -623,9 +623,17 @@ def main() -> None:
         default=0,
         metavar="N",
         help="a different measurement: the load generator (this process, its "
-        "threads and children) and the providers run at nice N, so the server "
-        "gets a core first, as it would with callers and providers on other "
-        "machines. Printed in the header; compare only with runs at the same N",
+        "threads and children) runs at nice N, so the server gets a core first, "
+        "as it would with callers on other machines. Printed in the header; "
+        "compare only with runs at the same N",
+    )
+    parser.add_argument(
+        "--nice-providers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="likewise for the provider processes (the offer round trip includes "
+        "the provider's answer: a provider at nice N waits longer for a core)",
     )
     args = parser.parse_args()
 
@@ -662,12 +670,14 @@ def main() -> None:
                         unbatched=args.provider == "raw",
                     )
                 )
-            if args.nice_load:
-                # After the server started (it keeps nice 0); every thread of
-                # this process and of each provider (nice is per thread on Linux).
-                for pid in [os.getpid(), *(p.proc.pid for p in providers)]:
-                    for tid in os.listdir(f"/proc/{pid}/task"):
-                        os.setpriority(os.PRIO_PROCESS, int(tid), args.nice_load)
+            # After the server started (it keeps nice 0); every thread of the
+            # process (nice is per thread on Linux).
+            niced = [(os.getpid(), args.nice_load)] if args.nice_load else []
+            if args.nice_providers:
+                niced += [(p.proc.pid, args.nice_providers) for p in providers]
+            for pid, nice in niced:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -698,11 +708,11 @@ def main() -> None:
         f"{args.client} callers"
         + (f", offered at {out['rate']:.1f} runs/s" if out["rate"] else ", as fast as they go")
     )
-    if args.nice_load:
+    if args.nice_load or args.nice_providers:
         print(
-            f"  NOTE --nice-load {args.nice_load}: callers and providers at nice "
-            f"{args.nice_load}, the server at 0 (callers on other machines, modelled); "
-            "not the same measurement as without"
+            f"  NOTE callers at nice {args.nice_load}, providers at nice "
+            f"{args.nice_providers}, the server at 0 (callers/providers on other "
+            "machines, modelled): not the same measurement as without"
         )
     if "saturating" in out:
         print(
