@@ -33,6 +33,7 @@ the child processes are stopped at the end.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -616,6 +617,24 @@ def main() -> None:
         help="diagnostic: run the server with sys.setswitchinterval(SECONDS) "
         "(CPython's default is 0.005)",
     )
+    parser.add_argument(
+        "--nice-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a different measurement: the load generator (this process, its "
+        "threads and children) runs at nice N, so the server gets a core first, "
+        "as it would with callers on other machines. Printed in the header; "
+        "compare only with runs at the same N",
+    )
+    parser.add_argument(
+        "--nice-providers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="likewise for the provider processes (the offer round trip includes "
+        "the provider's answer: a provider at nice N waits longer for a core)",
+    )
     args = parser.parse_args()
 
     build = h.describe_build()
@@ -651,6 +670,14 @@ def main() -> None:
                         unbatched=args.provider == "raw",
                     )
                 )
+            # After the server started (it keeps nice 0); every thread of the
+            # process (nice is per thread on Linux).
+            niced = [(os.getpid(), args.nice_load)] if args.nice_load else []
+            if args.nice_providers:
+                niced += [(p.proc.pid, args.nice_providers) for p in providers]
+            for pid, nice in niced:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -681,6 +708,12 @@ def main() -> None:
         f"{args.client} callers"
         + (f", offered at {out['rate']:.1f} runs/s" if out["rate"] else ", as fast as they go")
     )
+    if args.nice_load or args.nice_providers:
+        print(
+            f"  NOTE callers at nice {args.nice_load}, providers at nice "
+            f"{args.nice_providers}, the server at 0 (callers/providers on other "
+            "machines, modelled): not the same measurement as without"
+        )
     if "saturating" in out:
         print(
             f"  saturating load     {out['saturating']:10.1f} runs/s   (as fast as the callers "

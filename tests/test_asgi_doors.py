@@ -15,10 +15,13 @@ import json
 from typing import Any
 
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from quart_trio import QuartTrio
 from reliability_support import eventually
 from support import raw_provider, running_server, sdk_provider
 
-from funduq_trio.web.app import create_app
+from funduq_trio.web.app import compact_dumps, create_app
 
 NET = 15  # a safety net against a hung test, never a behaviour clock
 
@@ -233,3 +236,64 @@ async def test_a_blocking_send_whose_caller_leaves_stops_waiting_and_the_run_goe
         assert sent == []
         record = await info.funduq.get_run(run["runId"])
         assert record is not None and record["status"] == "running", record
+
+
+async def test_an_agui_post_whose_caller_left_starts_its_run_and_returns(tmp_path):
+    """The AG-UI door does not wait for its run, so its POST has no watch
+    for a disconnect: a caller gone right after its body still gets its run
+    started (recorded and offered), and the request ends at once -- its
+    stream notices the caller gone as it opens -- without waiting for the
+    run, which goes on."""
+    async with running_server(tmp_path) as info, raw_provider(info, ["held"]) as provider:
+        plain = create_app(info.funduq).asgi_app
+        body = agui_body("left at once")
+        scope = asgi_scope("POST", f"/agui/{provider.identity.fingerprint}/held", body, JSON)
+        delivered = False
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        with trio.fail_after(NET):
+            await plain(scope, receive, send)
+            run = await provider.next_offer()
+        await provider.answer(run, "accepted")
+        assert [m["type"] for m in sent][:1] == ["http.response.start"]
+        assert sent[0]["status"] == 200
+
+        async def running() -> bool:
+            record = await info.funduq.get_run(run["runId"])
+            return record is not None and record["status"] == "running"
+
+        await eventually(running, "the run running")
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+    | st.datetimes()  # the provider's `default` writes these
+    | st.uuids(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES)
+def test_the_doors_json_is_the_apps_json(value):
+    """The doors write JSON with an encoder made once; it writes exactly what
+    the app's JSON provider writes (lone surrogates escaped, key order kept,
+    its `default` for what JSON has no type for)."""
+    app = QuartTrio(__name__)
+    app.json.sort_keys = False  # as create_app sets it
+    assert compact_dumps(app)(value) == app.json.dumps(value, separators=(",", ":"))

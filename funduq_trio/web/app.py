@@ -17,6 +17,8 @@ page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -138,7 +140,18 @@ def create_app(funduq: Funduq) -> QuartTrio:
     app.asgi_app = serve_streams(app.asgi_app)
     # In front of all: the doors' run POSTs and /healthz, served without
     # quart (web/asgi_doors.py); it writes their streams itself.
-    app.asgi_app = serve_doors(
-        app.asgi_app, funduq, lambda payload: app.json.dumps(payload, separators=(",", ":"))
-    )
+    app.asgi_app = serve_doors(app.asgi_app, funduq, compact_dumps(app))
     return app
+
+
+def compact_dumps(app: Any) -> Callable[[Any], str]:
+    """`app.json.dumps(payload, separators=(",", ":"))` with the encoder made
+    once: `json.dumps` with any option builds a `JSONEncoder` for each call,
+    and every door answer is one (tests/test_asgi_doors.py holds them equal)."""
+    provider = app.json
+    return json.JSONEncoder(
+        separators=(",", ":"),
+        default=provider.default,
+        ensure_ascii=provider.ensure_ascii,
+        sort_keys=provider.sort_keys,
+    ).encode

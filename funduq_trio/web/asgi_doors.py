@@ -22,7 +22,10 @@ A caller that disconnects before its answer stops the door's wait, as
 quart's cancelling its handler did: a blocking SendMessage whose caller has
 gone stops waiting for its run (the run itself goes on), so a caller that
 connects, asks and leaves holds nothing here once it left; a stream notices
-the disconnect itself and ends.
+the disconnect itself and ends. The AG-UI door never waits for a run (its
+answer is a stream, or a thread's snapshot), so its POST is answered without
+that watch: a task and a nursery less a run, and a caller gone meanwhile is
+noticed by its stream as it opens.
 """
 
 from __future__ import annotations
@@ -182,13 +185,17 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         send: Send,
         door: Callable[[bytes], Awaitable[Answer]],
         too_large: Callable[[], Json] | None = None,
+        *,
+        waits: bool = True,
     ) -> None:
         """Read the body, let `door` answer it, and write the answer; a
         refusal raised is answered as the app's error handlers answer it, a
-        body over the limit with `too_large()` if given."""
+        body over the limit with `too_large()` if given. A door that `waits`
+        (for a run to end) is stopped when its caller disconnects meanwhile;
+        one that does not is let finish."""
         try:
             body = await read_body(scope, receive, limit, timeout)
-            reply = await _until_gone(receive, door, body)
+            reply = await (_until_gone(receive, door, body) if waits else door(body))
             del body  # not held for as long as a stream lasts
         except _Gone:
             return
@@ -213,7 +220,9 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         async def door(body: bytes) -> Answer:
             return await run_post(funduq, provider, agent, body, AsgiRequest(scope))
 
-        await serve(scope, receive, send, door)
+        # It starts a run (or answers a pause) and returns: it never waits
+        # for the run, so there is no wait for a disconnect to stop.
+        await serve(scope, receive, send, door, waits=False)
 
     async def asgi_app(scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
