@@ -95,19 +95,18 @@ async def test_nothing_of_a_run_is_kept_once_it_ends(tmp_path, mock_clock):
 async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_offer(
     tmp_path, mock_clock
 ):
-    """A thread has no task of its own: its lanes run in the broker's
-    nursery, each in a cancel scope that ``depose`` cancels. A lane whose
-    thread is deposed before its task took its first step ends at that
-    step's first checkpoint (as a task started in a cancelled nursery did):
-    no offer leaves, and nothing of the lane is left. (What it queued before
-    that checkpoint, its `offering` move, a shared record fences.)"""
+    """A thread's lanes run in the thread's nursery, which ``depose``
+    cancels. A thread deposed before its task opened that nursery still
+    ends its lanes at their first checkpoint: no offer leaves, and nothing
+    of the lane is left. (What it queued before that checkpoint, its
+    `offering` move, a shared record fences.)"""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         ticket = await funduq.start_run(p.key, AGENT, user_input("deposed at once"))
         thread = funduq.threads.pop(ticket.thread_id)
-        (lane,) = thread.running
+        lane = funduq.lanes[ticket.run_id]
         thread.depose()  # before the lane's task ran (no checkpoint since)
         await quiet()
         assert p.link.offers == []
         assert ticket.run_id not in funduq.lanes
-        assert thread.running == [] and lane.feed.closed
+        assert thread.lanes == 0 and lane.feed.closed

@@ -198,15 +198,9 @@ class Feed:
 
 
 class ThreadLanes:
-    """A thread with active runs: its lanes and its pending queue.
+    """A thread with active runs: its nursery and its pending queue."""
 
-    The thread has no task of its own: its lanes run in the broker's
-    nursery, each in its own cancel scope, and ``depose`` cancels those. (A
-    nursery and a task per thread cost a run that starts a thread two task
-    steps and a nursery's open and close: bench/README.md, "The run's own
-    tasks".)"""
-
-    __slots__ = ("id", "pending", "running", "deposed")
+    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting", "deposed")
 
     def __init__(self, thread_id: str) -> None:
         self.id = thread_id
@@ -216,29 +210,42 @@ class ThreadLanes:
         # A list, not a deque: at most thread_queue_limit long, and an empty
         # deque costs a waiting run most of a kilobyte.
         self.pending: list[Lane] = []
-        #: The lanes started here and not ended yet.
-        self.running: list[Lane] = []
+        self.lanes = 0
+        self._nursery: trio.Nursery | None = None
+        self._starting: list[Lane] | None = []
 
-    @property
-    def lanes(self) -> int:
-        return len(self.running)
+    async def hold(self) -> None:
+        """The thread's task: its lanes run in this nursery; it ends once the
+        last of them has ended (the nursery's own exit waits for them). No
+        lane starts here after that: the thread is forgotten by then (see
+        ``ended``), and a later run of it gets a new ThreadLanes."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            if self.deposed:
+                nursery.cancel_scope.cancel()
+            assert self._starting is not None
+            for lane in self._starting:
+                nursery.start_soon(lane.run)
+            self._starting = None
 
     def depose(self) -> None:
-        """Another node leads the thread now: end every lane of it here (a
-        lane started after this ends as soon as its task begins)."""
+        """Another node leads the thread now: end every lane of it here."""
         self.deposed = True
-        for lane in self.running:
-            lane.depose()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
-    def start(self, lane: Lane, nursery: trio.Nursery) -> None:
-        """Start `lane`'s task in `nursery` (the broker's)."""
-        self.running.append(lane)
-        nursery.start_soon(lane.run)
+    def start(self, lane: Lane) -> None:
+        self.lanes += 1
+        if self._nursery is None:
+            assert self._starting is not None
+            self._starting.append(lane)
+        else:
+            self._nursery.start_soon(lane.run)
 
     def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
-        self.running.remove(lane)
-        return not self.running
+        self.lanes -= 1
+        return self.lanes == 0
 
     def enqueue(self, lane: Lane) -> None:
         self.pending.append(lane)
@@ -292,7 +299,6 @@ class Lane:
         "_room",
         "_recorded",
         "_faulted",
-        "_scope",
     )
 
     def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
@@ -345,8 +351,6 @@ class Lane:
         #: Reports told and not yet taken up for recording (see ``full``).
         self.unread_reports = 0
         self._room: trio.Event | None = None
-        #: The cancel scope the lane's task runs in (``depose`` cancels it).
-        self._scope: trio.CancelScope | None = None
 
     @property
     def status(self) -> Status:
@@ -437,25 +441,7 @@ class Lane:
 
     # -- the task ----------------------------------------------------------------
 
-    def depose(self) -> None:
-        """Its thread is led by another node now: end the lane's task (see
-        ``run``'s ending, which asks the provider to stop)."""
-        if self._scope is not None:
-            self._scope.cancel()
-
     async def run(self) -> None:
-        """The lane's task, from its start until the run settles or pauses
-        (or its thread is deposed: then it ends without writing)."""
-        scope = self._scope = trio.CancelScope()
-        if self.thread is not None and self.thread.deposed:
-            scope.cancel()  # deposed before the task began
-        try:
-            with scope:
-                await self._run()
-        finally:
-            self._scope = None
-
-    async def _run(self) -> None:
         deposed = False
         try:
             await self._live()
