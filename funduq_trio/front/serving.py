@@ -11,7 +11,7 @@ import trio
 
 from .http import Connection
 from .limits import FrontLimits
-from .sockets import accept_forever
+from .sockets import Hangups, accept_forever
 
 log = logging.getLogger("funduq_trio.server")
 
@@ -33,13 +33,17 @@ async def serve_asgi(
     Runs until cancelled."""
     listening.listen(BACKLOG)
 
+    hangups = Hangups() if Hangups.available else None
+
     async def serve_connection(sock: socket.socket, client: tuple[str, int] | None) -> None:
         try:
-            await Connection(sock, client, app, limits).serve()
+            await Connection(sock, client, app, limits, hangups).serve()
         except Exception:  # one connection's failure is never the server's
             log.exception("a connection failed")
 
     async with trio.open_nursery() as nursery:
+        if hangups is not None:
+            nursery.start_soon(hangups.run)
         await nursery.start(_lifespan, app)
         nursery.start_soon(accept_forever, listening, serve_connection, nursery)
         task_status.started()
