@@ -159,13 +159,16 @@ class Hangups:
             while True:
                 await wait_readable(self._set)
                 for fd, _ in self._set.poll(0):
-                    callback = self._callbacks.pop(fd, None)
-                    if callback is None:
-                        continue
-                    self._set.unregister(fd)
-                    try:
-                        callback()
-                    except Exception:  # one stream's trouble is never the server's
-                        log.exception("a hang-up callback failed")
+                    if fd in self._callbacks:
+                        self._set.unregister(fd)
+                        self._hung_up(self._callbacks.pop(fd))
         finally:
             self._set.close()
+
+    @staticmethod
+    def _hung_up(callback: Callable[[], None]) -> None:
+        # Not a local of `run`: what the callback holds would wait for the next hang-up.
+        try:
+            callback()
+        except Exception:  # one stream's trouble is never the server's
+            log.exception("a hang-up callback failed")
