@@ -125,6 +125,8 @@ class Connection:
     # -- the connection's life --------------------------------------------------
 
     async def serve(self) -> None:
+        """Serve the connection's requests until it closes. A failure of
+        this connection's is logged, never raised: it is no one else's."""
         from .websocket import is_upgrade, serve_websocket
 
         conn = self.h11
@@ -153,35 +155,46 @@ class Connection:
                 exchange = Exchange(self, request)
                 scope = self.scope(request, "http")
                 # The scope has all of it: h11's request is not held while the
-                # app answers (an SSE stream may wait for hours).
+                # app answers (an SSE stream may wait for hours), nor the scope
+                # once the app is given it (the app keeps what it needs).
                 del request
                 if self.hangups is not None:
                     scope["extensions"][HANGUP_EXTENSION] = exchange.on_hangup
+                logged = None if self.limits.access_log is None else _logged(scope)
                 began = time.monotonic()
+                answering: Any = None
                 try:
-                    await self.app(scope, exchange.receive, exchange.send)
+                    answering = self.app(scope, exchange.receive, exchange.send)
+                    del scope
+                    await answering
                 except Exception:
-                    log.exception("the app failed on %s %s", scope["method"], exchange.target)
-                await self._answered(scope, exchange, began)
-                del scope, exchange
+                    log.exception("the app failed on %s %s", exchange.method, exchange.target)
+                answering = None
+                await self._answered(exchange, began, logged)
+                del exchange
                 _finish_buffered_body(conn)
                 if self.gone or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                     # Closing (Connection: close, HTTP/1.0), or a body left unread:
                     # the next bytes would not be a request.
                     return
                 conn.start_next_cycle()
+        except Exception:  # this connection's failure, never the server's
+            log.exception("a connection failed")
         finally:
             await self._close()
 
-    async def _answered(self, scope: dict[str, Any], exchange: Exchange, began: float) -> None:
-        """After the app: an answer it did not give is given (500) or cut."""
+    async def _answered(
+        self, exchange: Exchange, began: float, logged: tuple[str, bytes, bytes] | None
+    ) -> None:
+        """After the app: an answer it did not give is given (500) or cut;
+        the access log's line (`logged`: `_logged`'s, when it is on)."""
         if not exchange.ended:
             if self.h11.our_state is h11.SEND_RESPONSE:  # nothing of an answer written yet
                 await exchange.answer_plain(500, "internal_error", "the server could not answer")
             else:
                 self.gone = True  # a partial answer is cut, never ended as if whole
-        if self.limits.access_log is not None:
-            self._log_access(scope, exchange, time.monotonic() - began)
+        if logged is not None:
+            self._log_access(exchange, logged, time.monotonic() - began)
 
     def scope(self, request: h11.Request, kind: str) -> dict[str, Any]:
         raw_path, _, query = request.target.partition(b"?")
@@ -231,22 +244,30 @@ class Connection:
         finally:
             sockets.close(sock)
 
-    def _log_access(self, scope: dict[str, Any], exchange: Exchange, took: float) -> None:
-        headers = dict(scope["headers"])
+    def _log_access(
+        self, exchange: Exchange, logged: tuple[str, bytes, bytes], took: float
+    ) -> None:
+        version, referer, user_agent = logged
         assert self.limits.access_log is not None
         self.limits.access_log.info(
             '%s - - [%s] "%s %s %s" %s %s "%s" "%s" %.1fms',
             f"{self.client[0]}:{self.client[1]}" if self.client else "-",
             time.strftime("%d/%b/%Y:%H:%M:%S %z"),
-            scope["method"],
+            exchange.method,
             exchange.target,
-            scope["http_version"],
+            version,
             exchange.status,
             exchange.sent_bytes,
-            headers.get(b"referer", b"-").decode("latin-1"),
-            headers.get(b"user-agent", b"-").decode("latin-1"),
+            referer.decode("latin-1"),
+            user_agent.decode("latin-1"),
             took * 1000,
         )
+
+
+def _logged(scope: dict[str, Any]) -> tuple[str, bytes, bytes]:
+    """What the access log's line needs of a request besides its `Exchange`."""
+    headers = dict(scope["headers"])
+    return scope["http_version"], headers.get(b"referer", b"-"), headers.get(b"user-agent", b"-")
 
 
 class Exchange:
@@ -262,11 +283,13 @@ class Exchange:
         "_head",
         "_head_only",
         "target",
+        "method",
     )
 
     def __init__(self, conn: Connection, request: h11.Request) -> None:
         self.conn = conn
         self.target = request.target.decode("latin-1")
+        self.method = request.method.decode()
         self._head_only = request.method == b"HEAD"
         self._head: list[tuple[bytes, bytes]] | None = None
         self.status = 0

@@ -251,8 +251,11 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         assert isinstance(stream, Streamed)
         headers = _SSE_START_HEADERS + extra_headers(scope)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        del headers
-        await SseStream(stream.bursts, keepalive).serve(receive, send, stream.quiet, scope)
+        serving = SseStream(stream.bursts, keepalive).serve(receive, send, stream.quiet, scope)
+        # Nothing of the request is held while the stream waits (hours, if
+        # its run is queued): `serving` has taken what it needs of it.
+        del headers, scope, stream
+        await serving
 
     #: What is behind this layer (quart, with its own routes for the same
     #: doors): tests compare both ways of serving a request.
