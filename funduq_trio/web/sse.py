@@ -47,6 +47,13 @@ then (bench/README.md, "What an open stream holds"). Without `serve_streams`
 its source read by a task in the app's nursery (`with_keepalive`): a
 generator cannot be read with a timeout (cancelling its ``__anext__`` ends
 it).
+
+The doors' run POSTs (`web/asgi_doors.py`) go further: their sources wait in
+a `broker/quiet.py` Quiet (each wait for news in a cancel scope with the
+keepalive's deadline; one that ends without news yields an empty burst), and
+funduq's front says when the caller goes (`HANGUP_EXTENSION`), so such a
+stream is served by `SseStream` on the connection's task with no watcher
+beside it (bench/README.md, "A waiting stream on one task").
 """
 
 from __future__ import annotations
