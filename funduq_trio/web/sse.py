@@ -361,6 +361,8 @@ class SseStream:
             async for burst in bursts:
                 if quiet.gone:
                     break
+                if not burst and interval <= 0:
+                    continue  # no keepalives (a wait ended early, by someone else)
                 chunk = burst_chunk(burst) if burst else KEEPALIVE
                 del burst  # not held while the next one is awaited
                 with quiet.waiting(math.inf):
