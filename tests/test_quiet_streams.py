@@ -436,3 +436,60 @@ async def test_nothing_of_a_streamed_run_is_kept_once_it_ends(tmp_path: Path) ->
             return not info.funduq.lanes and not the_hangups()._callbacks and not kept()
 
         await eventually(settled, "the run settled, nothing of it is kept, the front watches none")
+
+
+# ------------------------------------------------- the broker's follow, quiet
+
+
+async def test_follow_in_a_quiet_yields_an_empty_burst_at_each_deadline_and_at_the_end(
+    tmp_path: Path, mock_clock
+) -> None:
+    """`Funduq.follow` with a quiet: a queued run's follower gets an empty
+    burst when its wait reaches the quiet's deadline (and waits again), and
+    one at once when the quiet ends (the caller went); the run goes on.
+    Without a quiet, no empty burst ever (every other follower)."""
+    from broker_support import Provider as FakeProvider
+    from broker_support import advance, broker, start
+    from broker_support import quiet as settle
+
+    async with broker(tmp_path) as funduq:
+        p = await FakeProvider(funduq, max_concurrent=0).attach()
+        ticket = await start(funduq, p, text="followed quietly")
+        quiet = Quiet()
+        t0 = trio.current_time()
+        quiet.deadline = t0 + 15
+        seen: list[tuple[float, int]] = []
+        plain_seen: list[Any] = []
+
+        async def follower() -> None:
+            async with contextlib.aclosing(funduq.follow(ticket.run_id, quiet=quiet)) as bursts:
+                async for burst in bursts:
+                    seen.append((trio.current_time() - t0, len(burst)))
+                    if quiet.gone:
+                        break
+                    quiet.deadline = trio.current_time() + 15  # as a stream after a write
+
+        async def plain_follower() -> None:
+            async with contextlib.aclosing(funduq.follow(ticket.run_id)) as bursts:
+                async for burst in bursts:
+                    plain_seen.append(burst)  # pragma: no cover -- nothing comes
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follower)
+            nursery.start_soon(plain_follower)
+            await advance(mock_clock, 14.5)
+            assert seen == []
+            await advance(mock_clock, 0.5)
+            assert seen == [(15, 0)]
+            await advance(mock_clock, 15)
+            assert seen == [(15, 0), (30, 0)]
+            await advance(mock_clock, 5)
+            quiet.end()
+            await settle()
+            assert seen == [(15, 0), (30, 0), (35, 0)]  # at once, and the follower left
+            lane = funduq.lanes[ticket.run_id]
+            assert lane.status == "queued"  # the run goes on
+            assert lane.feed._followers is not None and len(lane.feed._followers) == 1
+            await advance(mock_clock, 100)
+            assert plain_seen == []
+            nursery.cancel_scope.cancel()
