@@ -180,7 +180,8 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     n = args.waiting
     workdir = Path(args.workdir)
     print(
-        f"held_memory: {n} waiting runs ({args.callers} A2A callers), tracemalloc "
+        f"held_memory: {n} waiting runs ({args.callers} "
+        f"{'AG-UI' if args.door == 'agui' else 'A2A'} callers), tracemalloc "
         f"{'off' if not args.frames else f'{args.frames} frames'}"
     )
     print(f"  measuring {h.describe_build()}")
@@ -263,6 +264,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiting", type=int, default=1000)
     parser.add_argument("--callers", choices=["streaming", "detached"], default="streaming")
+    parser.add_argument(
+        "--door",
+        choices=["a2a", "agui"],
+        default="a2a",
+        help="streaming callers' door: A2A SendStreamingMessage or an AG-UI run POST",
+    )
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--frames", type=int, default=12, help="tracemalloc depth (0: off)")
     parser.add_argument("--warmup", type=int, default=30)

@@ -169,25 +169,47 @@ class Callers:
 
     async def streaming(self, nursery: trio.Nursery) -> None:
         """One connection and SSE stream per run, held until the run ends.
-        At most `--concurrency` streams are being opened at once."""
+        At most `--concurrency` streams are being opened at once. A2A
+        callers (SendStreamingMessage) count a run queued at its opening
+        Task; AG-UI callers (`--door agui`) at the response's status, since
+        an AG-UI stream says nothing until its run starts (its run id then
+        comes with RUN_STARTED)."""
         opening = trio.Semaphore(self.args.concurrency)
+        agui = getattr(self.args, "door", "a2a") == "agui"
 
         async def one(i: int, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             client = h.RawHTTP(self.url)
             state = "no final status"
             try:
-                body = h.a2a_send_body(i, text_of(i), f"w-{i}", None)
-                body["method"] = "SendStreamingMessage"
+                if agui:
+                    body = h.agui_body(f"w-{i}", text_of(i), f"w-{i}")
+                    path, headers = self.path.replace("/a2a/", "/agui/", 1), {}
+                else:
+                    body = h.a2a_send_body(i, text_of(i), f"w-{i}", None)
+                    body["method"] = "SendStreamingMessage"
+                    path, headers = self.path, h.A2A_HEADERS
                 async with opening:
                     status, chunks = await client.request(
-                        "POST", self.path, json.dumps(body).encode(), h.A2A_HEADERS
+                        "POST", path, json.dumps(body).encode(), headers
                     )
                     if status != 200:
                         raise RuntimeError(f"HTTP {status}")
                     events = h.sse_events(chunks)
-                    first = await events.__anext__()
-                    self._queued(i, first["result"]["task"])
+                    if agui:
+                        self.queued += 1
+                        if self.queued == self.args.waiting:
+                            self.all_queued.set()
+                    else:
+                        first = await events.__anext__()
+                        self._queued(i, first["result"]["task"])
                 async for frame in events:
+                    if agui:
+                        kind = frame.get("type")
+                        if kind == "RUN_STARTED" and self.run_ids[i] is None:
+                            self.run_ids[i] = frame["runId"]
+                        elif kind in ("RUN_FINISHED", "RUN_ERROR"):
+                            state = kind
+                        continue
                     result = frame.get("result", {})
                     update = result.get("statusUpdate")
                     if update is not None:
@@ -196,7 +218,7 @@ class Callers:
                         state = f"error {frame['error']}"
             except (OSError, RuntimeError, ValueError, KeyError, StopAsyncIteration) as exc:
                 self.errors.append(f"run {i}: {type(exc).__name__}: {exc}")
-                if self.run_ids[i] is None:
+                if self.run_ids[i] is None and not agui:
                     self.queued += 1
                     if self.queued == self.args.waiting:
                         self.all_queued.set()
@@ -290,6 +312,7 @@ async def one_round(
     out["rss_before"] = await settle_rss(server.pid)
 
     callers = Callers(args, server.url, path)
+    stamped_before = set(stamps)
     cpu = h.CpuWatch({"server": server.pid, "bench (callers + provider)": os.getpid()})
     cpu.start()
     began = time.monotonic()
@@ -306,6 +329,9 @@ async def one_round(
     out["held"] = len(held)
     # Nothing may have been offered to a full provider.
     out["offered_while_full"] = sum(1 for r in held if r in stamps)
+    if args.door == "agui":  # run ids come once the runs start: count what was offered
+        out["held"] = callers.queued - len(callers.errors)
+        out["offered_while_full"] = len(set(stamps) - stamped_before)
 
     # Room appears: the provider comes back with room.
     note(
@@ -315,6 +341,8 @@ async def one_round(
     await provider.stop()
     cpu.start()
     reconnect_began = time.monotonic()
+    if args.door == "agui":
+        held = []  # known as their streams see them start
     provider = await start_provider(
         nursery, identity, server.ws_url, args.room_after, args.deltas, stamps
     )
@@ -352,6 +380,16 @@ async def one_round(
         )
         - room_at
     )
+    if args.door == "agui":
+        held = [r for r in callers.run_ids if r is not None]
+        held_set = set(held)
+        out["provider_done"] = (
+            max(
+                (stamps[r]["finish"] for r in held_set if "finish" in stamps.get(r, {})),
+                default=room_at,
+            )
+            - room_at
+        )
     out["drain_cpu"] = cpu.shares()
     out["answer"] = [
         stamps[r]["answer"] - stamps[r]["offer"]
@@ -386,6 +424,12 @@ def main() -> None:
     parser.add_argument("--waiting", type=int, default=10_000, help="threads, one queued run each")
     parser.add_argument("--callers", choices=["detached", "streaming"], default="detached")
     parser.add_argument(
+        "--door",
+        choices=["a2a", "agui"],
+        default="a2a",
+        help="streaming callers' door: A2A SendStreamingMessage or an AG-UI run POST",
+    )
+    parser.add_argument(
         "--concurrency", type=int, default=100, help="requests being made at once while queueing"
     )
     parser.add_argument("--deltas", type=int, default=8, help="text deltas per run (events = +4)")
@@ -417,6 +461,8 @@ def main() -> None:
         help="seconds allowed for queueing, and again for draining",
     )
     args = parser.parse_args()
+    if args.callers == "detached" and args.door == "agui":
+        parser.error("--door agui is for streaming callers")
 
     build = h.describe_build()
     with h.fresh_dir("funduq-scale-") as tmp:
@@ -450,7 +496,8 @@ def main() -> None:
 
     after = "unlimited" if args.room_after is None else args.room_after
     print(
-        f"scale: {args.waiting} threads each holding one queued run ({args.callers} A2A "
+        f"scale: {args.waiting} threads each holding one queued run ({args.callers} "
+        f"{'AG-UI' if args.door == 'agui' else 'A2A'} "
         f"callers), provider room {args.room_before} -> {after}, "
         f"{args.deltas + 4} events a run, {args.rounds} round(s); server and SQLite file in "
         "a child process, SDK provider in this one"

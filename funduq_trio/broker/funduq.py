@@ -56,6 +56,7 @@ from .leases import Leases, new_node_id
 from .metrics import Metrics
 from .providers import AgentView, ProviderLink, Providers, ProviderSession
 from .pushes import Pushes
+from .quiet import Quiet
 from .run_machine import Input, Move, RunMachine, Settle
 from .spends import Spends
 from .store import ROSTER_NOTICE, NotLeader, Store, dumps, iso, keepable, open_store, record_trouble
@@ -1204,14 +1205,18 @@ class Funduq:
         return rows
 
     async def follow(
-        self, run_id: str, after_seq: int = 0
+        self, run_id: str, after_seq: int = 0, quiet: Quiet | None = None
     ) -> AsyncIterator[list[tuple[int, dict[str, Any]]]]:
         """The run's events after ``after_seq`` as (seq, event), in order, each
         durable before it is yielded; ends once the run settles or pauses.
 
         Events come in bursts -- a non-empty list of whatever was recorded
         together -- so a stream can write a burst as one chunk: a provider's
-        batch of a dozen events is then one socket write, not a dozen."""
+        batch of a dozen events is then one socket write, not a dozen.
+
+        With a `quiet` (`broker/quiet.py`), each wait for news runs in its
+        scope, and one that ends without news (its deadline, or the caller
+        gone) yields an empty burst; without one, every burst has events."""
         lane = self.lanes.get(run_id)
         page = self.settings.max_feed_events
         last = after_seq  # the last seq yielded
@@ -1248,7 +1253,13 @@ class Funduq:
                         if status == st.INPUT_REQUIRED and not rows:
                             return  # paused, and read up to the pause
                         if status != st.INPUT_REQUIRED:
-                            await news.wait()
+                            if quiet is None:
+                                await news.wait()
+                            else:
+                                with quiet.waiting() as scope:
+                                    await news.wait()
+                                if scope.cancelled_caught:
+                                    yield []
                 # A lane here holds the run now (answered on this node): its feed.
             feed = lane.feed
             while True:
@@ -1273,7 +1284,13 @@ class Funduq:
                     continue  # more may have come (and the feed closed) meanwhile
                 if feed.closed:
                     break
-                await feed.changed()
+                if quiet is None:
+                    await feed.changed()
+                else:
+                    with quiet.waiting() as scope:
+                        await feed.changed()
+                    if scope.cancelled_caught:
+                        yield []
             if (
                 self.watchers is None
                 or lane.status in st.TERMINAL

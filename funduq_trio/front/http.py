@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote
@@ -37,6 +38,11 @@ LINGER_SECONDS = 2.0
 LINGER_BYTES = 64 * 1024 * 1024
 
 DISCONNECT = {"type": "http.disconnect"}
+
+#: The ASGI extension by which the app asks to be told when the caller goes
+#: without a task waiting on `receive` (`web/sse.py` streams use it): its
+#: value is a callable taking a callback, or None to stop.
+HANGUP_EXTENSION = "funduq.hangup"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 
 
@@ -48,7 +54,9 @@ class Connection:
         "client",
         "gone",
         "h11",
+        "hangups",
         "limits",
+        "released",
         "server",
         "sock",
         "_writing",
@@ -56,9 +64,19 @@ class Connection:
     )
 
     def __init__(
-        self, sock: socket.socket, client: tuple[str, int] | None, app: Any, limits: FrontLimits
+        self,
+        sock: socket.socket,
+        client: tuple[str, int] | None,
+        app: Any,
+        limits: FrontLimits,
+        hangups: sockets.Hangups | None = None,
+        released: Callable[[], None] | None = None,
     ) -> None:
         self.sock = sock
+        #: Called once the connection has closed (the server's count).
+        self.released = released
+        #: The server's watch over callers that hang up (None: not offered).
+        self.hangups = hangups
         self.app = app
         self.limits = limits
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
@@ -116,58 +134,80 @@ class Connection:
     # -- the connection's life --------------------------------------------------
 
     async def serve(self) -> None:
-        try:
-            await self._serve_requests()
-        finally:
-            await self._close()
-
-    async def _serve_requests(self) -> None:
+        """Serve the connection's requests until it closes. A failure of
+        this connection's is logged, never raised: it is no one else's."""
         from .websocket import is_upgrade, serve_websocket
 
         conn = self.h11
-        while True:
-            with trio.move_on_after(self.limits.keep_alive_seconds):
-                try:
-                    request = await self.next_event()
-                except h11.RemoteProtocolError as exc:
-                    await self._refuse_unreadable(exc)
-                    return
-            if not isinstance(request, h11.Request):
-                return  # closed by the caller, or idle too long
-            if _head_size(request) > self.limits.max_header_bytes:
-                # h11 bounds only a head still incomplete; one read can hold more.
-                await self.write(
-                    _plain_response(
-                        conn, 431, "request_header_fields_too_large", "headers too large"
-                    )
-                )
-                self.gone = True
-                return
-            if is_upgrade(request):
-                await serve_websocket(self, request)
-                return
-            await self._answer(request)
-            _finish_buffered_body(conn)
-            if self.gone or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                # Closing (Connection: close, HTTP/1.0), or a body left unread:
-                # the next bytes would not be a request.
-                return
-            conn.start_next_cycle()
-
-    async def _answer(self, request: h11.Request) -> None:
-        exchange = Exchange(self, request)
-        began = time.monotonic()
         try:
-            await self.app(self.scope(request, "http"), exchange.receive, exchange.send)
-        except Exception:
-            log.exception("the app failed on %s %s", request.method.decode(), exchange.target)
+            while True:
+                with trio.move_on_after(self.limits.keep_alive_seconds):
+                    try:
+                        request = await self.next_event()
+                    except h11.RemoteProtocolError as exc:
+                        await self._refuse_unreadable(exc)
+                        return
+                if not isinstance(request, h11.Request):
+                    return  # closed by the caller, or idle too long
+                if _head_size(request) > self.limits.max_header_bytes:
+                    # h11 bounds only a head still incomplete; one read can hold more.
+                    await self.write(
+                        _plain_response(
+                            conn, 431, "request_header_fields_too_large", "headers too large"
+                        )
+                    )
+                    self.gone = True
+                    return
+                if is_upgrade(request):
+                    await serve_websocket(self, request)
+                    return
+                exchange = Exchange(self, request)
+                scope = self.scope(request, "http")
+                # The scope has all of it: h11's request is not held while the
+                # app answers (an SSE stream may wait for hours), nor the scope
+                # once the app is given it (the app keeps what it needs).
+                del request
+                if self.hangups is not None:
+                    scope["extensions"][HANGUP_EXTENSION] = exchange.on_hangup
+                logged = None if self.limits.access_log is None else _logged(scope)
+                began = time.monotonic()
+                answering: Any = None
+                try:
+                    answering = self.app(scope, exchange.receive, exchange.send)
+                    del scope
+                    await answering
+                except Exception:
+                    log.exception("the app failed on %s %s", exchange.method, exchange.target)
+                answering = None
+                await self._answered(exchange, began, logged)
+                del exchange
+                _finish_buffered_body(conn)
+                if self.gone or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    # Closing (Connection: close, HTTP/1.0), or a body left unread:
+                    # the next bytes would not be a request.
+                    return
+                conn.start_next_cycle()
+        except Exception:  # this connection's failure, never the server's
+            log.exception("a connection failed")
+        finally:
+            try:
+                await self._close()
+            finally:
+                if self.released is not None:
+                    self.released()
+
+    async def _answered(
+        self, exchange: Exchange, began: float, logged: tuple[str, bytes, bytes] | None
+    ) -> None:
+        """After the app: an answer it did not give is given (500) or cut;
+        the access log's line (`logged`: `_logged`'s, when it is on)."""
         if not exchange.ended:
             if self.h11.our_state is h11.SEND_RESPONSE:  # nothing of an answer written yet
                 await exchange.answer_plain(500, "internal_error", "the server could not answer")
             else:
                 self.gone = True  # a partial answer is cut, never ended as if whole
-        if self.limits.access_log is not None:
-            self._log_access(request, exchange, time.monotonic() - began)
+        if logged is not None:
+            self._log_access(exchange, logged, time.monotonic() - began)
 
     def scope(self, request: h11.Request, kind: str) -> dict[str, Any]:
         raw_path, _, query = request.target.partition(b"?")
@@ -217,22 +257,30 @@ class Connection:
         finally:
             sockets.close(sock)
 
-    def _log_access(self, request: h11.Request, exchange: Exchange, took: float) -> None:
-        headers = dict(request.headers)
+    def _log_access(
+        self, exchange: Exchange, logged: tuple[str, bytes, bytes], took: float
+    ) -> None:
+        version, referer, user_agent = logged
         assert self.limits.access_log is not None
         self.limits.access_log.info(
             '%s - - [%s] "%s %s %s" %s %s "%s" "%s" %.1fms',
             f"{self.client[0]}:{self.client[1]}" if self.client else "-",
             time.strftime("%d/%b/%Y:%H:%M:%S %z"),
-            request.method.decode(),
+            exchange.method,
             exchange.target,
-            request.http_version.decode(),
+            version,
             exchange.status,
             exchange.sent_bytes,
-            headers.get(b"referer", b"-").decode("latin-1"),
-            headers.get(b"user-agent", b"-").decode("latin-1"),
+            referer.decode("latin-1"),
+            user_agent.decode("latin-1"),
             took * 1000,
         )
+
+
+def _logged(scope: dict[str, Any]) -> tuple[str, bytes, bytes]:
+    """What the access log's line needs of a request besides its `Exchange`."""
+    headers = dict(scope["headers"])
+    return scope["http_version"], headers.get(b"referer", b"-"), headers.get(b"user-agent", b"-")
 
 
 class Exchange:
@@ -249,11 +297,13 @@ class Exchange:
         "_head",
         "_head_only",
         "target",
+        "method",
     )
 
     def __init__(self, conn: Connection, request: h11.Request) -> None:
         self.conn = conn
         self.target = request.target.decode("latin-1")
+        self.method = request.method.decode()
         self._head_only = request.method == b"HEAD"
         self._head: list[tuple[bytes, bytes]] | None = None
         self.status = 0
@@ -287,6 +337,19 @@ class Exchange:
             pass  # the caller ended mid-body, or sent a malformed chunk
         conn.gone = True
         return DISCONNECT
+
+    def on_hangup(self, callback: Callable[[], None] | None) -> None:
+        """The ASGI hang-up extension (`HANGUP_EXTENSION`): `callback` is
+        called once, by the server's `Hangups` task, when the caller goes;
+        None stops that. A caller already known gone is told at once."""
+        conn = self.conn
+        assert conn.hangups is not None
+        if callback is None:
+            conn.hangups.unwatch(conn.sock)
+        elif conn.gone:
+            callback()
+        else:
+            conn.hangups.watch(conn.sock, callback)
 
     async def _until_disconnect(self) -> dict[str, Any]:
         """After the body: wait until the caller goes. Bytes it sends meanwhile

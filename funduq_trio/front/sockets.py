@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import select
 import socket
 from collections.abc import Callable
 
@@ -129,3 +130,59 @@ def refuse_at_once(sock: socket.socket, answer: bytes) -> None:
         pass
     finally:
         sock.close()
+
+
+class Hangups:
+    """One task's watch over the connections of every response that waits
+    long (an SSE stream whose run is queued): when a caller goes, its
+    callback runs (`web/sse.py` then ends the stream's wait).
+
+    A task per watched connection, waiting on its socket, is a task, a
+    nursery, trio's wait and a deadline per waiting stream (~5 KiB,
+    bench/README.md). Here the sockets are registered in one epoll set of
+    their own, and one task waits for that set to be readable (trio waits on
+    the set's descriptor as on any other): a watched connection costs an
+    entry in the set and in a dict. Only the caller's end is watched
+    (EPOLLRDHUP, and the hang-ups and errors epoll always reports): bytes it
+    sends meanwhile (a pipelined request) stay in the kernel for the
+    connection to read once its response is done.
+
+    Linux only (`available`); elsewhere no connection offers the hang-up
+    extension and streams watch `receive` with a task, as under any server."""
+
+    available = hasattr(select, "epoll") and hasattr(select, "EPOLLRDHUP")
+
+    def __init__(self) -> None:
+        self._set = select.epoll()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+
+    def watch(self, sock: socket.socket, callback: Callable[[], None]) -> None:
+        """Call `callback` (once) when `sock`'s caller hangs up, until `unwatch`."""
+        fd = sock.fileno()
+        self._set.register(fd, select.EPOLLRDHUP)
+        self._callbacks[fd] = callback
+
+    def unwatch(self, sock: socket.socket) -> None:
+        fd = sock.fileno()
+        if self._callbacks.pop(fd, None) is not None and not self._set.closed:
+            self._set.unregister(fd)
+
+    async def run(self) -> None:
+        """Wait for hang-ups, forever (until cancelled with the server)."""
+        try:
+            while True:
+                await wait_readable(self._set)
+                for fd, _ in self._set.poll(0):
+                    if fd in self._callbacks:
+                        self._set.unregister(fd)
+                        self._hung_up(self._callbacks.pop(fd))
+        finally:
+            self._set.close()
+
+    @staticmethod
+    def _hung_up(callback: Callable[[], None]) -> None:
+        # Not a local of `run`: what the callback holds would wait for the next hang-up.
+        try:
+            callback()
+        except Exception:  # one stream's trouble is never the server's
+            log.exception("a hang-up callback failed")

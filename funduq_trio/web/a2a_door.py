@@ -59,6 +59,7 @@ from werkzeug.exceptions import NotFound, RequestEntityTooLarge
 from .. import jose
 from ..broker.errors import FunduqError, PushConfigNotFound, RunNotPaused
 from ..broker.pushes import PushSlot
+from ..broker.quiet import Quiet
 from ..identity import InvalidActorChain
 from ..protocol import statuses
 from ..protocol.a2a.calls import (
@@ -221,7 +222,8 @@ class A2ADoor:
                     data={"reason": "agent_not_found"},
                 )
             if call.streaming:
-                return Streamed(await self.open_stream(call))
+                quiet = Quiet()
+                return Streamed(await self.open_stream(call, quiet), quiet)
             return _json(result_response(call, await self.perform(call)))
         except A2AError as exc:
             return _json(error_response(call, exc))
@@ -410,7 +412,7 @@ class A2ADoor:
 
     # -- streams
 
-    async def open_stream(self, call: Call) -> AsyncIterator[list[Any]]:
+    async def open_stream(self, call: Call, quiet: Quiet | None = None) -> AsyncIterator[list[Any]]:
         """Check the call and start what it asks for, then return the stream
         (everything that can fail upfront has failed by the time this returns).
 
@@ -465,7 +467,7 @@ class A2ADoor:
         # opening record or this door (its agent view).
         call = dataclasses.replace(call, request=None, params={})
         return A2ADoor.stream(
-            self.funduq, call, projection, opening=cursor is None, at_pause=at_pause
+            self.funduq, call, projection, opening=cursor is None, at_pause=at_pause, quiet=quiet
         )
 
     @staticmethod
@@ -476,6 +478,7 @@ class A2ADoor:
         *,
         opening: bool = True,
         at_pause: bool = False,
+        quiet: Quiet | None = None,
     ) -> AsyncIterator[list[Any]]:
         """The stream's responses in bursts (one burst = one write). Each frame's
         SSE id is the seq of the event behind it; the opening snapshot and the
@@ -484,27 +487,29 @@ class A2ADoor:
 
         It follows the run until the run ends or pauses. If the run is queued
         again by the time that is read (answered at once), it goes on through
-        the new turn rather than close on a pause that is already over."""
+        the new turn rather than close on a pause that is already over.
+
+        With a `quiet` (`broker/quiet.py`) its waits end at the keepalive's
+        deadline or when the caller goes, and it yields an empty burst then."""
         run_id = projection.task_id
-
-        def framed(update: pb.StreamResponse, seq: int) -> Identified:
-            return Identified(seq, stream_frame(call, update))
-
         try:
             if opening:
-                yield [framed(pb.StreamResponse(task=projection.task()), projection.last_seq)]
+                yield [
+                    _framed(call, pb.StreamResponse(task=projection.task()), projection.last_seq)
+                ]
             if at_pause:
-                await funduq.wait_reopened(run_id, projection.last_seq)
+                while not await _reopened(funduq, run_id, projection.last_seq, quiet):
+                    yield []
             while True:
-                follow = funduq.follow(run_id, after_seq=projection.last_seq)
+                follow = funduq.follow(run_id, after_seq=projection.last_seq, quiet=quiet)
                 async with contextlib.aclosing(follow) as bursts:
                     async for burst in bursts:
                         frames = [
-                            framed(update, seq)
+                            _framed(call, update, seq)
                             for seq, event in burst
                             for update in projection.apply(seq, event)
                         ]
-                        if frames:
+                        if frames or not burst:  # an empty burst: the quiet's wait ended
                             yield frames
                 record = await funduq.get_run(run_id)
                 if record is None:
@@ -512,7 +517,7 @@ class A2ADoor:
                 # What the record has beyond the follow (a run reopened while
                 # it read the record): folded in, never skipped.
                 frames = [
-                    framed(update, entry["seq"])
+                    _framed(call, update, entry["seq"])
                     for entry in record["events"]
                     for update in projection.apply(entry["seq"], entry["event"])
                 ]
@@ -521,8 +526,9 @@ class A2ADoor:
                 status = record["status"]
                 if status in statuses.TERMINAL or status == statuses.INPUT_REQUIRED:
                     break
-                await funduq.wait_reopened(run_id, projection.last_seq)
-            yield [framed(projection.settle(record), projection.last_seq)]
+                while not await _reopened(funduq, run_id, projection.last_seq, quiet):
+                    yield []
+            yield [_framed(call, projection.settle(record), projection.last_seq)]
         except A2AError as exc:
             yield [error_response(call, exc)]
         except CALLER_ERRORS as exc:
@@ -530,6 +536,20 @@ class A2ADoor:
         except Exception as exc:
             log.exception("A2A stream of %s failed", run_id)
             yield [error_response(call, InternalError(message=str(exc) or None))]
+
+
+def _framed(call: Call, update: pb.StreamResponse, seq: int) -> Identified:
+    return Identified(seq, stream_frame(call, update))
+
+
+async def _reopened(funduq: Any, run_id: str, after_seq: int, quiet: Quiet | None) -> bool:
+    """`Funduq.wait_reopened` within `quiet`'s wait: False if that ended first."""
+    if quiet is None:
+        await funduq.wait_reopened(run_id, after_seq)
+        return True
+    with quiet.waiting() as scope:
+        await funduq.wait_reopened(run_id, after_seq)
+    return not scope.cancelled_caught
 
 
 #: A SendMessage's inline push config and the room held for it.

@@ -57,6 +57,7 @@ from ..broker.errors import (
     UnknownThread,
 )
 from ..broker.funduq import Funduq
+from ..broker.quiet import Quiet
 from ..protocol import agui, carriable
 from .access import of_agent, reader_of
 from .exchange import Answer, Json, Streamed, quart_response
@@ -198,19 +199,31 @@ async def run_post(
             create_unknown_thread=True,
         )
 
-    return Streamed(relay(funduq, ticket.thread_id, ticket.run_id, after_seq))
+    quiet = Quiet()
+    return Streamed(relay(funduq, ticket.thread_id, ticket.run_id, after_seq, quiet=quiet), quiet)
 
 
 async def relay(
-    funduq: Funduq, thread_id: str, run_id: str, after_seq: int, *, opening: bool = True
+    funduq: Funduq,
+    thread_id: str,
+    run_id: str,
+    after_seq: int,
+    *,
+    opening: bool = True,
+    quiet: Quiet | None = None,
 ) -> AsyncIterator[list[Identified]]:
     """The run's events after `after_seq` in bursts, each with its seq as SSE id.
     An `opening` stream starts with a RUN_STARTED if the events don't: it is in
     no record, so it carries `after_seq`, the position it stands for, and a
-    stream re-attached with that id (or any later) does not send it again."""
+    stream re-attached with that id (or any later) does not send it again.
+    With a `quiet`, an empty burst when its wait ended without news."""
     started = not opening
-    async with contextlib.aclosing(funduq.follow(run_id, after_seq=after_seq)) as bursts:
+    follow = funduq.follow(run_id, after_seq=after_seq, quiet=quiet)
+    async with contextlib.aclosing(follow) as bursts:
         async for burst in bursts:
+            if not burst:
+                yield []
+                continue
             events = [Identified(seq, event) for seq, event in burst]
             if not started and burst[0][1].get("type") != EventType.RUN_STARTED.value:
                 opening_event = RunStartedEvent(thread_id=thread_id, run_id=run_id)

@@ -43,7 +43,7 @@ from ..identity import InvalidActorChain
 from .a2a_door import A2ADoor, payload_too_large
 from .agui_door import run_post
 from .cors import allowed_origin, cors_headers
-from .exchange import Answer, AsgiRequest, Json, error_answer
+from .exchange import Answer, AsgiRequest, Json, Streamed, error_answer
 from .sse import SSE_CONTENT_TYPE, SSE_HEADERS, Receive, Send, SseStream
 
 log = logging.getLogger("funduq_trio.web")
@@ -171,14 +171,6 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
             cancel_scope.shield = True
             await send(last)
 
-    async def answer(scope: Any, receive: Receive, send: Send, reply: Answer) -> None:
-        if isinstance(reply, Json):
-            await answer_json(scope, send, reply)
-            return
-        headers = _SSE_START_HEADERS + extra_headers(scope)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await SseStream(reply.bursts, keepalive).serve(receive, send)
-
     async def serve(
         scope: Any,
         receive: Receive,
@@ -187,64 +179,92 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         too_large: Callable[[], Json] | None = None,
         *,
         waits: bool = True,
-    ) -> None:
-        """Read the body, let `door` answer it, and write the answer; a
-        refusal raised is answered as the app's error handlers answer it, a
-        body over the limit with `too_large()` if given. A door that `waits`
-        (for a run to end) is stopped when its caller disconnects meanwhile;
-        one that does not is let finish."""
+    ) -> Streamed | None:
+        """Read the body, let `door` answer it, and write the answer if it is
+        JSON; a stream is returned for the caller to serve. A refusal raised
+        is answered as the app's error handlers answer it, a body over the
+        limit with `too_large()` if given. A door that `waits` (for a run to
+        end) is stopped when its caller disconnects meanwhile; one that does
+        not is let finish."""
         try:
             body = await read_body(scope, receive, limit, timeout)
             reply = await (_until_gone(receive, door, body) if waits else door(body))
             del body  # not held for as long as a stream lasts
         except _Gone:
-            return
+            return None
         except RequestEntityTooLarge as exc:
             refusal = error_answer(exc, settings) if too_large is None else too_large()
             await answer_json(scope, send, refusal)
-            return
+            return None
         except Exception as exc:  # noqa: BLE001 -- answered as the app answers it
             if not isinstance(exc, REFUSALS):
                 log.exception("Exception on request %s %s", scope["method"], scope["path"])
             await answer_json(scope, send, error_answer(exc, settings))
-            return
-        await answer(scope, receive, send, reply)
+            return None
+        if isinstance(reply, Json):
+            await answer_json(scope, send, reply)
+            return None
+        return reply
 
-    async def a2a(scope: Any, receive: Receive, send: Send, provider: str, agent: str) -> None:
+    async def a2a(
+        scope: Any, receive: Receive, send: Send, provider: str, agent: str
+    ) -> Streamed | None:
         async def door(body: bytes) -> Answer:
             return await A2ADoor(funduq, provider, agent, AsgiRequest(scope)).answer(body)
 
-        await serve(scope, receive, send, door, payload_too_large)
+        return await serve(scope, receive, send, door, payload_too_large)
 
-    async def agui(scope: Any, receive: Receive, send: Send, provider: str, agent: str) -> None:
+    async def agui(
+        scope: Any, receive: Receive, send: Send, provider: str, agent: str
+    ) -> Streamed | None:
         async def door(body: bytes) -> Answer:
             return await run_post(funduq, provider, agent, body, AsgiRequest(scope))
 
         # It starts a run (or answers a pause) and returns: it never waits
         # for the run, so there is no wait for a disconnect to stop.
-        await serve(scope, receive, send, door, waits=False)
+        return await serve(scope, receive, send, door, waits=False)
+
+    async def route(scope: Any, receive: Receive, send: Send) -> Streamed | None | bool:
+        """Serve a door's POST or /healthz: None once answered, the stream to
+        serve if the answer is one, False if the request is not for here."""
+        method = scope["method"]
+        path = scope["path"]
+        if method == "POST":
+            parts = path.split("/")
+            if len(parts) in (4, 5) and parts[0] == "" and parts[2] and parts[3]:
+                door, provider, agent = parts[1], parts[2], parts[3]
+                bare = len(parts) == 4  # no trailing slash (the A2A door takes one)
+                slash = not bare and parts[4] == ""
+                if door == "a2a" and (bare or slash):
+                    return await a2a(scope, receive, send, provider, agent)
+                if door == "agui" and bare:
+                    return await agui(scope, receive, send, provider, agent)
+        elif method == "GET" and path == "/healthz":
+            await answer_json(scope, send, Json(_HEALTHZ))
+            return None
+        return False
 
     async def asgi_app(scope: Any, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            method = scope["method"]
-            path = scope["path"]
-            if method == "POST":
-                parts = path.split("/")
-                if len(parts) in (4, 5) and parts[0] == "" and parts[2] and parts[3]:
-                    door, provider, agent = parts[1], parts[2], parts[3]
-                    bare = len(parts) == 4  # no trailing slash (the A2A door takes one)
-                    slash = not bare and parts[4] == ""
-                    del parts  # not held for as long as a stream lasts
-                    if door == "a2a" and (bare or slash):
-                        await a2a(scope, receive, send, provider, agent)
-                        return
-                    if door == "agui" and bare:
-                        await agui(scope, receive, send, provider, agent)
-                        return
-            elif method == "GET" and path == "/healthz":
-                await answer_json(scope, send, Json(_HEALTHZ))
-                return
-        await app(scope, receive, send)
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        # The door's answer is decided in `route`, whose frames (the door,
+        # its request, the body) are gone by the time a stream is served
+        # here: only this frame and the stream's wait as long as it lasts.
+        stream = await route(scope, receive, send)
+        if stream is None:
+            return
+        if stream is False:
+            await app(scope, receive, send)
+            return
+        assert isinstance(stream, Streamed)
+        headers = _SSE_START_HEADERS + extra_headers(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        serving = SseStream(stream.bursts, keepalive).serve(receive, send, stream.quiet, scope)
+        # Nothing of the request is held while the stream waits (hours, if
+        # its run is queued): `serving` has taken what it needs of it.
+        del headers, scope, stream
+        await serving
 
     #: What is behind this layer (quart, with its own routes for the same
     #: doors): tests compare both ways of serving a request.

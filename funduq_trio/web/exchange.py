@@ -27,6 +27,7 @@ from werkzeug.exceptions import (
 from werkzeug.sansio.http import parse_cookie
 
 from ..broker import errors
+from ..broker.quiet import Quiet
 from ..identity import InvalidActorChain
 from .door_errors import door_answer
 from .sse import sse_response
@@ -56,6 +57,9 @@ class Streamed:
     """An SSE answer (status 200): `bursts` as `web/sse.py` writes them."""
 
     bursts: AsyncIterable[list[Any]]
+    #: The `broker/quiet.py` the source waits in, if it takes one: the
+    #: stream is then served on one task (`web/sse.py` `SseStream.serve`).
+    quiet: Quiet | None = None
 
 
 Answer = Json | Streamed

@@ -47,6 +47,13 @@ then (bench/README.md, "What an open stream holds"). Without `serve_streams`
 its source read by a task in the app's nursery (`with_keepalive`): a
 generator cannot be read with a timeout (cancelling its ``__anext__`` ends
 it).
+
+The doors' run POSTs (`web/asgi_doors.py`) go further: their sources wait in
+a `broker/quiet.py` Quiet (each wait for news in a cancel scope with the
+keepalive's deadline; one that ends without news yields an empty burst), and
+funduq's front says when the caller goes (`HANGUP_EXTENSION`), so such a
+stream is served by `SseStream` on the connection's task with no watcher
+beside it (bench/README.md, "A waiting stream on one task").
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ from typing import Any
 
 import trio
 from quart import Response, current_app, request
+
+from ..broker.quiet import Quiet
 
 SSE_CONTENT_TYPE = "text/event-stream"
 
@@ -240,6 +249,14 @@ def sse_response(
 
 # ------------------------------------------------------------ served on ASGI
 
+#: The ASGI extension (``scope["extensions"]``) by which a server says when
+#: the caller goes without the app waiting on `receive`: a callable taking a
+#: callback (called once, on the server's own task, when the caller has
+#: gone) or None (no longer wanted). funduq's front offers it
+#: (`front/http.py`); other servers do not, and their streams are watched
+#: by a task reading `receive`.
+HANGUP_EXTENSION = "funduq.hangup"
+
 #: The ASGI scope key `serve_streams` sets on every HTTP request: present,
 #: `sse_response` hands its stream over; the stream is left there once
 #: quart has sent the response's start.
@@ -285,11 +302,27 @@ class SseStream:
         self.writing = False  # the writer is in a send
         self.gone = False  # the caller disconnected
 
-    async def serve(self, receive: Receive, send: Send) -> None:
+    def serve(
+        self, receive: Receive, send: Send, quiet: Quiet | None = None, scope: Any = None
+    ) -> Awaitable[None]:
         """Write the stream to its end, then end the response. A disconnect
         cancels the writer and closes the source; nothing more is sent. A
         cancellation from outside (the server shutting down) or an exception
-        from the source leaves the response cut, never ended as if complete."""
+        from the source leaves the response cut, never ended as if complete.
+
+        A source that waits in `quiet` (`broker/quiet.py`), served by a
+        server that says when the caller goes (`HANGUP_EXTENSION` in the ASGI
+        `scope`'s extensions: funduq's front), is served on this task alone
+        (`_serve_quiet`); otherwise a watcher task reads `receive` beside it."""
+        # Not a coroutine itself: one frame less for as long as the stream waits.
+        if quiet is not None and scope is not None:
+            on_hangup = scope.get("extensions", {}).get(HANGUP_EXTENSION)
+            if on_hangup is not None:
+                return self._serve_quiet(send, quiet, on_hangup)
+        return self._serve_watched(receive, send)
+
+    async def _serve_watched(self, receive: Receive, send: Send) -> None:
+        """`serve` with a watcher task reading `receive` beside the writer."""
         bursts, self.bursts = self.bursts, None  # type: ignore[assignment]
         self.last_write = trio.current_time()
         async with trio.open_nursery() as nursery:
@@ -309,6 +342,41 @@ class SseStream:
                     await aclose()
             nursery.cancel_scope.cancel()  # the stream ended: the watcher stops
         if not self.gone:
+            await send(_END)
+
+    async def _serve_quiet(
+        self, send: Send, quiet: Quiet, on_hangup: Callable[[Callable[[], None] | None], None]
+    ) -> None:
+        """`serve` with no task beside the writer: the source's waits end at
+        the keepalive's deadline (it yields an empty burst: the keepalive is
+        written) and when the front, which watches the connection, says the
+        caller has gone (`quiet.end`: the wait or the write in progress is
+        cancelled, the source closed, nothing more sent)."""
+        bursts, self.bursts = self.bursts, None  # type: ignore[assignment]
+        interval = self.interval
+        quiet.deadline = trio.current_time() + interval if interval > 0 else math.inf
+        on_hangup(quiet.end)
+        aclose = getattr(bursts, "aclose", None)
+        try:
+            async for burst in bursts:
+                if quiet.gone:
+                    break
+                if not burst and interval <= 0:
+                    continue  # no keepalives (a wait ended early, by someone else)
+                chunk = burst_chunk(burst) if burst else KEEPALIVE
+                del burst  # not held while the next one is awaited
+                with quiet.waiting(math.inf):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                del chunk
+                if quiet.gone:
+                    break
+                if interval > 0:
+                    quiet.deadline = trio.current_time() + interval
+        finally:
+            on_hangup(None)
+            if aclose is not None:
+                await aclose()
+        if not quiet.gone:
             await send(_END)
 
     async def _watch(self, receive: Receive, send: Send, writer: trio.CancelScope) -> None:
