@@ -253,6 +253,65 @@ def test_the_front_and_the_app_name_the_same_extension() -> None:
     assert front_http.HANGUP_EXTENSION == HANGUP_EXTENSION
 
 
+async def test_a_source_that_waits_first_sends_the_head_at_once(autojump_clock) -> None:
+    """A queued run's AG-UI stream has no event until the run starts: its
+    first wait ends at once so the status and headers go out (an empty
+    body), with no keepalive text; keepalives then keep their interval."""
+    news = trio.Event()
+    quiet = Quiet()
+    caller = Caller()
+    start = trio.current_time()
+
+    async def waits_first() -> AsyncIterator[list[Any]]:
+        while not news.is_set():
+            with quiet.waiting() as scope:
+                await news.wait()
+            if scope.cancelled_caught:
+                yield []
+        yield [{"n": 1}]
+
+    async with trio.open_nursery() as nursery:
+
+        async def news_at_20() -> None:
+            await trio.sleep_until(start + 20)
+            news.set()
+
+        nursery.start_soon(news_at_20)
+        await SseStream(waits_first(), 15).serve(caller.receive, caller.send, quiet, caller.scope())
+    assert [(t - start, body, more) for t, body, more in caller.sent] == [
+        (0, b"", True),  # the head, at once
+        (15, KEEPALIVE, True),
+        (20, b'data: {"n":1}\n\n', True),
+        (20, b"", False),
+    ]
+
+
+async def test_an_agui_caller_of_a_queued_run_gets_its_status_at_once(tmp_path: Path) -> None:
+    """Through the front, keepalives off: the 200 and its headers reach the
+    caller while its run waits for room, before any event (the front writes
+    a head with the first body; the stream's first wait sends an empty one)."""
+    async with running_server(tmp_path, sse_keepalive_seconds=0) as info:
+        identity = Identity.generate()
+        async with attached(info, identity, room=0):
+            caller = RawStream(info.port)
+            await caller.post(
+                f"/agui/{identity.fingerprint}/echo", user_input("wait", thread_id="head-thread")
+            )
+            assert caller.sock is not None
+            with trio.fail_after(NET):
+                while (event := caller.conn.next_event()) is h11.NEED_DATA:
+                    caller.conn.receive_data(await caller.sock.recv(65536))
+            assert isinstance(event, h11.Response) and event.status_code == 200
+            assert dict(event.headers)[b"content-type"].startswith(b"text/event-stream")
+            (lane,) = info.funduq.lanes.values()
+            assert lane.status == "queued"
+            caller.hang_up()
+
+
+#: A safety net against a hang, never a behaviour clock.
+NET = 10.0
+
+
 # ----------------------------------------------- through the front, real sockets
 
 

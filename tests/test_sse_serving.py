@@ -210,3 +210,31 @@ async def test_other_responses_pass_through(autojump_clock) -> None:
     assert bodies[-1][1:] == (b"", False)
     assert b"".join(body for _, body, _ in bodies) == b'{"plain":true}\n'
     assert STREAM_SLOT not in scope  # nothing is left behind in the scope
+
+
+async def test_a_source_that_waits_first_has_its_head_sent_at_once(autojump_clock) -> None:
+    """A stream of a queued run has no event yet: its status and headers go
+    out at once (an empty body; funduq's front writes a head with the first
+    body), and keepalives keep their interval from there."""
+    more = trio.Event()
+
+    async def source() -> AsyncIterator[list[Any]]:
+        await more.wait()
+        yield [{"n": 1}]
+
+    peer = Peer()
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+
+        async def release_at_20() -> None:
+            await trio.sleep_until(start + 20)
+            more.set()
+
+        nursery.start_soon(release_at_20)
+        await make_app(source)(scope_of("/stream"), peer.receive, peer.send)
+    assert [(t - start, body, more_body) for t, body, more_body in peer.bodies()] == [
+        (0, b"", True),  # the head, at once
+        (15, KEEPALIVE, True),
+        (20, b'data: {"n":1}\n\n', True),
+        (20, b"", False),
+    ]

@@ -293,13 +293,14 @@ class _Handover:
 class SseStream:
     """One handed-over stream, written on the connection's task (`serve`)."""
 
-    __slots__ = ("bursts", "interval", "last_write", "writing", "gone")
+    __slots__ = ("bursts", "interval", "last_write", "writing", "wrote", "gone")
 
     def __init__(self, bursts: AsyncIterable[list[Any]], interval: float) -> None:
         self.bursts = bursts
         self.interval = interval
         self.last_write = 0.0
         self.writing = False  # the writer is in a send
+        self.wrote = False  # something was sent (the head went with it)
         self.gone = False  # the caller disconnected
 
     def serve(
@@ -335,7 +336,7 @@ class SseStream:
                     self.writing = True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     del chunk
-                    self.writing = False
+                    self.writing, self.wrote = False, True
                     self.last_write = trio.current_time()
             finally:
                 if aclose is not None:
@@ -354,24 +355,34 @@ class SseStream:
         cancelled, the source closed, nothing more sent)."""
         bursts, self.bursts = self.bursts, None  # type: ignore[assignment]
         interval = self.interval
-        quiet.deadline = trio.current_time() + interval if interval > 0 else math.inf
+        # The first wait that would block ends at once: the response's status
+        # and headers, which the front writes with the first body, go out
+        # then (an empty body), not with the first event, which a queued run
+        # may not have for hours. A first burst already there takes them along.
+        quiet.deadline = trio.current_time()
+        head_sent = False
         on_hangup(quiet.end)
         aclose = getattr(bursts, "aclose", None)
         try:
             async for burst in bursts:
                 if quiet.gone:
                     break
-                if not burst and interval <= 0:
+                if burst:
+                    chunk = burst_chunk(burst)
+                elif not head_sent:
+                    chunk = b""
+                elif interval > 0:
+                    chunk = KEEPALIVE
+                else:
                     continue  # no keepalives (a wait ended early, by someone else)
-                chunk = burst_chunk(burst) if burst else KEEPALIVE
                 del burst  # not held while the next one is awaited
                 with quiet.waiting(math.inf):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 del chunk
+                head_sent = True
                 if quiet.gone:
                     break
-                if interval > 0:
-                    quiet.deadline = trio.current_time() + interval
+                quiet.deadline = trio.current_time() + interval if interval > 0 else math.inf
         finally:
             on_hangup(None)
             if aclose is not None:
@@ -384,6 +395,15 @@ class SseStream:
         writer); write a keepalive whenever `interval` passes without a write."""
         interval = self.interval
         while True:
+            if not self.wrote and not self.writing:
+                # Nothing written yet, nor being written: the source waits.
+                # The status and headers go now (an empty body): a server that
+                # writes its head with the first body, as funduq's front does,
+                # would hold them until the first event, which a queued run
+                # may not have for hours.
+                self.wrote = True
+                await send({"type": "http.response.body", "body": b"", "more_body": True})
+                continue
             if interval <= 0:
                 deadline = math.inf
             elif self.writing:  # a write in progress (a slow reader): look again later
