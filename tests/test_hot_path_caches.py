@@ -266,7 +266,7 @@ _IDS = {"threadId": "t", "runId": "r"}
 _USER = {"id": "u", "role": "user", "content": "hi"}
 
 
-@settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(raw=_run_inputs())
 @example(raw={**_IDS, "messages": [{**_USER, "": "kept, an extra key"}]})
 @example(raw={**_IDS, "messages": [], "forwardedProps": {"a2a": {"\ud800": 1}}})

@@ -169,7 +169,7 @@ def frames(draw: st.DrawFn) -> bytes:
     )
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sequence=st.lists(frames(), max_size=8),
     points=st.lists(st.integers(0, 10_000), max_size=6),
