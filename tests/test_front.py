@@ -289,6 +289,21 @@ async def test_an_idle_connection_is_closed_after_keep_alive(autojump_clock):
             assert 5 <= trio.current_time() - began < 6
 
 
+async def test_a_kept_connection_idle_after_its_answer_is_closed_quietly(autojump_clock, caplog):
+    """Idle after a request was answered: closed after keep-alive, its one
+    answer and nothing else written, no failure logged (the loop once read
+    the request it no longer had)."""
+    async with front(keep_alive_seconds=5) as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET /once HTTP/1.1\r\nHost: t\r\n\r\n")
+            got = b""
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+            assert [json.loads(body)["path"] for _, body in answers(got)] == ["/once"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 async def test_websocket_messages_pings_and_close_codes():
     seen.clear()
     async with front() as port:

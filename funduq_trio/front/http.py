@@ -141,6 +141,7 @@ class Connection:
         conn = self.h11
         try:
             while True:
+                request: Any = None  # stays None when the connection sits idle too long
                 with trio.move_on_after(self.limits.keep_alive_seconds):
                     try:
                         request = await self.next_event()
