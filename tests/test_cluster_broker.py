@@ -272,15 +272,7 @@ async def test_work_sent_while_a_thread_is_taken_over_waits_for_the_dead_leaders
         if taken_by == "an arriving run":
             order.append(tickets["x"])
         assert (await recorded())[1:] == order  # the record's arrival order, after run_held
-        for n in range(len(order)):
-            await quiet()
-            if len(pb.link.offers) <= n:
-                break  # nothing more is offered
-            offer_id, run = pb.link.offers[n]
-            pb.session.answer(offer_id, "accepted")
-            await quiet()
-            pb.stream(run["runId"], *reply(run["runId"], tid))
-            assert (await b.wait_run(run["runId"]))["status"] == "completed"
+        await finish_offers_in_turn(b, pb, len(order), tid)
         await quiet()
         names = {run_id: name for name, run_id in tickets.items()}
         offered = [names.get(run_id, run_id) for run_id in offered_runs(pb.link)]
@@ -329,17 +321,23 @@ async def test_a_run_sent_as_a_thread_is_handed_over_comes_after_its_queued_runs
         y = await b.start_run(pb.key, AGENT, user_input("y", "y"), thread_id=tid)
         order = [first.run_id, second.run_id, y.run_id]
         names = {first.run_id: "q1", second.run_id: "q2", y.run_id: "y"}
-        for n in range(len(order)):
-            await quiet()
-            if len(pb.link.offers) <= n:
-                break  # nothing more is offered
-            offer_id, run = pb.link.offers[n]
-            pb.session.answer(offer_id, "accepted")
-            await quiet()
-            pb.stream(run["runId"], *reply(run["runId"], tid))
-            assert (await b.wait_run(run["runId"]))["status"] == "completed"
+        await finish_offers_in_turn(b, pb, len(order), tid)
         await quiet()
         assert [names.get(r, r) for r in offered_runs(pb.link)] == ["q1", "q2", "y"]
+
+
+async def finish_offers_in_turn(funduq: Any, provider: Any, most: int, thread_id: str) -> None:
+    """The provider takes each offer as it comes, one at a time, and
+    finishes it; up to `most` offers, fewer when nothing more is offered."""
+    for n in range(most):
+        await quiet()
+        if len(provider.link.offers) <= n:
+            break  # nothing more is offered
+        offer_id, run = provider.link.offers[n]
+        provider.session.answer(offer_id, "accepted")
+        await quiet()
+        provider.stream(run["runId"], *reply(run["runId"], thread_id))
+        assert (await funduq.wait_run(run["runId"]))["status"] == "completed"
 
 
 def _row(run_id: str, thread_id: str, key: str) -> dict[str, Any]:
