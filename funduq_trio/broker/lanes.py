@@ -66,7 +66,7 @@ from ..protocol.statuses import Status
 from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Inbox, Message, Report, Turn, Wake
 from .run_machine import Input, Phase, RunMachine, Verdict
-from .store import NotLeader, PendingWrite, Store, iso, record_trouble
+from .store import SKIPPED, NotLeader, PendingWrite, Store, iso, record_trouble
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -293,6 +293,7 @@ class Lane:
         "cancel_pending",
         "_baton",
         "_burst",
+        "_carried",
         "_unconfirmed",
         "_undelivered_at",
         "unread_reports",
@@ -345,6 +346,9 @@ class Lane:
         self.cancel_pending = False
         self._baton = False
         self._burst: list[dict[str, Any]] = []
+        # Events read, not yet written: the stream's last burst, which the
+        # write that ends the run carries (see ``_do_relay``).
+        self._carried: list[dict[str, Any]] = []
         # A move queued without waiting, whose verdict is not read yet.
         self._unconfirmed: PendingWrite | None = None
         self._undelivered_at = math.inf
@@ -706,8 +710,17 @@ class Lane:
     def _do_release_place(self, action: rm.ReleasePlace) -> None:
         self._release_place(wake=action.wake)
 
-    def _do_relay(self, action: rm.Relay) -> Awaitable[None]:
+    def _do_relay(self, action: rm.Relay) -> Awaitable[None] | None:
         burst, self._burst = self._burst, []
+        if burst and (
+            self.machine.over or (self._backlog and isinstance(self._backlog[0], Finish))
+        ):
+            # The run ends next (the stream's finish is read right behind
+            # this burst, or this very input settles it): the write that ends
+            # it carries these events, in its transaction, and publishes them
+            # once it is durable -- one write where there were two.
+            self._carried.extend(burst)
+            return None
         return self._append(burst)
 
     def _do_ask_to_stop(self, action: rm.AskToStop) -> None:
@@ -789,6 +802,28 @@ class Lane:
             await trio.sleep(pause)
             pause = min(pause * 2, RETRY_MAX_SECONDS)
 
+    async def _after_move(self, write: Callable[[PendingWrite | None], Awaitable[Any]]) -> Any:
+        """``await write(None)`` once the move queued without waiting
+        (``_unconfirmed``) is confirmed. While that move is still on its way,
+        ``write(it)`` is queued chained behind it instead -- made only if it
+        moved (``Store.write``'s ``after``) -- so the two share a commit rather
+        than each wait for its own; the move's verdict is then at hand
+        (first-in first-out) and read as ``_confirm`` reads it."""
+        pending = self._unconfirmed
+        if pending is not None and not pending.done:
+            try:
+                result = await write(pending)
+            except Exception as exc:
+                if not record_trouble(exc):
+                    raise
+                result = SKIPPED  # made again below, once the move is confirmed
+            await self._confirm()  # refused: MoveRefused; failed: the move retried
+            if result is not SKIPPED:
+                return result
+        elif pending is not None:
+            await self._confirm()
+        return await self._retrying(lambda: write(None))
+
     async def _confirm(self) -> None:
         """Read the verdict of a move queued without waiting, before writing
         anything after it: a move the record refused is not believed."""
@@ -814,10 +849,15 @@ class Lane:
     async def _append(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
-        if self._unconfirmed is not None:
-            await self._confirm()
         numbered = list(enumerate(events, start=self.next_seq))
-        await self._retrying(lambda: self.f.record.append_events(self.run_id, numbered))
+        record = self.f.record
+
+        def append(after: PendingWrite | None) -> Awaitable[Any]:
+            if after is None:
+                return record.append_events(self.run_id, numbered)
+            return record.append_events(self.run_id, numbered, after=after)
+
+        await self._after_move(append)
         self.next_seq += len(events)
         self.f.metrics.events_recorded += len(numbered)
         for seq, event in numbered:
@@ -828,11 +868,15 @@ class Lane:
         to: Status,
         *,
         stamp: str | None = None,
-        events: list[tuple[int, dict[str, Any]]] | None = None,
+        events: list[dict[str, Any]] | None = None,
         messages: list[tuple[Any, ...]] | None = None,
         soon: bool = False,
     ) -> None:
-        if self._unconfirmed is not None:
+        """Write the move, with ``events`` (after any carried ones) numbered
+        from ``next_seq`` and published once it is durable."""
+        numbered = list(enumerate([*self._carried, *(events or ())], start=self.next_seq))
+        soon = soon and not numbered
+        if soon and self._unconfirmed is not None:
             await self._confirm()
         when = time.time()
         record = self.f.record
@@ -843,23 +887,31 @@ class Lane:
             self._unconfirmed = record.move_soon(
                 self.run_id, to, metadata=self.metadata, stamp=(stamp, when) if stamp else None
             )
-        elif not await self._retrying(
-            lambda: record.move(
-                self.run_id,
-                to,
-                metadata=self.metadata,
-                events=events or (),
-                stamp=(stamp, when) if stamp else None,
-                messages=messages,
-            )
-        ):
-            raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
+        else:
+
+            def move(after: PendingWrite | None) -> Awaitable[Any]:
+                changes: dict[str, Any] = {
+                    "metadata": self.metadata,
+                    "events": numbered,
+                    "stamp": (stamp, when) if stamp else None,
+                    "messages": messages,
+                }
+                if after is not None:
+                    changes["after"] = after
+                return record.move(self.run_id, to, **changes)
+
+            if not await self._after_move(move):
+                raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
+            self._carried = []
+            self.next_seq += len(numbered)
         self._recorded = to
         if stamp:
             self.stamps[stamp] = when
-        self.f.metrics.events_recorded += len(events or ())
+        self.f.metrics.events_recorded += len(numbered)
         if to in _ENDS:
             self.f.metrics.run_ended(to)
+        for seq, event in numbered:
+            self.feed.publish(seq, event)
 
     def snapshot(self) -> dict[str, Any] | None:
         """The run's record as the lane knows it, when the lane saw all of its
@@ -885,13 +937,10 @@ class Lane:
         if settle.to is Status.FAILED:
             self.metadata["failureReason"] = settle.reason
         if settle.error_event:
-            events.append((self.next_seq, agui.run_error(settle.reason or "failed")))
+            events.append(agui.run_error(settle.reason or "failed"))
         # After a fault, the least that ends the run: no replies for its thread.
         replies = None if self._faulted else self.f.reply_messages(self)
         await self._move(settle.to, stamp="completed_at", events=events, messages=replies)
-        self.next_seq += len(events)
-        for seq, event in events:
-            self.feed.publish(seq, event)
 
     def _note_text(self, event: dict[str, Any]) -> None:
         """Collect the assistant's text so the thread's history has replies.

@@ -933,6 +933,7 @@ class PostgresStore(SqlStore):
             conn.pipeline = None
         for op in ops:
             try:
+                op.result = None  # not the rolled-back attempt's (see store._chained)
                 conn = self._writer()
                 conn.begin()
                 op.result = op.fn(conn)

@@ -212,6 +212,7 @@ class SqliteStore(SqlStore):
                 conn.execute("ROLLBACK")
         for op in ops:
             try:
+                op.result = None  # not the rolled-back attempt's (see store._chained)
                 conn.execute("BEGIN IMMEDIATE")
                 op.result = op.fn(conn)
                 conn.execute("COMMIT")

@@ -171,6 +171,34 @@ class _Write:
     error: BaseException | None = None
 
 
+class _Skipped:
+    """What a write chained ``after`` another returns when it was not made
+    (the one before it failed, or moved nothing)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SKIPPED"
+
+
+#: See ``_Skipped``.
+SKIPPED: Any = _Skipped()
+
+
+def _chained(fn: Callable[[Any], T], first: _Write) -> Callable[[Any], T]:
+    """``fn``, made only when ``first`` -- queued before it, so committed in
+    the same transaction or an earlier one -- went through with a true result
+    (a guarded move that moved). The stores replay a failed batch write by
+    write, each one's result reset first, so ``first`` is read as it is."""
+
+    def apply(conn: Any) -> T:
+        if first.error is not None or not first.result:
+            return cast(T, SKIPPED)
+        return fn(conn)
+
+    return apply
+
+
 class PendingWrite:
     """A write queued with ``write_soon``: its result, once its batch committed."""
 
@@ -178,6 +206,11 @@ class PendingWrite:
 
     def __init__(self, record: SqlStore, op: _Write, done: trio.Event) -> None:
         self._record, self._op, self._done = record, op, done
+
+    @property
+    def done(self) -> bool:
+        """Its batch committed (or failed): ``result`` is at hand."""
+        return self._done.is_set()
 
     async def result(self) -> Any:
         """The write's result (or its error raised), once its batch committed.
@@ -300,9 +333,13 @@ class Store(Protocol):
         messages: Sequence[MessageRow],
     ) -> None: ...
 
-    async def move(self, run_id: str, to: str, **changes: Any) -> bool:
+    async def move(
+        self, run_id: str, to: str, *, after: PendingWrite | None = None, **changes: Any
+    ) -> bool:
         """Guarded; ``lead=thread_id`` takes (or keeps) the thread's lease in
-        the same transaction (answering a pause)."""
+        the same transaction (answering a pause). ``after``: a move queued
+        before it (``move_soon``); this one is made only if that one moved,
+        else it returns ``SKIPPED`` -- so the two may share a commit."""
         ...
 
     def move_soon(
@@ -315,8 +352,14 @@ class Store(Protocol):
     ) -> PendingWrite: ...
 
     async def append_events(
-        self, run_id: str, events: list[tuple[int, dict[str, Any]]]
-    ) -> None: ...
+        self,
+        run_id: str,
+        events: list[tuple[int, dict[str, Any]]],
+        *,
+        after: PendingWrite | None = None,
+    ) -> Any:
+        """``after`` as for ``move``: ``SKIPPED`` unless that move moved."""
+        ...
 
     async def record_agents(
         self,
@@ -631,9 +674,13 @@ class SqlStore:
 
     # -- writing ------------------------------------------------------------------------
 
-    async def write(self, fn: Callable[[Any], T]) -> T:
-        """Run ``fn`` in the next group commit; return once it is durable."""
-        op = _Write(fn)
+    async def write(self, fn: Callable[[Any], T], *, after: PendingWrite | None = None) -> T:
+        """Run ``fn`` in the next group commit; return once it is durable.
+        ``after``: a write queued before, which ``fn`` needs to have gone
+        through with a true result; if it did not, ``fn`` is not run and the
+        result is ``SKIPPED``. First-in first-out, the two may then share a
+        commit where awaiting the first before queueing ``fn`` took two."""
+        op = _Write(fn if after is None else _chained(fn, after._op))
         self._pending.append(op)
         done = self._batch_done
         self._wake.set()
@@ -771,12 +818,15 @@ class SqlStore:
 
         await self.write(apply)
 
-    async def move(self, run_id: str, to: str, **changes: Any) -> bool:
+    async def move(
+        self, run_id: str, to: str, *, after: PendingWrite | None = None, **changes: Any
+    ) -> bool:
         """Guarded status write, with any events, metadata and messages that go
         with it, in one transaction (the changes are ``_move_write``'s).
         Returns False (and writes nothing) when the run is not in a status the
-        move starts from. ``move_soon`` queues the same write without waiting."""
-        return await self.write(self._move_write(run_id, to, **changes))
+        move starts from. ``move_soon`` queues the same write without waiting.
+        ``after``: see ``write`` (``SKIPPED`` when that move did not move)."""
+        return await self.write(self._move_write(run_id, to, **changes), after=after)
 
     def move_soon(
         self,
@@ -854,12 +904,23 @@ class SqlStore:
 
         return apply
 
-    async def append_events(self, run_id: str, events: list[tuple[int, dict[str, Any]]]) -> None:
+    async def append_events(
+        self,
+        run_id: str,
+        events: list[tuple[int, dict[str, Any]]],
+        *,
+        after: PendingWrite | None = None,
+    ) -> Any:
+        """A run's events by seq; ``after``: see ``write`` (``SKIPPED`` when
+        that move did not move, and nothing written)."""
         rows = [(run_id, seq, dumps(event)) for seq, event in events]
         changed = self._changed
         if changed is None and self.node is None:
-            await self.write(lambda c: c.executemany(_INSERT_EVENT, rows))
-            return
+
+            def insert(conn: Any) -> None:
+                conn.executemany(_INSERT_EVENT, rows)
+
+            return await self.write(insert, after=after)
 
         def apply(conn: Any) -> None:
             self._fence(conn, run_id)
@@ -867,7 +928,7 @@ class SqlStore:
             if rows and changed is not None:
                 changed(conn, run_id, rows[-1][1], False)
 
-        await self.write(apply)
+        return await self.write(apply, after=after)
 
     async def record_agents(
         self,

@@ -1,0 +1,165 @@
+"""A run's trips through the record's writer (issue #16): a write chained
+after a move is made only when that move moved, so the two may share a
+commit; the running move and the next burst share one; the stream's last
+burst is written with the settle that follows it, and published only once
+that write is durable. On both stores (conftest.py)."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+from broker_support import (
+    AGENT,
+    Provider,
+    accepted,
+    broker,
+    events_of,
+    last_offer_for,
+    quiet,
+    record_of,
+    reply,
+    start,
+)
+
+from funduq_trio.broker.store import SKIPPED
+
+EVENT = {"type": "STEP_STARTED", "stepName": "s"}
+
+
+async def _queued_run(funduq, run_id: str) -> None:
+    """A run of a thread of its own in the record, queued, with no lane."""
+    thread_id = "thread_" + run_id
+    row = {
+        "id": run_id,
+        "thread_id": thread_id,
+        "provider_key": "k",
+        "agent_name": AGENT,
+        "status": "queued",
+        "input": "{}",
+        "caller_metadata": "{}",
+        "metadata": {},
+        "arrival": 10_000 + len(run_id),
+        "created_at": time.time(),
+    }
+    await funduq.record.insert_run(row, (thread_id, "k", AGENT, None, time.time()), [])
+
+
+async def _events(funduq, run_id: str) -> list[int]:
+    rows = await funduq.record.events_after(run_id, 0, None, None)
+    return [seq for seq, _ in rows]
+
+
+async def test_a_write_chained_after_a_move_is_made_only_when_the_move_moved(tmp_path):
+    async with broker(tmp_path) as funduq:
+        record = funduq.record
+        await _queued_run(funduq, "run_a")
+        # Refused by the guard (queued -> completed is no move): nothing after it.
+        refused = record.move_soon("run_a", "completed")
+        assert await record.append_events("run_a", [(1, EVENT)], after=refused) is SKIPPED
+        assert await refused.result() is False
+        assert await _events(funduq, "run_a") == []
+        # A write before it that failed: nothing after it either.
+
+        def broken(conn):
+            raise RuntimeError("a bug in a write")
+
+        failed = record.write_soon(broken)
+        assert await record.append_events("run_a", [(1, EVENT)], after=failed) is SKIPPED
+        assert await _events(funduq, "run_a") == []
+        # A move that moved: the write after it is made, in the same commit.
+        commits = record.commits
+        moved = record.move_soon("run_a", "offering")
+        assert await record.append_events("run_a", [(1, EVENT)], after=moved) is None
+        assert record.commits == commits + 1
+        assert await moved.result() is True
+        assert await _events(funduq, "run_a") == [1]
+        # A guarded move chained after one: both verdicts as they are.
+        running = record.move_soon("run_a", "running")
+        assert await record.move("run_a", "completed", after=running) is True
+        status, _ = await record.run_events("run_a", 0, None)
+        assert status == "completed"
+
+
+async def test_the_running_move_and_the_first_burst_share_one_commit(tmp_path, mock_clock):
+    """The provider's acceptance and its first events arrive together: the
+    events are chained behind the `running` move (queued without waiting),
+    not written after its commit."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await start(funduq, p)
+        commits = funduq.record.commits
+        p.session.answer(last_offer_for(p.link, t.run_id), "accepted")
+        events = reply(t.run_id, t.thread_id)
+        p.stream(t.run_id, *events[:2], finish=False)
+        await quiet()
+        assert funduq.record.commits == commits + 1
+        run = await record_of(funduq, t.run_id)
+        assert run["status"] == "running"
+        assert events_of(run) == events[:2]
+        assert [seq for seq, _ in funduq.lanes[t.run_id].feed.events] == [1, 2]
+
+
+async def test_the_last_burst_is_written_with_the_settle_and_published_once_durable(
+    tmp_path, mock_clock
+):
+    """Events and the finish read together (an SDK batch): one write -- the
+    settle, carrying the events -- and nothing is published before it is
+    durable (persist before relay)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await accepted(funduq, p)
+        record = funduq.record
+        move, append = record.move, record.append_events
+        gate = trio.Event()
+        moves: list[tuple[str, list[int]]] = []
+        appends: list[list[int]] = []
+
+        async def held_move(run_id, to, **kw):
+            moves.append((to, [seq for seq, _ in kw.get("events", ())]))
+            await gate.wait()  # the disk is slow
+            return await move(run_id, to, **kw)
+
+        async def counted_append(run_id, events, **kw):
+            appends.append([seq for seq, _ in events])
+            return await append(run_id, events, **kw)
+
+        record.move, record.append_events = held_move, counted_append
+        lane = funduq.lanes[t.run_id]
+        events = reply(t.run_id, t.thread_id, deltas=3)
+        p.stream(t.run_id, *events)
+        await quiet()
+        assert appends == []
+        assert moves == [("completed", [1, 2, 3, 4, 5, 6, 7])]
+        assert lane.feed.events == []  # not durable yet: not relayed
+        gate.set()
+        run = await record_of(funduq, t.run_id)
+        assert run["status"] == "completed"
+        assert events_of(run) == events
+        assert [seq for seq, _ in lane.feed.events] == [1, 2, 3, 4, 5, 6, 7]
+
+
+async def test_a_burst_carried_into_a_settle_that_failed_is_written_by_the_fault(
+    tmp_path, mock_clock
+):
+    """The settle carrying the last burst fails (a bug, not the medium): the
+    run fails alone, and the fault's settle writes the burst before its
+    RUN_ERROR -- nothing the provider sent is lost, nothing relayed twice."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        t = await accepted(funduq, p)
+        move = funduq.record.move
+
+        async def broken_once(run_id, to, **kw):
+            if to == "completed":
+                raise RuntimeError("a bug in the settle")
+            return await move(run_id, to, **kw)
+
+        funduq.record.move = broken_once
+        events = reply(t.run_id, t.thread_id)
+        p.stream(t.run_id, *events)
+        run = await record_of(funduq, t.run_id)
+        assert run["status"] == "failed"
+        assert [e["seq"] for e in run["events"]] == [1, 2, 3, 4, 5, 6]
+        assert events_of(run)[:5] == events
+        assert events_of(run)[5]["type"] == "RUN_ERROR"
