@@ -63,13 +63,48 @@ async def test_cancel_of_a_queued_head_lets_the_next_run_of_its_thread_go(tmp_pa
 
 
 async def test_cancel_of_a_run_before_its_lane_first_ran_is_never_offered(tmp_path, mock_clock):
+    """Its lane has not taken a place yet (the thread's head holds the only
+    one): cancelled at once, never offered."""
     async with broker(tmp_path) as funduq:
-        p = await Provider(funduq).attach()
-        t = await funduq.start_run(p.key, AGENT, user_input())
+        p = await Provider(funduq, max_concurrent=1).attach()
+        head = await start(funduq, p)
+        t = await funduq.start_run(p.key, AGENT, user_input(), thread_id=head.thread_id)
         answer = await funduq.cancel_run(t.run_id)
         assert answer["status"] == "cancelled"
         await quiet()
-        assert p.link.offers == []
+        assert offered_runs(p.link) == [head.run_id]
+
+
+async def test_a_run_offered_as_it_arrives_is_offering_when_the_door_answers(
+    tmp_path, mock_clock, store
+):
+    """A place free as the run arrives: its insert and its `offering` move
+    share one commit (first-in first-out), so when the door answers the
+    record already says offering."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        commits = funduq.record.commits
+        t = await funduq.start_run(p.key, AGENT, user_input())
+        status = funduq.record.read_now(
+            lambda c: c.execute("SELECT status FROM runs WHERE id=?", (t.run_id,)).fetchone()[0]
+        )
+        if store == "sqlite":
+            assert funduq.record.commits == commits + 1
+            assert status == "offering"
+        else:
+            # A shared record's own writes (heartbeat, leases; the mock clock
+            # jumps while a commit is in its worker thread) may wake the
+            # writer first: the insert then commits alone, queued.
+            assert status in ("queued", "offering")
+        # Read by the lane before the offer leaves, a cancel now would still
+        # be applied at once (the lane's drain after its offering write);
+        # once the offer is out it waits behind the answer.
+        await quiet()
+        assert offered_runs(p.link) == [t.run_id]
+        answer = await funduq.cancel_run(t.run_id)
+        assert answer["status"] == "offering"
+        p.session.answer(last_offer_for(p.link, t.run_id), "declined")
+        assert await status_of(funduq, t.run_id) == "cancelled"
 
 
 # -- offering: the cancel waits behind the answer ---------------------------------------------

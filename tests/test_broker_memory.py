@@ -102,10 +102,22 @@ async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_o
     `offering` move, a shared record fences.)"""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
+        start_lane = funduq._start_lane
+        laned = []
+
+        def start_then_depose(row, **kw):
+            # The door lanes the run as its insert is queued (_insert_laned):
+            # deposed right there, before the lane's task ran.
+            lane = start_lane(row, **kw)
+            funduq.threads.pop(lane.thread_id).depose()
+            laned.append(lane)
+            return lane
+
+        funduq._start_lane = start_then_depose
         ticket = await funduq.start_run(p.key, AGENT, user_input("deposed at once"))
-        thread = funduq.threads.pop(ticket.thread_id)
-        lane = funduq.lanes[ticket.run_id]
-        thread.depose()  # before the lane's task ran (no checkpoint since)
+        funduq._start_lane = start_lane
+        (lane,) = laned
+        thread = lane.thread
         await quiet()
         assert p.link.offers == []
         assert ticket.run_id not in funduq.lanes

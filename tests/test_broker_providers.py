@@ -313,8 +313,16 @@ async def test_a_new_connection_under_the_same_key_replaces_the_first(tmp_path, 
 async def test_provider_leaving_between_arrival_and_the_lanes_first_step(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
+        start_lane = funduq._start_lane
+
+        def start_then_leave(row, **kw):
+            lane = start_lane(row, **kw)
+            p.session.detach()  # the lane is laned, its task has not run
+            return lane
+
+        funduq._start_lane = start_then_leave
         t = await funduq.start_run(p.key, AGENT, user_input())
-        p.session.detach()  # no checkpoint since start_run returned: the lane has not run
+        funduq._start_lane = start_lane
         await failed_with(funduq, t.run_id, AGENT_OFFLINE)
         assert p.link.offers == []
 
@@ -324,8 +332,16 @@ async def test_provider_leaving_before_a_second_runs_lane_first_step(tmp_path, m
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)  # the thread's nursery exists already
         p.stream(a.run_id, *reply(a.run_id, a.thread_id), finish=False)
+        start_lane = funduq._start_lane
+
+        def start_then_leave(row, **kw):
+            lane = start_lane(row, **kw)
+            p.session.detach()  # the lane is laned, its task has not run
+            return lane
+
+        funduq._start_lane = start_then_leave
         t = await funduq.start_run(p.key, AGENT, user_input("more"), thread_id=a.thread_id)
-        p.session.detach()
+        funduq._start_lane = start_lane
         await failed_with(funduq, t.run_id, AGENT_OFFLINE)
         await failed_with(funduq, a.run_id, LEFT)
         for _ in range(4):

@@ -6,8 +6,10 @@ that write is durable. On both stores (conftest.py)."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
+import pytest
 import trio
 from broker_support import (
     AGENT,
@@ -16,12 +18,15 @@ from broker_support import (
     broker,
     events_of,
     last_offer_for,
+    offered_runs,
     quiet,
     record_of,
     reply,
     start,
+    user_input,
 )
 
+from funduq_trio.broker.errors import RecordUnavailable
 from funduq_trio.broker.store import SKIPPED
 
 EVENT = {"type": "STEP_STARTED", "stepName": "s"}
@@ -163,3 +168,86 @@ async def test_a_burst_carried_into_a_settle_that_failed_is_written_by_the_fault
         assert [e["seq"] for e in run["events"]] == [1, 2, 3, 4, 5, 6]
         assert events_of(run)[:5] == events
         assert events_of(run)[5]["type"] == "RUN_ERROR"
+
+
+def _medium_error(store: str) -> Exception:
+    if store == "postgres":
+        import psycopg
+
+        return psycopg.OperationalError("could not extend file: No space left on device")
+    return sqlite3.OperationalError("database or disk is full")
+
+
+async def test_an_insert_that_failed_takes_the_offering_chained_behind_it_along(
+    tmp_path, mock_clock, store
+):
+    """A place is free as the run arrives: its lane's `offering` move is
+    queued behind the insert, chained. The insert fails (a full disk): the
+    move is not made, no offer leaves, the lane ends having written nothing
+    and gives its place back, the door says the record is unavailable -- and
+    the record, reopened, has no trace of the run."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        record = funduq.record
+        insert_write, move = record._insert_write, record.move
+        chained: list[str] = []
+
+        def full(row, new_thread, messages):
+            def apply(conn):
+                raise _medium_error(store)
+
+            return apply
+
+        async def seen_move(run_id, to, **kw):
+            if "after" in kw:
+                chained.append(to)
+            return await move(run_id, to, **kw)
+
+        record._insert_write, record.move = full, seen_move
+        with pytest.raises(RecordUnavailable):
+            await funduq.start_run(p.key, AGENT, user_input())
+        record._insert_write = insert_write
+        # Queued behind the insert (on a shared record its own writes may
+        # have woken the writer first: the insert then failed alone).
+        assert chained == ["offering"] or (store == "postgres" and chained == [])
+        await quiet()
+        assert p.link.offers == []
+        assert funduq.lanes == {} and funduq.threads == {}
+        assert await record.probe()
+        t = await start(funduq, p)  # the place came back
+        assert offered_runs(p.link) == [t.run_id]
+
+    async with broker(tmp_path) as funduq:
+        runs = await funduq.record.list_runs(
+            thread_id=None, provider_key=None, agent=None, limit=10
+        )
+        assert [r[0] for r in runs] == [t.run_id]
+
+
+async def test_a_restart_finds_a_run_offered_as_it_arrived_offering_or_queued_never_between(
+    tmp_path, mock_clock, store
+):
+    """What a stop finds: a run offered as it arrived was recorded with its
+    `offering` move in one commit (so a crash finds both or neither: the
+    door answered only after it), and reopens as an orphaned offer; a run
+    that arrived with no place free was recorded alone, queued, and reopens
+    queued, to be offered again."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        commits = funduq.record.commits
+        offered = await funduq.start_run(p.key, AGENT, user_input())
+        if store == "sqlite":  # PostgreSQL: see test_broker_cancels (its own writes)
+            assert funduq.record.commits == commits + 1
+        waiting = await funduq.start_run(p.key, AGENT, user_input("second"))
+        await quiet()
+        assert offered_runs(p.link) == [offered.run_id]
+        identity = p.identity
+
+    async with broker(tmp_path) as funduq:
+        run = await record_of(funduq, offered.run_id)
+        assert run["status"] == "failed"
+        assert run["metadata"]["failureReason"] == "orphaned_by_restart"
+        assert (await record_of(funduq, waiting.run_id))["status"] == "queued"
+        p = await Provider(funduq, identity=identity).attach()
+        await quiet()
+        assert offered_runs(p.link) == [waiting.run_id]

@@ -59,7 +59,17 @@ from .pushes import Pushes
 from .quiet import Quiet
 from .run_machine import Input, Move, RunMachine, Settle
 from .spends import Spends
-from .store import ROSTER_NOTICE, NotLeader, Store, dumps, iso, keepable, open_store, record_trouble
+from .store import (
+    ROSTER_NOTICE,
+    NotLeader,
+    PendingWrite,
+    Store,
+    dumps,
+    iso,
+    keepable,
+    open_store,
+    record_trouble,
+)
 from .watchers import RunWatchers
 
 log = logging.getLogger("funduq")
@@ -723,18 +733,22 @@ class Funduq:
 
     # -- lanes and threads ---------------------------------------------------------
 
-    def _start_lane(self, row: dict[str, Any], *, arriving: bool) -> Lane:
+    def _start_lane(
+        self, row: dict[str, Any], *, arriving: bool, inserted: PendingWrite | None = None
+    ) -> Lane:
         # A task inherits the context of whoever starts it, and a caller's
         # carries its whole HTTP request (quart keeps it in a context
         # variable): a waiting run would hold the request it came in on.
         # Lanes and thread tasks start in the broker's own context instead.
-        return self._context.run(self._start_lane_here, row, arriving)
+        return self._context.run(self._start_lane_here, row, arriving, inserted)
 
-    def _start_lane_here(self, row: dict[str, Any], arriving: bool) -> Lane:
+    def _start_lane_here(
+        self, row: dict[str, Any], arriving: bool, inserted: PendingWrite | None
+    ) -> Lane:
         known = self.lanes.get(row["id"])
         if known is not None:
             return known  # a takeover laned it a moment ago
-        lane = Lane(self, row, arriving=arriving)
+        lane = Lane(self, row, arriving=arriving, inserted=inserted)
         lane.feed.keep = self.settings.max_feed_events
         self.lanes[lane.run_id] = lane
         thread = self.threads.get(lane.thread_id)
@@ -993,7 +1007,11 @@ class Funduq:
                 try:
                     # The takeovers in flight as the write is sent (see _lane_in_order).
                     takeovers = tuple(self._takeovers)
-                    await self.record.insert_run(row, new_thread, messages)
+                    if not takeovers and self.providers.serving(key, agent) is not None:
+                        await self._insert_laned(row, new_thread, messages)
+                        laning = True
+                    else:
+                        await self.record.insert_run(row, new_thread, messages)
                 except NotLeader:
                     # Another node holds the thread's lease: take it over if
                     # it lapsed, else refuse (nothing was recorded).
@@ -1019,7 +1037,9 @@ class Funduq:
                 raise
             if self.record.shared:
                 self.leases.taken((tid,))
-            if self.providers.serving(key, agent) is None:
+            if laning:
+                pass  # laned as it was recorded (_insert_laned)
+            elif self.providers.serving(key, agent) is None:
                 # Nobody serves the agent: the run fails before the door
                 # answers, so every answer (returnImmediately too) reads FAILED.
                 # Asked now, not of `view`: the agent may have come (or gone)
@@ -1031,7 +1051,7 @@ class Funduq:
                     await self._settle_unlaned(run_id, row["metadata"], 1, action)
                 self.metrics.runs_started += 1
                 return RunTicket(run_id, tid)
-            if takeovers:
+            elif takeovers:
                 # A takeover of the thread may be in flight: laned after the
                 # old leader's runs (docs/cluster.md, "How ownership moves").
                 laning = await self._lane_in_order(row, row["arrival"], takeovers, arriving=True)
@@ -1050,6 +1070,31 @@ class Funduq:
                 "run %s queued on thread %s for %s/%s", run_id, tid, fingerprint_of(key), agent
             )
         return RunTicket(run_id, tid)
+
+    async def _insert_laned(
+        self, row: dict[str, Any], new_thread: tuple[Any, ...] | None, messages: list[Any]
+    ) -> None:
+        """Queue a new run's insert and start its lane at once: the lane's
+        first write (``offering``, when a place is free) is chained behind
+        the insert (the writer is first-in first-out) and may share its
+        commit, so the offer leaves a commit sooner. Returns once the insert
+        is durable, which the door waits for before it answers. Should the
+        insert fail, the lane ends having written nothing (its chained write
+        is not made; before it waits it reads the insert's verdict), and the
+        insert's error is raised once the lane is gone."""
+        inserted = self.record.insert_run_soon(row, new_thread, messages)
+        lane = self._start_lane(row, arriving=True, inserted=inserted)
+        # Shielded: the run is laned now, so a caller gone meanwhile must not
+        # leave the door's bookkeeping undone for a run that goes on. The
+        # writer is woken by the lane (its first write, or its wait for the
+        # insert's verdict, or its end), not here: so the two share a commit.
+        with trio.CancelScope(shield=True):
+            try:
+                await inserted.durable()
+                await inserted.result()
+            except BaseException:
+                await lane.ended()
+                raise
 
     async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
         """The URLs of the nodes a caller's request about this thread (None: a

@@ -95,6 +95,12 @@ _ANSWER = {verdict.value: Input(verdict.value) for verdict in Verdict}
 _ENDS = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED})
 
 
+class Unrecorded(Exception):
+    """The run's insert, queued as its lane started, failed: the run was
+    never recorded, and its lane ends having written nothing (the door that
+    queued it answers the caller)."""
+
+
 class MoveRefused(Exception):
     """The record's guard refused a move the machine made: someone moved the
     run behind its lane's back."""
@@ -295,6 +301,7 @@ class Lane:
         "_burst",
         "_carried",
         "_unconfirmed",
+        "_inserting",
         "_undelivered_at",
         "unread_reports",
         "_room",
@@ -302,7 +309,14 @@ class Lane:
         "_faulted",
     )
 
-    def __init__(self, host: LaneHost, row: dict[str, Any], *, arriving: bool) -> None:
+    def __init__(
+        self,
+        host: LaneHost,
+        row: dict[str, Any],
+        *,
+        arriving: bool,
+        inserted: PendingWrite | None = None,
+    ) -> None:
         self.f = host
         self.run_id: str = row["id"]
         self.thread_id: str = row["thread_id"]
@@ -349,8 +363,12 @@ class Lane:
         # Events read, not yet written: the stream's last burst, which the
         # write that ends the run carries (see ``_do_relay``).
         self._carried: list[dict[str, Any]] = []
-        # A move queued without waiting, whose verdict is not read yet.
-        self._unconfirmed: PendingWrite | None = None
+        # A write queued without waiting, whose verdict is not read yet: a
+        # move, or (``_inserting``) the run's own insert, which the door
+        # queued as it started the lane -- its first write is chained
+        # behind it and may share its commit.
+        self._unconfirmed: PendingWrite | None = inserted
+        self._inserting = inserted is not None
         self._undelivered_at = math.inf
         #: Reports told and not yet taken up for recording (see ``full``).
         self.unread_reports = 0
@@ -449,6 +467,8 @@ class Lane:
         deposed = False
         try:
             await self._live()
+        except Unrecorded:
+            log.debug("run %s: not recorded; its lane ends", self.run_id)
         except NotLeader:
             # The record refused a write: another node took the thread's lease
             # over and settles this run by the restart rules. Nothing more is
@@ -462,6 +482,10 @@ class Lane:
             log.exception("run %s: lane failed; the run fails (%s)", self.run_id, "funduq_error")
             await self._fault()
         finally:
+            if self._inserting and self._unconfirmed is not None:
+                # Ended (cancelled) before its first write: the door waits on
+                # the insert, which nobody else may wake the writer for.
+                self._unconfirmed.hurry()
             # What is still unread gets its due: a cancel an answer, a baton
             # its next holder. Drain before closing -- a closed inbox is empty.
             leftovers = self._drain()
@@ -588,6 +612,12 @@ class Lane:
         """The next message for a queued run; None when the lane acted instead
         (offered, or its unserved window ran out)."""
         message = self._receive_nowait()
+        if message is None and self._inserting and not self._offers_now():
+            # About to wait: first the insert's verdict (queued as the lane
+            # started); then everything is looked at again, since the await
+            # may have changed it (the provider left, say).
+            await self._insert_confirmed()
+            return None
         # Nothing is read early (the backlog is empty): the waits below read
         # the inbox itself, without ``_receive``'s frame, which every queued
         # run would hold while it waits.
@@ -614,6 +644,13 @@ class Lane:
             return None
         providers.stop_waiting(self.key, self)
         return message
+
+    def _offers_now(self) -> bool:
+        """``_pending_wait`` would offer the run at once (no message waits)."""
+        if not self.machine.wants_place:
+            return False
+        session = self.f.providers.serving(self.key, self.agent)
+        return session is not None and not self.machine.declined and session.has_room()
 
     def _pass_baton(self) -> None:
         """A lane woken for a freed place that will not use it hands the
@@ -824,11 +861,27 @@ class Lane:
             await self._confirm()
         return await self._retrying(lambda: write(None))
 
+    async def _insert_confirmed(self) -> None:
+        """Before a queued run waits: its insert's verdict (Unrecorded when
+        it failed), so a run never recorded does not wait as if it were."""
+        if self._inserting:
+            await self._confirm()
+
     async def _confirm(self) -> None:
         """Read the verdict of a move queued without waiting, before writing
-        anything after it: a move the record refused is not believed."""
+        anything after it: a move the record refused is not believed. For
+        the run's insert: Unrecorded when it failed (nothing is written)."""
         pending, self._unconfirmed = self._unconfirmed, None
         if pending is None:
+            return
+        if self._inserting:
+            self._inserting = False
+            try:
+                inserted = await pending.result()
+            except Exception:  # noqa: BLE001 -- the door raises it, to the caller
+                inserted = False
+            if not inserted:
+                raise Unrecorded(self.run_id)
             return
         try:
             moved = await pending.result()

@@ -212,12 +212,24 @@ class PendingWrite:
         """Its batch committed (or failed): ``result`` is at hand."""
         return self._done.is_set()
 
+    def hurry(self) -> None:
+        """Wake the writer for it (queued with ``wake=False``)."""
+        if not self._done.is_set():
+            self._record._wake.set()
+
+    async def durable(self) -> None:
+        """Wait until its batch committed (or failed), without waking the
+        writer: ``result`` then has the verdict at hand."""
+        if not self._done.is_set():
+            await self._done.wait()
+
     async def result(self) -> Any:
         """The write's result (or its error raised), once its batch committed.
         A batch already committed costs no schedule point: the caller (a lane
         confirming its move before its next write) yields at that write; a
         trip through the scheduler here was a lane's one extra per run."""
         if not self._done.is_set():
+            self._record._wake.set()  # queued with wake=False: wanted now
             await self._done.wait()
         self._record._note(self._op)
         if self._op.error is not None:
@@ -332,6 +344,18 @@ class Store(Protocol):
         new_thread: tuple[Any, ...] | None,
         messages: Sequence[MessageRow],
     ) -> None: ...
+
+    def insert_run_soon(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> PendingWrite:
+        """``insert_run`` queued without waiting (first-in first-out) and
+        without waking the writer (``write_soon``'s ``wake=False``): the
+        run's lane, about to write or wait, does. Its result is True once
+        recorded; a write chained ``after`` it is made only if it was."""
+        ...
 
     async def move(
         self, run_id: str, to: str, *, after: PendingWrite | None = None, **changes: Any
@@ -696,14 +720,18 @@ class SqlStore:
         elif record_trouble(op.error):
             self.failing = True
 
-    def write_soon(self, fn: Callable[[Any], Any]) -> PendingWrite:
+    def write_soon(self, fn: Callable[[Any], Any], *, wake: bool = True) -> PendingWrite:
         """Queue ``fn`` for the next group commit without waiting for it. The
         writer is first-in first-out, so anything written (and awaited) after
         it is durable only once this is too. Its result (or error) is the
-        returned handle's, once that commit is done."""
+        returned handle's, once that commit is done. ``wake=False``: the
+        writer is not woken for it; the next write, or the handle's
+        ``result`` or ``hurry``, does -- so a write its queuer knows is
+        coming right behind it shares its commit."""
         op = _Write(fn)
         self._pending.append(op)
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return PendingWrite(self, op, self._batch_done)
 
     async def probe(self) -> bool:
@@ -777,6 +805,23 @@ class SqlStore:
         messages: Sequence[MessageRow],
     ) -> None:
         """A new run (and its new thread, and the messages it adds)."""
+        await self.write(self._insert_write(row, new_thread, messages))
+
+    def insert_run_soon(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> PendingWrite:
+        """See ``Store.insert_run_soon``."""
+        return self.write_soon(self._insert_write(row, new_thread, messages), wake=False)
+
+    def _insert_write(
+        self,
+        row: dict[str, Any],
+        new_thread: tuple[Any, ...] | None,
+        messages: Sequence[MessageRow],
+    ) -> Callable[[Any], bool]:
         if not keepable(*(m[2] for m in messages), *(new_thread or ())[:4]):
             raise Unrecordable(
                 "a message id or thread holds a character the record cannot "
@@ -790,7 +835,7 @@ class SqlStore:
             f"VALUES ({self.ARRIVAL},?,?,?,?,?,?,?,?,?)"
         )
 
-        def apply(conn: Any) -> None:
+        def apply(conn: Any) -> bool:
             if new_thread is not None:
                 conn.execute(
                     "INSERT INTO threads (id, provider_key, agent_name, segment_head, "
@@ -815,8 +860,9 @@ class SqlStore:
             )
             if messages:
                 conn.executemany(_INSERT_MESSAGE, messages)
+            return True
 
-        await self.write(apply)
+        return apply
 
     async def move(
         self, run_id: str, to: str, *, after: PendingWrite | None = None, **changes: Any
