@@ -40,7 +40,8 @@ LINGER_BYTES = 64 * 1024 * 1024
 DISCONNECT = {"type": "http.disconnect"}
 
 #: The ASGI extension by which the app asks to be told when the caller goes
-#: without a task waiting on `receive` (`web/sse.py` streams use it): its
+#: without a task waiting on `receive` (`web/sse.py` streams and
+#: `web/asgi_doors.py`'s blocking door waits use it): its
 #: value is a callable taking a callback, or None to stop.
 HANGUP_EXTENSION = "funduq.hangup"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
