@@ -7,7 +7,9 @@ on.
 
 First on ASGI under MockClock with a source that waits in its quiet, then
 through funduq's own front over real sockets, both doors, a full provider
-(the run waits in the queue as long as the test wants)."""
+(the run waits in the queue as long as the test wants). Last, a blocking
+SendMessage's wait, watched by the same hang-up extension (and, without
+it, by the watcher task it replaces)."""
 
 from __future__ import annotations
 
