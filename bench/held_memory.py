@@ -20,6 +20,7 @@ the differences, per waiting run:
 
     python bench/held_memory.py                          # 1,000 streaming callers
     python bench/held_memory.py --callers detached --waiting 2000
+    python bench/held_memory.py --callers blocking       # each waiting in SendMessage
     python bench/held_memory.py --frames 0               # RSS and counts, no tracemalloc
 
 Slow with tracemalloc on (a few minutes at 1,000 streams on 2 cores).
@@ -164,6 +165,8 @@ async def drive(
         callers = scale.Callers(args, url, path)
         if args.callers == "streaming":
             nursery.start_soon(callers.streaming, nursery)
+        elif args.callers == "blocking":  # each waits in SendMessage for its run's end
+            nursery.start_soon(callers.blocking, nursery)
         else:
             await callers.detached()
         await callers.all_queued.wait()
@@ -263,7 +266,9 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiting", type=int, default=1000)
-    parser.add_argument("--callers", choices=["streaming", "detached"], default="streaming")
+    parser.add_argument(
+        "--callers", choices=["streaming", "detached", "blocking"], default="streaming"
+    )
     parser.add_argument(
         "--door",
         choices=["a2a", "agui"],

@@ -10,6 +10,8 @@ provider is full, then the drain once room appears.
      answered at once with the task SUBMITTED; no connection is held.
    - `--callers streaming`: `SendStreamingMessage`; each caller keeps its own
      connection and SSE stream open until its run ends (10,000 open streams).
+   - `--callers blocking`: `SendMessage` without `returnImmediately`; each
+     caller's connection waits for the answer, which comes when its run ends.
    Server RSS is read before and once all are queued:
    RSS per waiting run = (RSS with the runs - RSS before) / waiting.
 3. Room appears: the provider reconnects with `--room-after` (default:
@@ -167,6 +169,48 @@ class Callers:
         for client in clients:
             await client.aclose()
 
+    async def blocking(self, nursery: trio.Nursery) -> None:
+        """One connection per run, each waiting in a blocking `SendMessage`
+        (no answer until the run ends). A caller sees nothing of its run
+        while it waits, so a run counts as queued by the server's count of
+        runs started (`GET /metrics`); its id and final state come with the
+        answer."""
+        opening = trio.Semaphore(self.args.concurrency)
+        started_before = await runs_started(self.url)
+
+        async def one(i: int) -> None:
+            client = h.RawHTTP(self.url)
+            state = "no answer"
+            try:
+                body = h.a2a_send_body(i, text_of(i), f"w-{i}", None)
+                async with opening:
+                    await client.connect()
+                status, chunks = await client.request(
+                    "POST", self.path, json.dumps(body).encode(), h.A2A_HEADERS
+                )
+                data = json.loads(b"".join([c async for c in chunks]))
+                if status != 200 or "result" not in data:
+                    raise RuntimeError(f"HTTP {status}: {data}")
+                task = data["result"]["task"]
+                self.run_ids[i] = task["id"]
+                state = task["status"]["state"]
+            except (OSError, RuntimeError, ValueError, KeyError) as exc:
+                self.errors.append(f"run {i}: {type(exc).__name__}: {exc}")
+            finally:
+                self.ended[i] = (time.monotonic(), state)
+                if len(self.ended) == self.args.waiting:
+                    self.all_ended.set()
+                await client.aclose()
+
+        for i in range(self.args.waiting):
+            nursery.start_soon(one, i)
+        while True:
+            self.queued = await runs_started(self.url) - started_before
+            if self.queued >= self.args.waiting or len(self.ended) == self.args.waiting:
+                break
+            await trio.sleep(0.2)
+        self.all_queued.set()
+
     async def streaming(self, nursery: trio.Nursery) -> None:
         """One connection and SSE stream per run, held until the run ends.
         At most `--concurrency` streams are being opened at once. A2A
@@ -230,6 +274,20 @@ class Callers:
 
         for i in range(self.args.waiting):
             nursery.start_soon(one, i)
+
+
+async def runs_started(url: str) -> int:
+    """The server's count of runs started (`GET /metrics`)."""
+    client = h.RawHTTP(url)
+    try:
+        status, chunks = await client.request("GET", "/metrics")
+        text = b"".join([c async for c in chunks]).decode()
+    finally:
+        await client.aclose()
+    for line in text.splitlines():
+        if line.startswith("funduq_runs_started_total "):
+            return int(float(line.split()[1]))
+    raise RuntimeError(f"no funduq_runs_started_total in /metrics (HTTP {status})")
 
 
 async def verify(url: str, run_ids: list[str], events_per_run: int) -> dict[str, Any]:
@@ -319,6 +377,8 @@ async def one_round(
     with trio.fail_after(args.time_limit):
         if args.callers == "detached":
             await callers.detached()
+        elif args.callers == "blocking":
+            nursery.start_soon(callers.blocking, nursery)
         else:
             nursery.start_soon(callers.streaming, nursery)
         await callers.all_queued.wait()
@@ -329,7 +389,8 @@ async def one_round(
     out["held"] = len(held)
     # Nothing may have been offered to a full provider.
     out["offered_while_full"] = sum(1 for r in held if r in stamps)
-    if args.door == "agui":  # run ids come once the runs start: count what was offered
+    if args.door == "agui" or args.callers == "blocking":
+        # Run ids come once the runs start (or end): count what was offered.
         out["held"] = callers.queued - len(callers.errors)
         out["offered_while_full"] = len(set(stamps) - stamped_before)
 
@@ -341,8 +402,8 @@ async def one_round(
     await provider.stop()
     cpu.start()
     reconnect_began = time.monotonic()
-    if args.door == "agui":
-        held = []  # known as their streams see them start
+    if args.door == "agui" or args.callers == "blocking":
+        held = []  # known as their streams see them start, or their answers come
     provider = await start_provider(
         nursery, identity, server.ws_url, args.room_after, args.deltas, stamps
     )
@@ -350,7 +411,7 @@ async def one_round(
     out["reconnect_seconds"] = room_at - reconnect_began
     held_set = set(held)
     with trio.fail_after(args.time_limit):
-        if args.callers == "streaming":
+        if args.callers in ("streaming", "blocking"):
             await callers.all_ended.wait()
             out["last_end"] = max(t for t, _ in callers.ended.values()) - room_at
             finals: dict[str, int] = {}
@@ -380,7 +441,7 @@ async def one_round(
         )
         - room_at
     )
-    if args.door == "agui":
+    if args.door == "agui" or args.callers == "blocking":
         held = [r for r in callers.run_ids if r is not None]
         held_set = set(held)
         out["provider_done"] = (
@@ -422,7 +483,9 @@ def room(text: str) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--waiting", type=int, default=10_000, help="threads, one queued run each")
-    parser.add_argument("--callers", choices=["detached", "streaming"], default="detached")
+    parser.add_argument(
+        "--callers", choices=["detached", "streaming", "blocking"], default="detached"
+    )
     parser.add_argument(
         "--door",
         choices=["a2a", "agui"],
@@ -520,7 +583,7 @@ def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: fl
     per_run = (out["rss_waiting"] - out["rss_before"]) / max(1, out["held"])
     residual = (out["rss_drained"] - out["rss_before"]) / max(1, out["held"])
     intake_rate = out["held"] / out["intake_seconds"]
-    drain = out["last_end"] if args.callers == "streaming" else out["drain_seconds"]
+    drain = out["last_end"] if args.callers in ("streaming", "blocking") else out["drain_seconds"]
     drain_rate = completed / drain if drain > 0 else float("nan")
     print(f" round {number}")
     print(
@@ -539,7 +602,9 @@ def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: fl
         f"  reconnect           {out['reconnect_seconds'] * 1e3:10.1f} ms   (provider dial to "
         "its agents published, with the runs waiting)"
     )
-    what = "last stream ended" if args.callers == "streaming" else "last completedAt in the record"
+    what = {"streaming": "last stream ended", "blocking": "last answer read"}.get(
+        args.callers, "last completedAt in the record"
+    )
     print(
         f"  drain time          {drain:10.2f} s    (room appeared -> {what})"
         f" = {drain_rate:.1f} runs/s"
@@ -558,8 +623,8 @@ def report(args: argparse.Namespace, number: int, out: dict[str, Any], floor: fl
         f"  CPU while draining  {h.format_shares(out['drain_cpu'])} (100% = one core; "
         f"{os.cpu_count()} cores)"
     )
-    if args.callers == "streaming":
-        print(f"  streams ended       {out['stream_finals']}")
+    if args.callers in ("streaming", "blocking"):
+        print(f"  callers ended       {out['stream_finals']}")
     print(f"  record              {v['statuses']}, {v['short']} completed with events missing")
     if v["reasons"]:
         print(f"  failure reasons     {v['reasons']}")

@@ -22,6 +22,7 @@ from reliability_support import eventually
 from support import raw_provider, running_server, sdk_provider
 
 from funduq_trio.web.app import compact_dumps, create_app
+from funduq_trio.web.sse import HANGUP_EXTENSION
 
 NET = 15  # a safety net against a hung test, never a behaviour clock
 
@@ -29,10 +30,22 @@ Head = tuple[int, list[tuple[bytes, bytes]]]
 
 
 async def asgi_call(
-    asgi: Any, method: str, path: str, body: bytes = b"", headers: list[tuple[bytes, bytes]] = ()
+    asgi: Any,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: list[tuple[bytes, bytes]] = (),
+    *,
+    hangup: bool = False,
 ) -> tuple[Head, bytes]:
-    """One request over ASGI: its status and (lowercased, sorted) headers, and its body."""
+    """One request over ASGI: its status and (lowercased, sorted) headers, and
+    its body. `hangup`: the server offers the hang-up extension (as funduq's
+    front does; the caller never hangs up), and whatever the app watches
+    with it is unwatched by the end."""
     scope = asgi_scope(method, path, body, headers)
+    watched: list[bool] = []
+    if hangup:
+        scope["extensions"] = {HANGUP_EXTENSION: lambda cb: watched.append(cb is not None)}
     messages: list[dict[str, Any]] = []
     answered = trio.Event()
     body_sent = False
@@ -53,6 +66,7 @@ async def asgi_call(
     with trio.fail_after(NET):
         await asgi(scope, receive, send)
     assert answered.is_set(), messages
+    assert watched[-1:] in ([], [False]), watched
     start = messages[0]
     head = (start["status"], sorted((k.lower(), v) for k, v in start["headers"]))
     return head, b"".join(m.get("body", b"") for m in messages[1:])
@@ -119,6 +133,9 @@ async def test_refusals_are_answered_alike_with_and_without_quart(tmp_path):
             ours = await asgi_call(plain, method, path, body, headers)
             theirs = await asgi_call(quart, method, path, body, headers)
             assert ours == theirs, (method, path, body[:40])
+            # On funduq's front (the hang-up extension): the same answers.
+            watched = await asgi_call(plain, method, path, body, headers, hangup=True)
+            assert watched == ours, (method, path, body[:40])
             assert ours[0][0] in (200, 400, 404, 413), ours
 
 
@@ -175,9 +192,10 @@ async def test_runs_are_answered_alike_with_and_without_quart(tmp_path):
         # A2A: a blocking SendMessage (JSON) and a SendStreamingMessage (SSE).
         for method in ("SendMessage", "SendStreamingMessage"):
             answers = []
-            for asgi in (plain, quart):
+            # Plain, behind quart, and plain as on funduq's front (the hang-up extension).
+            for asgi, hangup in ((plain, False), (quart, False), (plain, True)):
                 (status, headers), body = await asgi_call(
-                    asgi, "POST", f"/a2a/{key}/echo", a2a_body("hello", method), A2A
+                    asgi, "POST", f"/a2a/{key}/echo", a2a_body("hello", method), A2A, hangup=hangup
                 )
                 if method == "SendStreamingMessage":
                     payloads = sse_events(body)
@@ -186,7 +204,7 @@ async def test_runs_are_answered_alike_with_and_without_quart(tmp_path):
                 # Lengths differ with the ids' and timestamps' lengths.
                 headers = [(k, v) for k, v in headers if k != b"content-length"]
                 answers.append(((status, headers), [without_ids(p) for p in payloads]))
-            assert answers[0] == answers[1], method
+            assert answers[0] == answers[1] == answers[2], method
             assert answers[0][0][0] == 200
             assert "result" in answers[0][1][-1], answers[0][1][-1]
 
@@ -234,6 +252,55 @@ async def test_a_blocking_send_whose_caller_leaves_stops_waiting_and_the_run_goe
             with trio.fail_after(NET):
                 await returned.wait()
         assert sent == []
+        record = await info.funduq.get_run(run["runId"])
+        assert record is not None and record["status"] == "running", record
+
+
+async def test_a_blocking_send_on_a_front_that_says_when_its_caller_hangs_up(tmp_path):
+    """The same wait on a server that offers the hang-up extension (funduq's
+    front): nothing reads `receive` once the body is read (no watcher task);
+    the hang-up the app asked for stops the wait at once, nothing is
+    answered, the watch is dropped, and the run itself is still running."""
+    async with running_server(tmp_path) as info, raw_provider(info, ["held"]) as provider:
+        plain = create_app(info.funduq).asgi_app
+        body = a2a_body("hold", "SendMessage")
+        scope = asgi_scope("POST", f"/a2a/{provider.identity.fingerprint}/held", body, A2A)
+        callbacks: list[Any] = []
+        scope["extensions"] = {HANGUP_EXTENSION: callbacks.append}
+        returned = trio.Event()
+        sent: list[dict[str, Any]] = []
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            assert not delivered, "receive read again after the body: a watcher"
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def call() -> None:
+            await plain(scope, receive, send)
+            returned.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            run = await provider.next_offer()
+            await provider.answer(run, "accepted")
+
+            async def running() -> bool:
+                record = await info.funduq.get_run(run["runId"])
+                return record is not None and record["status"] == "running"
+
+            await eventually(running, "the run running")
+            assert not returned.is_set()  # the caller is still there: waiting
+            (hung_up,) = callbacks
+            hung_up()  # as the front's Hangups task calls it
+            with trio.fail_after(NET):
+                await returned.wait()
+        assert sent == []
+        assert callbacks[1:] == [None]  # unwatched
         record = await info.funduq.get_run(run["runId"])
         assert record is not None and record["status"] == "running", record
 

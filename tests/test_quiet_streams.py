@@ -7,7 +7,9 @@ on.
 
 First on ASGI under MockClock with a source that waits in its quiet, then
 through funduq's own front over real sockets, both doors, a full provider
-(the run waits in the queue as long as the test wants)."""
+(the run waits in the queue as long as the test wants). Last, a blocking
+SendMessage's wait, watched by the same hang-up extension (and, without
+it, by the watcher task it replaces)."""
 
 from __future__ import annotations
 
@@ -552,3 +554,110 @@ async def test_follow_in_a_quiet_yields_an_empty_burst_at_each_deadline_and_at_t
             await advance(mock_clock, 100)
             assert plain_seen == []
             nursery.cancel_scope.cancel()
+
+
+# ------------------------------------- a blocking SendMessage's wait, watched too
+
+
+def a2a_blocking_body(text: str) -> dict[str, Any]:
+    return {**a2a_stream_body(text), "method": "SendMessage"}
+
+
+def all_tasks() -> list[trio.lowlevel.Task]:
+    tasks, todo = [], [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        assert task is not None
+        tasks.append(task)
+        todo.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return tasks
+
+
+def named(part: str) -> list[str]:
+    return [t.name for t in all_tasks() if part in t.name]
+
+
+#: The task `asgi_doors._until_gone` starts beside a door's wait (no
+#: hang-up extension: hypercorn, or a front without epoll).
+WATCHER = "_until_gone.<locals>.watch"
+
+
+@pytest.mark.parametrize("half_closes", [False, True], ids=["closes", "half-closes"])
+@pytest.mark.parametrize("watched_by_the_front", [True, False], ids=["hangup", "fallback"])
+async def test_a_blocking_send_whose_caller_hangs_up_is_let_go_at_once(
+    tmp_path: Path,
+    mock_clock: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    watched_by_the_front: bool,
+    half_closes: bool,
+) -> None:
+    """A blocking SendMessage through the front over real sockets, its run
+    queued behind a full provider. With the hang-up extension the wait runs
+    on the connection's task alone (the front watches the socket; no watcher
+    task); without it, a watcher task reads `receive`. The caller hangs up:
+    with trio's clock frozen (no timeout can end anything), the request is
+    over once the server has done what it can -- no task, no epoll
+    registration, no exchange or door left, nothing written to it (a caller
+    that only half-closes reads its end, no answer) -- and the run stays
+    queued, then completes once the provider has room, as it always did."""
+    from broker_support import quiet as settle
+
+    from funduq_trio.web.a2a_door import A2ADoor
+
+    if watched_by_the_front and not Hangups.available:
+        pytest.skip("the hang-up watch is Linux's epoll")
+    if not watched_by_the_front:
+        monkeypatch.setattr(Hangups, "available", False)
+    request_parts = {front_http.Exchange, A2ADoor}
+    async with running_server(tmp_path) as info:
+        funduq = info.funduq
+        identity = Identity.generate()
+        async with attached(info, identity, room=0):
+            try:
+                await settle()
+                connections = len(named("Connection.serve"))  # the provider's link
+                caller = RawStream(info.port)
+                await caller.post(
+                    f"/a2a/{identity.fingerprint}/echo", a2a_blocking_body("wait"), **V1
+                )
+                await settle()
+                (lane,) = funduq.lanes.values()
+                run_id = lane.run_id
+                assert lane.status == "queued"
+                assert len(named("Connection.serve")) == connections + 1  # the caller's, waiting
+                if watched_by_the_front:
+                    assert len(the_hangups()._callbacks) == 1
+                    assert named(WATCHER) == []  # the wait has no task beside it
+                else:
+                    assert len(named(WATCHER)) == 1
+                t0 = trio.current_time()
+
+                assert caller.sock is not None
+                if half_closes:
+                    caller.sock.shutdown(socket.SHUT_WR)
+                else:
+                    caller.hang_up()
+                await settle()
+                if half_closes:
+                    assert await caller.sock.recv(65536) == b""  # no answer, the end
+                    caller.hang_up()
+
+                assert trio.current_time() == t0  # frozen: no timeout could have done it
+                assert (
+                    len(named("Connection.serve")) == connections
+                )  # the request, and its connection, over
+                assert named(WATCHER) == []
+                if watched_by_the_front:
+                    assert not the_hangups()._callbacks
+                gc.collect()
+                assert not [o for o in gc.get_objects() if type(o) in request_parts]
+                assert funduq.lanes[run_id].status == "queued"  # the run goes on
+            finally:  # time flows again: a provider's link closes on timers
+                mock_clock.rate = 1
+        async with attached(info, identity, room=None):
+
+            async def completed() -> bool:
+                record = await funduq.get_run(run_id)
+                return record is not None and record["status"] == "completed"
+
+            await eventually(completed, "the run completes once there is room")

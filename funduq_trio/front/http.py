@@ -40,7 +40,8 @@ LINGER_BYTES = 64 * 1024 * 1024
 DISCONNECT = {"type": "http.disconnect"}
 
 #: The ASGI extension by which the app asks to be told when the caller goes
-#: without a task waiting on `receive` (`web/sse.py` streams use it): its
+#: without a task waiting on `receive` (`web/sse.py` streams and
+#: `web/asgi_doors.py`'s blocking door waits use it): its
 #: value is a callable taking a callback, or None to stop.
 HANGUP_EXTENSION = "funduq.hangup"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -297,6 +298,7 @@ class Exchange:
         "_chunked",
         "_head",
         "_head_only",
+        "_on_gone",
         "target",
         "method",
     )
@@ -311,6 +313,8 @@ class Exchange:
         self.started = self.ended = self._body_done = False
         self._chunked = False  # the answer's body goes out in chunks (h11's choice)
         self.sent_bytes = 0
+        #: The app's hang-up callback while the server watches for it.
+        self._on_gone: Callable[[], None] | None = None
 
     async def receive(self) -> dict[str, Any]:
         conn = self.conn
@@ -346,11 +350,22 @@ class Exchange:
         conn = self.conn
         assert conn.hangups is not None
         if callback is None:
+            self._on_gone = None
             conn.hangups.unwatch(conn.sock)
         elif conn.gone:
             callback()
         else:
-            conn.hangups.watch(conn.sock, callback)
+            self._on_gone = callback
+            conn.hangups.watch(conn.sock, self._hung_up)
+
+    def _hung_up(self) -> None:
+        """The caller went: the connection is marked gone first, as `receive`
+        marks it on the caller's end, so nothing more is written to it (an
+        app that stops without answering gets no 500 written for it)."""
+        self.conn.gone = True
+        callback, self._on_gone = self._on_gone, None
+        if callback is not None:
+            callback()
 
     async def _until_disconnect(self) -> dict[str, Any]:
         """After the body: wait until the caller goes. Bytes it sends meanwhile

@@ -134,8 +134,9 @@ def refuse_at_once(sock: socket.socket, answer: bytes) -> None:
 
 class Hangups:
     """One task's watch over the connections of every response that waits
-    long (an SSE stream whose run is queued): when a caller goes, its
-    callback runs (`web/sse.py` then ends the stream's wait).
+    long (an SSE stream whose run is queued, a blocking SendMessage): when a
+    caller goes, its callback runs (`web/sse.py` then ends the stream's
+    wait, `web/asgi_doors.py` the door's).
 
     A task per watched connection, waiting on its socket, is a task, a
     nursery, trio's wait and a deadline per waiting stream (~5 KiB,

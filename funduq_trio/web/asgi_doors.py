@@ -22,7 +22,10 @@ A caller that disconnects before its answer stops the door's wait, as
 quart's cancelling its handler did: a blocking SendMessage whose caller has
 gone stops waiting for its run (the run itself goes on), so a caller that
 connects, asks and leaves holds nothing here once it left; a stream notices
-the disconnect itself and ends. The AG-UI door never waits for a run (its
+the disconnect itself and ends. On a server that says when the caller goes
+(the `funduq.hangup` extension: funduq's own front, on Linux) the wait runs
+in a cancel scope that the hang-up cancels; elsewhere (hypercorn) a watcher
+task beside it reads `receive` for the disconnect. The AG-UI door never waits for a run (its
 answer is a stream, or a thread's snapshot), so its POST is answered without
 that watch: a task and a nursery less a run, and a caller gone meanwhile is
 noticed by its stream as it opens.
@@ -44,7 +47,7 @@ from .a2a_door import A2ADoor, payload_too_large
 from .agui_door import run_post
 from .cors import allowed_origin, cors_headers
 from .exchange import Answer, AsgiRequest, Json, Streamed, error_answer
-from .sse import SSE_CONTENT_TYPE, SSE_HEADERS, Receive, Send, SseStream
+from .sse import HANGUP_EXTENSION, SSE_CONTENT_TYPE, SSE_HEADERS, Receive, Send, SseStream
 
 log = logging.getLogger("funduq_trio.web")
 
@@ -95,12 +98,39 @@ async def read_body(scope: Any, receive: Receive, limit: int, timeout: float | N
     raise RequestTimeout
 
 
+async def _until_hung_up(
+    on_hangup: Callable[[Callable[[], None] | None], None],
+    door: Callable[[bytes], Awaitable[Answer]],
+    body: bytes,
+) -> Answer:
+    """`_until_gone` on a server that says when the caller goes (the
+    `HANGUP_EXTENSION`, funduq's front): the door runs in a cancel scope
+    that the hang-up cancels, on this task alone -- no watcher task, no
+    nursery. A refusal is raised as it is; `_Gone` if the caller went."""
+    scope = trio.CancelScope()
+    on_hangup(scope.cancel)
+    try:
+        with scope:
+            reply = await door(body)
+    except Exception:
+        if not scope.cancel_called:
+            raise
+        # The door failed on its way out of the cancelled wait: the caller
+        # has gone, which is what `_until_gone` says too.
+    finally:
+        on_hangup(None)
+    if scope.cancel_called:
+        raise _Gone
+    return reply
+
+
 async def _until_gone(
     receive: Receive, door: Callable[[bytes], Awaitable[Answer]], body: bytes
 ) -> Answer:
     """`door`'s answer to `body`; `_Gone` if the caller disconnects first
     (the door's wait is cancelled then). The body has all been read, so the
-    next ASGI message can only be the disconnect."""
+    next ASGI message can only be the disconnect. A task reads `receive`
+    beside the door: for servers without the hang-up extension (hypercorn)."""
     gone = False
     refusal: Exception | None = None
     reply: Answer | None = None
@@ -188,7 +218,14 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         not is let finish."""
         try:
             body = await read_body(scope, receive, limit, timeout)
-            reply = await (_until_gone(receive, door, body) if waits else door(body))
+            if not waits:
+                reply = await door(body)
+            else:
+                on_hangup = (scope.get("extensions") or {}).get(HANGUP_EXTENSION)
+                if on_hangup is not None:
+                    reply = await _until_hung_up(on_hangup, door, body)
+                else:
+                    reply = await _until_gone(receive, door, body)
             del body  # not held for as long as a stream lasts
         except _Gone:
             return None
