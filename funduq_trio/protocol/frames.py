@@ -493,7 +493,7 @@ _JSON = json.JSONDecoder(parse_constant=_no_constants)
 
 #: The decoder's C scanner: `decode` is it plus two whitespace regexes and a
 #: Python frame, a third of a report's parse.
-_SCAN = _JSON.scan_once
+_SCAN: Callable[[str, int], tuple[Any, int]] = _JSON.scan_once  # type: ignore[attr-defined]
 
 
 def parse_json(text: str | bytes) -> Any:
