@@ -390,7 +390,8 @@ def trace_report(
     lines.append(f"    while a checkpoint ran   {dist(during)}")
     lines.append(
         f"  writes per commit          p50 {h.percentile([c[2] for c in commits], 0.5):.0f}, "
-        f"max {max((c[2] for c in commits), default=0)}"
+        f"max {max((c[2] for c in commits), default=0)}; "
+        f"{sum(c[2] for c in commits)} writes in {len(commits)} commits in all"
     )
     lines.append(f"  a write queued -> durable  {dist(trace['waits'])}   (whole server life)")
     lines.append(

@@ -179,6 +179,55 @@ def test_parse_json_is_json_loads() -> None:
             raise AssertionError(bad)
 
 
+def _loads(text: str | bytes) -> tuple[str, str]:
+    """What `json.loads` (with parse_constant) gives: its value's repr (1 and
+    1.0, -0.0 and 0.0 told apart) or the exception's type and message."""
+    try:
+        return "value", repr(json.loads(text, parse_constant=f._no_constants))
+    except (ValueError, RecursionError, TypeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+def _parse(text: str | bytes) -> tuple[str, str]:
+    try:
+        return "value", repr(f.parse_json(text))
+    except (ValueError, RecursionError, TypeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+# JSON texts on the edges of the scanner's fast road: a whole value, then
+# with whitespace, a BOM or a second value around it, cut short, with a
+# constant, or with any characters at all.
+_json_texts = st.one_of(
+    st.builds(
+        lambda value, before, after: before + json.dumps(value) + after,
+        _values,
+        st.sampled_from(["", " ", "\n", "\ufeff", "\t\r", "x", "1"]),
+        st.sampled_from(["", " ", "\n ", "}", "]", ",", "1", " 2", "\x00", "\ufeff"]),
+    ),
+    st.builds(lambda value, cut: json.dumps(value)[:cut], _values, st.integers(0, 40)),
+    st.builds(
+        lambda value, c: json.dumps(value).replace("null", c, 1),
+        _values,
+        st.sampled_from(["NaN", "Infinity", "-Infinity", "nul", "1e999", "-0", "01"]),
+    ),
+    st.text(max_size=12),
+    st.text(alphabet='{}[]":,0123456789.eE-+ truefalsn\\u\n', max_size=16),
+)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(_json_texts)
+def test_parse_json_is_json_loads_for_any_text(text: str) -> None:
+    assert _parse(text) == _loads(text)
+
+
+def test_parse_json_is_json_loads_on_deep_and_binary_input() -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in [deep, deep + " ", '{"a":' * 50_000 + "1" + "}" * 50_000, b'{"a":1}', b"\xff"]:
+        assert _parse(text) == _loads(text)
+
+
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(_frames(), min_size=1, max_size=4))
 def test_a_batch_is_read_as_the_long_road_reads_it(items: list[dict[str, Any]]) -> None:
