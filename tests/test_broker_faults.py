@@ -314,10 +314,10 @@ async def test_an_agent_that_attaches_while_its_run_is_recorded_is_offered_the_r
         p.session.detach()
         write = funduq.record.write
 
-        async def attach_then_write(fn):
+        async def attach_then_write(fn, **how):
             if p.session is not None and not p.session.live:
                 await p.attach()
-            return await write(fn)
+            return await write(fn, **how)
 
         funduq.record.write = attach_then_write
         t = await funduq.start_run(p.key, AGENT, user_input())
