@@ -1210,17 +1210,14 @@ class ServerTrace:
         send = providers.ProviderSession.send
 
         def traced_send(self: Any, offer: Any, run: Any) -> None:
-            send(self, offer, run)
-            if offer.id in self.offers:
-                trace.offers[offer.id] = [
-                    offer.lane.run_id,
-                    now(),
-                    None,
-                    None,
-                    None,
-                    time.thread_time(),
-                    waited(),
-                ]
+            # Stamped before: the link may write the offer within `send`.
+            seen = [offer.lane.run_id, now(), None, None, None, time.thread_time(), waited()]
+            trace.offers[offer.id] = seen
+            try:
+                send(self, offer, run)
+            finally:
+                if offer.id not in self.offers:
+                    del trace.offers[offer.id]
 
         providers.ProviderSession.send = traced_send  # type: ignore[method-assign]
 
@@ -1262,6 +1259,26 @@ class ServerTrace:
                     seen[2], seen[3] = t, end
 
         provider_socket.AsgiWebsocket.send = traced_ws_send  # type: ignore[method-assign]
+
+        ws_send_now = getattr(provider_socket.AsgiWebsocket, "send_now", None)
+
+        def traced_ws_send_now(self: Any, text: str) -> str:
+            # A frame written first is encoded just before, from the same step.
+            ids, trace._encoded = trace._encoded, []
+            t = now()
+            sent = ws_send_now(self, text)
+            if sent == "busy":  # the writer sends it: stamped there
+                trace._encoded = ids
+                return sent
+            end = now()
+            for offer_id in ids:
+                seen = trace.offers.get(offer_id)
+                if seen is not None:
+                    seen[2], seen[3] = t, end
+            return sent
+
+        if ws_send_now is not None:
+            provider_socket.AsgiWebsocket.send_now = traced_ws_send_now  # type: ignore[method-assign]
 
         class LongRounds(trio.abc.Instrument):
             def __init__(self) -> None:
