@@ -1116,6 +1116,9 @@ class ServerTrace:
         self.reads: list[tuple[float, float, float]] = []
         self.offers: dict[str, list[Any]] = {}
         self.rounds: list[tuple[float, float, float, int, float, str, float]] = []
+        #: Each message funduq wrote to a provider link: (when, how -- "writer",
+        #: or "now"/"now, in part" when written first -- offers in it).
+        self.link_messages: list[tuple[float, str, int]] = []
         self._encoded: list[str] = []
 
     def install(self) -> Any:
@@ -1253,6 +1256,7 @@ class ServerTrace:
             t = now()
             await ws_send(self, data)
             end = now()
+            trace.link_messages.append((t, "writer", len(ids)))
             for offer_id in ids:
                 seen = trace.offers.get(offer_id)
                 if seen is not None:
@@ -1271,6 +1275,7 @@ class ServerTrace:
                 trace._encoded = ids
                 return sent
             end = now()
+            trace.link_messages.append((t, "now" if sent == "sent" else "now, in part", len(ids)))
             for offer_id in ids:
                 seen = trace.offers.get(offer_id)
                 if seen is not None:
@@ -1348,6 +1353,7 @@ class ServerTrace:
                     "reads": self.reads,
                     "offers": self.offers,
                     "rounds": self.rounds,
+                    "link_messages": self.link_messages,
                     "heap": heap,
                 },
                 fh,
