@@ -1,9 +1,12 @@
 """`WS /ws/provider`: the thin trio shell over `protocol/link.py`.
 
 One connection is one `ProviderSocket`. Its reader loop feeds each message to
-the link's state machine and performs the actions it answers; a writer task
-drains a memory channel onto the socket, so the broker's side of the port
-(`send_offer`, `send_cancel`, `close`) only queues and never blocks. Every
+the link's state machine and performs the actions it answers. The broker's
+side of the port (`send_offer`, `send_cancel`, `close`) never blocks: on
+funduq's front a frame for an idle link is written at once with a
+non-blocking send (`_queue`), and whatever the kernel does not take goes
+through a memory channel to a writer task, which owns the socket until the
+channel is empty again. Every
 rule of the link (handshake, ids, violations, size limit) lives in the
 machine; this module only does I/O.
 
@@ -20,7 +23,7 @@ go"). Other websocket paths still reach quart (and its 404).
 from __future__ import annotations
 
 import logging
-import os
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -71,19 +74,16 @@ class _Flush:
     its rest before anything queued after it."""
 
 
-class _Wrote:
-    """In the outbox: a message written at once. What the same scheduler
-    round queues after it waits for the writer's next step, so it still
-    goes as one batch."""
+_FLUSH = _Flush()
 
-
-_FLUSH, _WROTE = _Flush(), _Wrote()
-
-#: What `_queue` does with a frame while the writer is idle: "each" writes
-#: every such frame at once; "round" writes the first at once, and the rest
-#: of that scheduler round waits for the writer (which batches them); "off"
-#: queues everything. (Measured both: bench/README.md, "Write first".)
-WRITE_FIRST = os.environ.get("FUNDUQ_WRITE_FIRST", "each")
+#: A link to a provider that takes batches, which wrote a frame first less
+#: than this long ago, queues the next one for its writer, which sends
+#: whatever queued meanwhile as one `batch`:
+#: at half load nearly every offer is still written first, at saturation the
+#: offers of a scheduler round still share a message (bench/README.md,
+#: "Write first on the provider link": one offer a message cost the SDK
+#: providers ~40% more CPU a run and the server some too).
+WRITE_FIRST_GAP_SECONDS = 0.001
 
 
 class WaitingLinks:
@@ -123,7 +123,8 @@ class ProviderSocket:
         #: The writer waits on an empty outbox and no bytes are owed: a frame
         #: may be written from the step that made it (`_queue`).
         self._writer_idle = False
-        self._write_first = WRITE_FIRST != "off" and getattr(ws, "can_send_now", False)
+        self._wrote_first_at = -math.inf
+        self._write_first = bool(getattr(ws, "can_send_now", False))
         self._session: Any = None
         self._llm: Any = None  # the KYOK side, once the link publishes offerings
         self._nursery: trio.Nursery | None = None
@@ -210,7 +211,10 @@ class ProviderSocket:
     def _queue(self, frame: Any) -> None:
         if self._close is not None:
             return
-        if self._writer_idle:
+        if self._writer_idle and (
+            not self.machine.peer_takes_batches
+            or trio.current_time() - self._wrote_first_at >= WRITE_FIRST_GAP_SECONDS
+        ):
             # Write first (as asyncio's transports do): the frame goes from
             # this step, not the writer's next one in a round full of other
             # runs' work. What the kernel does not take at once goes to the
@@ -220,12 +224,10 @@ class ProviderSocket:
                 return
             sent = self._ws.send_now(text)
             if sent == "sent":
-                if WRITE_FIRST == "each":
-                    return
-                frame = _WROTE
-            else:
-                frame = _FLUSH if sent == "owed" else text
-            self._writer_idle = False
+                self._wrote_first_at = trio.current_time()
+                return
+            frame = _FLUSH if sent == "owed" else text
+        self._writer_idle = False  # the writer has a frame: what follows goes behind it
         try:
             self._out_send.send_nowait(frame)
         except trio.WouldBlock:
@@ -345,8 +347,6 @@ class ProviderSocket:
                 if item is _FLUSH:
                     await self._ws.flush()
                     continue
-                if item is _WROTE:
-                    continue
                 out = Outgoing()
                 text = _encoded(item)
                 if text is None:
@@ -357,7 +357,7 @@ class ProviderSocket:
                         item = receive.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    if isinstance(item, (L.Close, _Flush, _Wrote)):
+                    if isinstance(item, (L.Close, _Flush)):
                         held = item
                         break
                     text = _encoded(item)
