@@ -82,7 +82,7 @@ _FLUSH = _Flush()
 #: at half load nearly every offer is still written first, at saturation the
 #: offers of a scheduler round still share a message (bench/README.md,
 #: "Write first on the provider link": one offer a message cost the SDK
-#: providers ~40% more CPU a run and the server some too).
+#: providers ~50% more CPU a run and the server some too).
 WRITE_FIRST_GAP_SECONDS = 0.001
 
 
