@@ -446,6 +446,16 @@ def trace_report(
         legs["to_provider"].append(s["offer"] - started)
         legs["provider"].append(s["answer"] - s["offer"])
         legs["to_server"].append(answered - s["answer"])
+    sent = [m for m in trace.get("link_messages", ()) if lo <= m[0] <= hi]
+    if sent:
+        offers_in = [m[2] for m in sent if m[2]]
+        by_how = {h: sum(1 for m in sent if m[1] == h) for h in ("writer", "now", "now, in part")}
+        lines.append(
+            f"  messages to providers      {len(sent)}: "
+            + ", ".join(f"{n} {h}" for h, n in by_how.items())
+            + f"; {len(offers_in)} with offers, {sum(offers_in) / max(1, len(offers_in)):.2f}"
+            " offers in each"
+        )
     lines.append(f"  offer round trip           {dist([r[0] for r in rtts])}")
     if rtts:
         n = len(rtts)

@@ -1116,6 +1116,9 @@ class ServerTrace:
         self.reads: list[tuple[float, float, float]] = []
         self.offers: dict[str, list[Any]] = {}
         self.rounds: list[tuple[float, float, float, int, float, str, float]] = []
+        #: Each message funduq wrote to a provider link: (when, how -- "writer",
+        #: or "now"/"now, in part" when written first -- offers in it).
+        self.link_messages: list[tuple[float, str, int]] = []
         self._encoded: list[str] = []
 
     def install(self) -> Any:
@@ -1210,17 +1213,14 @@ class ServerTrace:
         send = providers.ProviderSession.send
 
         def traced_send(self: Any, offer: Any, run: Any) -> None:
-            send(self, offer, run)
-            if offer.id in self.offers:
-                trace.offers[offer.id] = [
-                    offer.lane.run_id,
-                    now(),
-                    None,
-                    None,
-                    None,
-                    time.thread_time(),
-                    waited(),
-                ]
+            # Stamped before: the link may write the offer within `send`.
+            seen = [offer.lane.run_id, now(), None, None, None, time.thread_time(), waited()]
+            trace.offers[offer.id] = seen
+            try:
+                send(self, offer, run)
+            finally:
+                if offer.id not in self.offers:
+                    del trace.offers[offer.id]
 
         providers.ProviderSession.send = traced_send  # type: ignore[method-assign]
 
@@ -1256,12 +1256,34 @@ class ServerTrace:
             t = now()
             await ws_send(self, data)
             end = now()
+            trace.link_messages.append((t, "writer", len(ids)))
             for offer_id in ids:
                 seen = trace.offers.get(offer_id)
                 if seen is not None:
                     seen[2], seen[3] = t, end
 
         provider_socket.AsgiWebsocket.send = traced_ws_send  # type: ignore[method-assign]
+
+        ws_send_now = getattr(provider_socket.AsgiWebsocket, "send_now", None)
+
+        def traced_ws_send_now(self: Any, text: str) -> str:
+            # A frame written first is encoded just before, from the same step.
+            ids, trace._encoded = trace._encoded, []
+            t = now()
+            sent = ws_send_now(self, text)
+            if sent == "busy":  # the writer sends it: stamped there
+                trace._encoded = ids
+                return sent
+            end = now()
+            trace.link_messages.append((t, "now" if sent == "sent" else "now, in part", len(ids)))
+            for offer_id in ids:
+                seen = trace.offers.get(offer_id)
+                if seen is not None:
+                    seen[2], seen[3] = t, end
+            return sent
+
+        if ws_send_now is not None:
+            provider_socket.AsgiWebsocket.send_now = traced_ws_send_now  # type: ignore[method-assign]
 
         class LongRounds(trio.abc.Instrument):
             def __init__(self) -> None:
@@ -1331,6 +1353,7 @@ class ServerTrace:
                     "reads": self.reads,
                     "offers": self.offers,
                     "rounds": self.rounds,
+                    "link_messages": self.link_messages,
                     "heap": heap,
                 },
                 fh,

@@ -44,6 +44,8 @@ DISCONNECT = {"type": "http.disconnect"}
 #: `web/asgi_doors.py`'s blocking door waits use it): its
 #: value is a callable taking a callback, or None to stop.
 HANGUP_EXTENSION = "funduq.hangup"
+#: What `Connection.write_now` did with the bytes it was given.
+SENT, OWED, BUSY = "sent", "owed", "busy"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 
 
@@ -60,6 +62,7 @@ class Connection:
         "released",
         "server",
         "sock",
+        "_owed",
         "_writing",
         "_write_turns",
     )
@@ -90,6 +93,9 @@ class Connection:
         except OSError:
             self.server = None
         self._writing = False
+        #: The rest of bytes `write_now` could write only in part: the next
+        #: write sends them first, so nothing lands inside a frame.
+        self._owed = b""
         #: Writers waiting for the one in progress (made when first needed:
         #: two writers at once are rare, an SSE keepalive beside a burst).
         self._write_turns: trio.lowlevel.ParkingLot | None = None
@@ -104,7 +110,7 @@ class Connection:
         """Write `data` whole, or mark the caller gone. Writes never
         interleave; a write cut half way (cancelled) leaves the connection
         unusable, so it marks it gone too."""
-        if self.gone or not data:
+        if self.gone or not (data or self._owed):
             return
         while self._writing:
             if self._write_turns is None:
@@ -113,6 +119,8 @@ class Connection:
             if self.gone:
                 return
         self._writing = True
+        if self._owed:
+            data, self._owed = self._owed + data, b""
         done = False
         try:
             done = await sockets.write_all(self.sock, data)
@@ -122,6 +130,28 @@ class Connection:
                 self.gone = True
             if self._write_turns is not None:
                 self._write_turns.unpark()
+
+    def write_now(self, data: bytes) -> str:
+        """Write `data` from the calling step, without waiting: SENT (written
+        whole, or dropped with the caller gone), OWED (the kernel took only a
+        part: the rest goes first with the next `write`, which the caller
+        must make), BUSY (nothing taken: a write is in progress or waiting,
+        bytes are owed, or the kernel's buffer is full; use `write`)."""
+        if self.gone:
+            return SENT
+        turns = self._write_turns
+        if self._writing or self._owed or (turns is not None and len(turns)):
+            return BUSY
+        sent = sockets.send_some(self.sock, data)
+        if sent is None:
+            self.gone = True
+            return SENT
+        if sent == len(data):
+            return SENT
+        if sent == 0:
+            return BUSY
+        self._owed = data[sent:]
+        return OWED
 
     async def next_event(self) -> Any:
         """h11's next event, reading the socket as h11 needs."""

@@ -83,6 +83,17 @@ async def write_all(sock: socket.socket, data: bytes) -> bool:
     return True
 
 
+def send_some(sock: socket.socket, data: bytes) -> int | None:
+    """One non-blocking send: how many bytes of `data` the kernel took
+    (0 when its buffer is full), None if the peer is gone."""
+    try:
+        return sock.send(data)
+    except BlockingIOError:
+        return 0
+    except OSError:
+        return None
+
+
 def close(sock: socket.socket) -> None:
     """Close `sock`, waking any task still waiting on it (trio's rule)."""
     trio.lowlevel.notify_closing(sock)

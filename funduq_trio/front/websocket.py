@@ -28,10 +28,18 @@ from wsproto.events import CloseConnection, Message, Ping, TextMessage
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import generate_accept_token
 
-from .http import Connection, _date, _plain_response
+from .http import SENT, Connection, _date, _plain_response
 from .ws_frames import ClientFrames, ForWsproto, server_frame
 
 log = logging.getLogger("funduq_trio.server")
+
+#: The ASGI extension by which the app writes a message from the step that
+#: made it, without awaiting (`web/provider_socket.py`, as asyncio's
+#: transports write first): its value is `WebSocket.send_now`. When it
+#: answers "owed", the app's next `send` must follow, if only a
+#: ``{"type": FLUSH}``, which writes the owed rest.
+SEND_NOW_EXTENSION = "funduq.websocket.send_now"
+FLUSH = "funduq.websocket.flush"
 
 
 def is_upgrade(request: h11.Request) -> bool:
@@ -71,8 +79,8 @@ async def serve_websocket(conn: Connection, request: h11.Request) -> None:
     scope = conn.scope(request, "websocket")
     protocols = headers.get(b"sec-websocket-protocol", b"")
     scope["subprotocols"] = [p.strip() for p in protocols.decode("latin-1").split(",") if p.strip()]
-    scope["extensions"] = {"websocket.http.response": {}}
     socket = WebSocket(conn, headers[b"sec-websocket-key"])
+    scope["extensions"] = {"websocket.http.response": {}, SEND_NOW_EXTENSION: socket.send_now}
     try:
         await conn.app(scope, socket.receive, socket.send)
     except Exception:
@@ -201,6 +209,8 @@ class WebSocket:
                 await self.conn.write(server_frame(0x1, text.encode()))
             else:
                 await self.conn.write(server_frame(0x2, message.get("bytes") or b""))
+        elif kind == FLUSH:
+            await self.conn.write(b"")
         elif kind == "websocket.accept":
             await self._accept(message)
         elif kind == "websocket.close":
@@ -219,6 +229,19 @@ class WebSocket:
                 await self._answer_http(status, headers, b"".join(body))
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r} in websocket state {self.state}")
+
+    def send_now(self, message: dict[str, Any]) -> str:
+        """A ``websocket.send`` written at once, never awaiting: "sent",
+        "owed" (its rest goes first with the next `send`) or "busy" (nothing
+        taken: `send` it). See `Connection.write_now`."""
+        if message["type"] != "websocket.send":
+            raise RuntimeError(f"send_now takes websocket.send, not {message['type']!r}")
+        if self.state != "open" or self.ws is None:
+            return SENT  # the peer is gone or going, as in `send`
+        text = message.get("text")
+        if text is not None:
+            return self.conn.write_now(server_frame(0x1, text.encode()))
+        return self.conn.write_now(server_frame(0x2, message.get("bytes") or b""))
 
     async def _accept(self, message: dict[str, Any]) -> None:
         if self.state not in ("new", "connecting"):
@@ -264,4 +287,4 @@ class WebSocket:
             await self._close_now(1000, "")
 
 
-__all__ = ["WebSocket", "is_upgrade", "serve_websocket"]
+__all__ = ["FLUSH", "SEND_NOW_EXTENSION", "WebSocket", "is_upgrade", "serve_websocket"]

@@ -1,9 +1,12 @@
 """`WS /ws/provider`: the thin trio shell over `protocol/link.py`.
 
 One connection is one `ProviderSocket`. Its reader loop feeds each message to
-the link's state machine and performs the actions it answers; a writer task
-drains a memory channel onto the socket, so the broker's side of the port
-(`send_offer`, `send_cancel`, `close`) only queues and never blocks. Every
+the link's state machine and performs the actions it answers. The broker's
+side of the port (`send_offer`, `send_cancel`, `close`) never blocks: on
+funduq's front a frame for an idle link is written at once with a
+non-blocking send (`_queue`), and whatever the kernel does not take goes
+through a memory channel to a writer task, which owns the socket until the
+channel is empty again. Every
 rule of the link (handshake, ids, violations, size limit) lives in the
 machine; this module only does I/O.
 
@@ -20,6 +23,7 @@ go"). Other websocket paths still reach quart (and its 404).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +54,11 @@ OUTBOX_FRAMES = 10_000
 PROVIDER_LINK_PATH = "/ws/provider"
 #: How long a closing link keeps reading for the provider to go.
 CLOSE_GRACE_SECONDS = 2.0
+#: funduq's front lets a frame be written from the step that made it
+#: (front/websocket.py); elsewhere (hypercorn) every frame goes through the
+#: writer task.
+SEND_NOW_EXTENSION = "funduq.websocket.send_now"
+_FLUSH_MESSAGE = {"type": "funduq.websocket.flush"}
 _CLOSE_REASON_BYTES = 123  # RFC 6455: a close reason fits in 123 bytes
 
 
@@ -58,6 +67,23 @@ def _close_reason(reason: str) -> str:
     if len(data) <= _CLOSE_REASON_BYTES:
         return reason
     return data[: _CLOSE_REASON_BYTES - 3].decode("utf-8", "ignore") + "..."
+
+
+class _Flush:
+    """In the outbox: a message written at once in part; the writer writes
+    its rest before anything queued after it."""
+
+
+_FLUSH = _Flush()
+
+#: A link to a provider that takes batches, which wrote a frame first less
+#: than this long ago, queues the next one for its writer, which sends
+#: whatever queued meanwhile as one `batch`:
+#: at half load nearly every offer is still written first, at saturation the
+#: offers of a scheduler round still share a message (bench/README.md,
+#: "Write first on the provider link": one offer a message cost the SDK
+#: providers ~50% more CPU a run and the server some too).
+WRITE_FIRST_GAP_SECONDS = 0.001
 
 
 class WaitingLinks:
@@ -94,6 +120,11 @@ class ProviderSocket:
             max_frame_bytes=settings.max_frame_bytes,
         )
         self._out_send, self._out_receive = trio.open_memory_channel[Any](OUTBOX_FRAMES)
+        #: The writer waits on an empty outbox and no bytes are owed: a frame
+        #: may be written from the step that made it (`_queue`).
+        self._writer_idle = False
+        self._wrote_first_at = -math.inf
+        self._write_first = bool(getattr(ws, "can_send_now", False))
         self._session: Any = None
         self._llm: Any = None  # the KYOK side, once the link publishes offerings
         self._nursery: trio.Nursery | None = None
@@ -180,6 +211,23 @@ class ProviderSocket:
     def _queue(self, frame: Any) -> None:
         if self._close is not None:
             return
+        if self._writer_idle and (
+            not self.machine.peer_takes_batches
+            or trio.current_time() - self._wrote_first_at >= WRITE_FIRST_GAP_SECONDS
+        ):
+            # Write first (as asyncio's transports do): the frame goes from
+            # this step, not the writer's next one in a round full of other
+            # runs' work. What the kernel does not take at once goes to the
+            # writer, which then owns the socket until its outbox is empty.
+            text = _encoded(frame)
+            if text is None:
+                return
+            sent = self._ws.send_now(text)
+            if sent == "sent":
+                self._wrote_first_at = trio.current_time()
+                return
+            frame = _FLUSH if sent == "owed" else text
+        self._writer_idle = False  # the writer has a frame: what follows goes behind it
         try:
             self._out_send.send_nowait(frame)
         except trio.WouldBlock:
@@ -200,6 +248,7 @@ class ProviderSocket:
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             if self._nursery is not None:
                 self._nursery.cancel_scope.cancel()
+        self._writer_idle = False
         self._close = close
 
     # -- the connection's tasks -------------------------------------------------
@@ -277,16 +326,27 @@ class ProviderSocket:
         """Write queued frames in order. To a provider that takes batches,
         whatever is queued when the socket frees up goes as one `batch`: each
         websocket message costs a few scheduler rounds to send, so one frame
-        per message left offers queueing behind each other under load."""
+        per message left offers queueing behind each other under load. With
+        the outbox empty the writer is idle and `_queue` writes first."""
         nursery = self._nursery
         assert nursery is not None
+        receive = self._out_receive
         held: Any = None  # taken from the outbox, next to go
         try:
             while True:
-                item = held if held is not None else await self._out_receive.receive()
-                held = None
+                if held is not None:
+                    item, held = held, None
+                else:
+                    try:
+                        item = receive.receive_nowait()
+                    except trio.WouldBlock:
+                        self._writer_idle = self._write_first and self._close is None
+                        item = await receive.receive()
                 if isinstance(item, L.Close):
                     break
+                if item is _FLUSH:
+                    await self._ws.flush()
+                    continue
                 out = Outgoing()
                 text = _encoded(item)
                 if text is None:
@@ -294,10 +354,10 @@ class ProviderSocket:
                 out.add(text)
                 while self.machine.peer_takes_batches:
                     try:
-                        item = self._out_receive.receive_nowait()
+                        item = receive.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    if isinstance(item, L.Close):
+                    if isinstance(item, (L.Close, _Flush)):
                         held = item
                         break
                     text = _encoded(item)
@@ -312,6 +372,8 @@ class ProviderSocket:
             OSError,
         ) as exc:
             log.info("provider link write failed: %r", exc)
+        finally:
+            self._writer_idle = False
         nursery.cancel_scope.cancel()
 
     async def _reader(self, nursery: trio.Nursery) -> None:
@@ -408,6 +470,8 @@ def _encoded(frame: Any) -> str | None:
     machine and the lanes check what they send (protocol/carriable.py); this
     is the last line: one bad frame must not take the link and every run on
     it down."""
+    if type(frame) is str:  # encoded already (`_queue` found the socket busy)
+        return frame
     try:
         return encode_frame(frame)
     except ValueError:  # pydantic's serialization error (a lone surrogate) is one
@@ -426,10 +490,19 @@ class AsgiWebsocket:
     channel in between. Like quart-trio, a disconnect cancels the link's
     handler (`gone`), so `ProviderSocket.run` ends as it always has."""
 
-    def __init__(self, receive: Any, send: Any, gone: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        receive: Any,
+        send: Any,
+        gone: Callable[[], None],
+        send_now: Callable[[dict[str, Any]], str] | None = None,
+    ) -> None:
         self._receive = receive
         self._send = send
         self._gone = gone
+        self._send_now = send_now
+        #: The server offers `send_now` (funduq's front; not hypercorn).
+        self.can_send_now = send_now is not None
         #: The provider's side closed the stream (and with which code): a
         #: provider that says goodbye is not a lost connection.
         self.disconnected = False
@@ -456,6 +529,16 @@ class AsgiWebsocket:
         else:
             await self._send({"type": "websocket.send", "bytes": data})
 
+    def send_now(self, text: str) -> str:
+        """Write a text message from this step: "sent", "owed" (`flush`
+        must follow) or "busy" (nothing taken: `send` it)."""
+        assert self._send_now is not None
+        return self._send_now({"type": "websocket.send", "text": text})
+
+    async def flush(self) -> None:
+        """Write what `send_now` owes."""
+        await self._send(_FLUSH_MESSAGE)
+
     async def close(self, code: int, reason: str = "") -> None:
         await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
@@ -472,7 +555,8 @@ def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None
             await quart_asgi(scope, receive, send)
             return
         with trio.CancelScope() as handler:
-            ws = AsgiWebsocket(receive, send, handler.cancel)
+            send_now = scope.get("extensions", {}).get(SEND_NOW_EXTENSION)
+            ws = AsgiWebsocket(receive, send, handler.cancel, send_now)
             try:
                 await serve_provider_link(ws, funduq_getter(), waiting)
             except Exception:  # noqa: BLE001 - logged by ProviderSocket.run; the server closes
