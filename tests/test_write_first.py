@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -218,6 +220,23 @@ async def attach(ws: Any, funduq: Any, provider: Identity, extensions: Any) -> N
     assert ws.wire[-1]["kind"] == "ok", ws.wire
 
 
+@asynccontextmanager
+async def linked(
+    tmp_path: Any, extensions: Any
+) -> AsyncIterator[tuple[Any, Identity, ScriptedSocket, ProviderSocket]]:
+    """A broker, and a provider attached over a scripted socket with
+    `extensions`, its link running until the block ends."""
+    provider = Identity.generate()
+    async with broker(tmp_path) as funduq:
+        ws = ScriptedSocket()
+        link = ProviderSocket(ws, funduq)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link.run)
+            await attach(ws, funduq, provider, extensions)
+            yield funduq, provider, ws, link
+            nursery.cancel_scope.cancel()
+
+
 async def start(funduq: Any, provider: Identity, i: int, clock: Any = None) -> str:
     """Start a run and let its lane hand the offer to the link; with `clock`,
     past the link's write-first gap first (WRITE_FIRST_GAP_SECONDS)."""
@@ -231,158 +250,118 @@ async def start(funduq: Any, provider: Identity, i: int, clock: Any = None) -> s
 async def test_frames_written_at_once_then_queued_behind_a_stalled_write_keep_their_order(
     tmp_path, mock_clock
 ):
-    provider = Identity.generate()
-    async with broker(tmp_path) as funduq:
-        ws = ScriptedSocket()
-        link = ProviderSocket(ws, funduq)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(link.run)
-            await attach(ws, funduq, provider, ["batch"])
-            before = len(ws.wire)
-            # Idle: each offer is written from its lane's step, no writer step.
-            runs = [await start(funduq, provider, i, mock_clock) for i in (0, 1)]
-            assert ws.how[before:] == ["now", "now"]
-            # The provider stops reading: the next offer is taken in part, and
-            # the writer owns the socket; what follows queues behind it.
-            ws.reading, ws.outcome = trio.Event(), OWED
-            runs.append(await start(funduq, provider, 2, mock_clock))
-            assert ws.owed is not None and not link._writer_idle
-            ws.outcome = SENT  # room again, but the owed rest must go first
-            runs += [await start(funduq, provider, i, mock_clock) for i in (3, 4)]
-            assert ws.offers() == runs[:2]  # the lanes went on; nothing more left
-            # The reader is not held either: the provider accepts the first
-            # run and finishes it while its writes are stalled.
-            first = next(m for m in ws.wire if m["kind"] == "offer")
-            ids = {"threadId": first["run"]["threadId"], "runId": runs[0]}
-            frames: list[dict[str, Any]] = [
-                {"kind": "ok", "id": first["id"], "verdict": "accepted", "reason": None},
-                *(
-                    {"kind": "report", "runId": runs[0], "event": {"type": t, **ids}, "seq": n}
-                    for n, t in enumerate(("RUN_STARTED", "RUN_FINISHED"), 1)
-                ),
-                {"kind": "finish", "runId": runs[0]},
-            ]
-            for frame in frames:
-                await ws._in_send.send(json.dumps(frame))
-            await quiet()
-            assert (await funduq.get_run(runs[0]))["status"] == "completed"
-            # It reads again: the owed offer, then the two queued behind it as
-            # one batch, in the order their runs were started.
-            ws.reading.set()
-            await quiet()
-            assert ws.offers() == runs
-            tail = ws.wire[-2:]
-            assert tail[0]["kind"] == "offer" and tail[0]["run"]["runId"] == runs[2]
-            assert tail[1]["kind"] == "batch" and len(tail[1]["frames"]) == 2
-            assert link._writer_idle
-            # The outbox is empty again: the next one is written at once.
-            ws.reading = None
-            runs.append(await start(funduq, provider, 5, mock_clock))
-            assert ws.offers() == runs and ws.how[-1] == "now"
-            nursery.cancel_scope.cancel()
+    async with linked(tmp_path, ["batch"]) as (funduq, provider, ws, link):
+        before = len(ws.wire)
+        # Idle: each offer is written from its lane's step, no writer step.
+        runs = [await start(funduq, provider, i, mock_clock) for i in (0, 1)]
+        assert ws.how[before:] == ["now", "now"]
+        # The provider stops reading: the next offer is taken in part, and
+        # the writer owns the socket; what follows queues behind it.
+        ws.reading, ws.outcome = trio.Event(), OWED
+        runs.append(await start(funduq, provider, 2, mock_clock))
+        assert ws.owed is not None and not link._writer_idle
+        ws.outcome = SENT  # room again, but the owed rest must go first
+        runs += [await start(funduq, provider, i, mock_clock) for i in (3, 4)]
+        assert ws.offers() == runs[:2]  # the lanes went on; nothing more left
+        # The reader is not held either: the provider accepts the first
+        # run and finishes it while its writes are stalled.
+        first = next(m for m in ws.wire if m["kind"] == "offer")
+        ids = {"threadId": first["run"]["threadId"], "runId": runs[0]}
+        frames: list[dict[str, Any]] = [
+            {"kind": "ok", "id": first["id"], "verdict": "accepted", "reason": None},
+            *(
+                {"kind": "report", "runId": runs[0], "event": {"type": t, **ids}, "seq": n}
+                for n, t in enumerate(("RUN_STARTED", "RUN_FINISHED"), 1)
+            ),
+            {"kind": "finish", "runId": runs[0]},
+        ]
+        for frame in frames:
+            await ws._in_send.send(json.dumps(frame))
+        await quiet()
+        assert (await funduq.get_run(runs[0]))["status"] == "completed"
+        # It reads again: the owed offer, then the two queued behind it as
+        # one batch, in the order their runs were started.
+        ws.reading.set()
+        await quiet()
+        assert ws.offers() == runs
+        tail = ws.wire[-2:]
+        assert tail[0]["kind"] == "offer" and tail[0]["run"]["runId"] == runs[2]
+        assert tail[1]["kind"] == "batch" and len(tail[1]["frames"]) == 2
+        assert link._writer_idle
+        # The outbox is empty again: the next one is written at once.
+        ws.reading = None
+        runs.append(await start(funduq, provider, 5, mock_clock))
+        assert ws.offers() == runs and ws.how[-1] == "now"
 
 
 async def test_a_busy_socket_sends_the_frame_through_the_writer_in_its_place(tmp_path, mock_clock):
-    provider = Identity.generate()
-    async with broker(tmp_path) as funduq:
-        ws = ScriptedSocket()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ProviderSocket(ws, funduq).run)
-            await attach(ws, funduq, provider, None)
-            before = len(ws.wire)
-            ws.outcome = BUSY  # e.g. the front writing a pong
-            runs = [await start(funduq, provider, 0, mock_clock)]
-            ws.outcome = SENT
-            runs.append(await start(funduq, provider, 1, mock_clock))
-            assert ws.offers() == runs and ws.how[before:] == ["writer", "now"]
-            nursery.cancel_scope.cancel()
+    async with linked(tmp_path, None) as (funduq, provider, ws, link):
+        before = len(ws.wire)
+        ws.outcome = BUSY  # e.g. the front writing a pong
+        runs = [await start(funduq, provider, 0, mock_clock)]
+        ws.outcome = SENT
+        runs.append(await start(funduq, provider, 1, mock_clock))
+        assert ws.offers() == runs and ws.how[before:] == ["writer", "now"]
 
 
 async def test_a_frame_made_while_the_writer_holds_one_goes_behind_it(tmp_path, mock_clock):
     """The writer has been handed a frame but has not run yet (the socket is
     free): a frame made in the same step must not be written before it."""
-    provider = Identity.generate()
-    async with broker(tmp_path) as funduq:
-        ws = ScriptedSocket()
-        link = ProviderSocket(ws, funduq)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(link.run)
-            await attach(ws, funduq, provider, ["batch"])
-            before = len(ws.wire)
-            ws.outcome = BUSY
-            mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
-            link.send_cancel("run-a")  # to the writer, which is not yet back
-            ws.outcome = SENT
-            link.send_cancel("run-b")  # same step: queued behind it
-            link.send_cancel("run-c")
-            await quiet()
-            (batch,) = ws.wire[before:]
-            assert [f["runId"] for f in batch["frames"]] == ["run-a", "run-b", "run-c"]
-            mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
-            link.send_cancel("run-d")  # the outbox is empty again: at once
-            assert ws.wire[-1] == {"kind": "cancel", "runId": "run-d"} and ws.how[-1] == "now"
-            nursery.cancel_scope.cancel()
+    async with linked(tmp_path, ["batch"]) as (funduq, provider, ws, link):
+        before = len(ws.wire)
+        ws.outcome = BUSY
+        mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
+        link.send_cancel("run-a")  # to the writer, which is not yet back
+        ws.outcome = SENT
+        link.send_cancel("run-b")  # same step: queued behind it
+        link.send_cancel("run-c")
+        await quiet()
+        (batch,) = ws.wire[before:]
+        assert [f["runId"] for f in batch["frames"]] == ["run-a", "run-b", "run-c"]
+        mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
+        link.send_cancel("run-d")  # the outbox is empty again: at once
+        assert ws.wire[-1] == {"kind": "cancel", "runId": "run-d"} and ws.how[-1] == "now"
 
 
 async def test_frames_made_within_the_gap_go_to_the_writer_as_one_batch(tmp_path, mock_clock):
     """At saturation frames come faster than the gap: the first is written at
     once, those right behind it wait for the writer and share a message."""
-    provider = Identity.generate()
-    async with broker(tmp_path) as funduq:
-        ws = ScriptedSocket()
-        link = ProviderSocket(ws, funduq)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(link.run)
-            await attach(ws, funduq, provider, ["batch"])
-            before = len(ws.wire)
-            mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
-            link.send_cancel("run-a")  # at once
-            await quiet()  # other steps, no time passing
-            for run_id in ("run-b", "run-c", "run-d"):
-                link.send_cancel(run_id)  # within the gap: the writer's
-            await quiet()
-            assert ws.how[before:] == ["now", "writer"]
-            first, batch = ws.wire[before:]
-            assert first["runId"] == "run-a"
-            assert [f["runId"] for f in batch["frames"]] == ["run-b", "run-c", "run-d"]
-            mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
-            link.send_cancel("run-e")  # past the gap: at once again
-            assert ws.how[-1] == "now" and ws.wire[-1]["runId"] == "run-e"
-            nursery.cancel_scope.cancel()
+    async with linked(tmp_path, ["batch"]) as (funduq, provider, ws, link):
+        before = len(ws.wire)
+        mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
+        link.send_cancel("run-a")  # at once
+        await quiet()  # other steps, no time passing
+        for run_id in ("run-b", "run-c", "run-d"):
+            link.send_cancel(run_id)  # within the gap: the writer's
+        await quiet()
+        assert ws.how[before:] == ["now", "writer"]
+        first, batch = ws.wire[before:]
+        assert first["runId"] == "run-a"
+        assert [f["runId"] for f in batch["frames"]] == ["run-b", "run-c", "run-d"]
+        mock_clock.jump(WRITE_FIRST_GAP_SECONDS)
+        link.send_cancel("run-e")  # past the gap: at once again
+        assert ws.how[-1] == "now" and ws.wire[-1]["runId"] == "run-e"
 
 
 async def test_without_batches_every_frame_is_written_first(tmp_path, mock_clock):
     """A provider that takes no batches gains nothing from the writer: no gap."""
-    provider = Identity.generate()
-    async with broker(tmp_path) as funduq:
-        ws = ScriptedSocket()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ProviderSocket(ws, funduq).run)
-            await attach(ws, funduq, provider, None)
-            before = len(ws.wire)
-            runs = [await start(funduq, provider, i) for i in range(3)]
-            assert ws.offers() == runs and ws.how[before:] == ["now"] * 3
-            nursery.cancel_scope.cancel()
+    async with linked(tmp_path, None) as (funduq, provider, ws, link):
+        before = len(ws.wire)
+        runs = [await start(funduq, provider, i) for i in range(3)]
+        assert ws.offers() == runs and ws.how[before:] == ["now"] * 3
 
 
 async def test_a_close_waits_behind_a_stalled_write_and_goes_after_it(tmp_path, mock_clock):
-    provider = Identity.generate()
-    async with broker(tmp_path) as funduq:
-        ws = ScriptedSocket()
-        link = ProviderSocket(ws, funduq)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(link.run)
-            await attach(ws, funduq, provider, None)
-            ws.reading, ws.outcome = trio.Event(), OWED
-            run_id = await start(funduq, provider, 0, mock_clock)
-            link.close("going away")
-            await quiet()
-            assert ws.closed is None and ws.owed is not None  # behind the owed rest
-            ws.reading.set()
-            await quiet()
-            assert ws.offers() == [run_id] and ws.closed is not None
-            assert ws.closed[1] == "going away"
-            nursery.cancel_scope.cancel()
+    async with linked(tmp_path, None) as (funduq, provider, ws, link):
+        ws.reading, ws.outcome = trio.Event(), OWED
+        run_id = await start(funduq, provider, 0, mock_clock)
+        link.close("going away")
+        await quiet()
+        assert ws.closed is None and ws.owed is not None  # behind the owed rest
+        ws.reading.set()
+        await quiet()
+        assert ws.offers() == [run_id] and ws.closed is not None
+        assert ws.closed[1] == "going away"
 
 
 async def test_a_link_that_ends_while_a_write_is_stalled_ends_whole(tmp_path, mock_clock):
