@@ -151,14 +151,20 @@ _entropy = bytearray()
 
 
 def _new_id(prefix: str) -> str:
-    """``prefix_`` + 24 random hex digits. Ids are unguessable but never
-    credentials; entropy is drawn from the OS in blocks, not per id."""
+    """``prefix_`` + 24 hex digits: 8 of the clock (milliseconds, modulo
+    2**32: it comes round every ~49.7 days), then 16 random (64 bits). Ids
+    are unguessable but never credentials; entropy is drawn from the OS in
+    blocks, not per id. The clock first puts the rows a run and its thread
+    write (``runs``, ``threads``, ``events``, ``messages``, keyed by these
+    ids) on the B-trees' newest pages, which the record keeps cached, where a
+    random id put each on a random page (bench/README.md, "The record's
+    writes on a record that holds many runs")."""
     global _entropy
-    if len(_entropy) < 12:
+    if len(_entropy) < 8:
         _entropy = bytearray(secrets.token_bytes(4096))
-    chunk = _entropy[:12]
-    del _entropy[:12]
-    return f"{prefix}_{chunk.hex()}"
+    chunk = _entropy[:8]
+    del _entropy[:8]
+    return f"{prefix}_{time.time_ns() // 1_000_000 & 0xFFFFFFFF:08x}{chunk.hex()}"
 
 
 class Funduq:
