@@ -178,7 +178,7 @@ def test_step_7_replaces_the_two_listing_indexes_with_one_and_keeps_every_run(tm
         [(1, "run_a", "completed", 1.0, 2.0, 3.0), (2, "run_b", "running", 1.5, 1.6, None)],
     )
     before = conn.execute("SELECT * FROM runs ORDER BY arrival").fetchall()
-    assert schema.upgrade(conn) == [7, 8, 9]
+    assert schema.upgrade(conn) == list(range(7, schema.latest() + 1))
     indexes = {
         r[0]
         for r in conn.execute(
@@ -188,6 +188,31 @@ def test_step_7_replaces_the_two_listing_indexes_with_one_and_keeps_every_run(tm
     assert "runs_agent_listing" in indexes
     assert not indexes & {"runs_agent", "runs_agent_status_time"}
     assert conn.execute("SELECT * FROM runs ORDER BY arrival").fetchall() == before
+
+
+def test_step_10_keeps_only_bound_threads_in_the_segment_head_index(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    conn = connect(path)
+    assert schema.upgrade(conn, migrations=schema.MIGRATIONS[:9]) == list(range(1, 10))
+    conn.executemany(
+        "INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at) "
+        "VALUES (?,'k','echo',?,1.0)",
+        [("thread_a", None), ("thread_b", "head"), ("thread_c", None)],
+    )
+    assert schema.upgrade(conn) == list(range(10, schema.latest() + 1))
+    (sql,) = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name='threads_segment_head'"
+    ).fetchone()
+    assert "WHERE segment_head IS NOT NULL" in sql
+    lookup = "SELECT id FROM threads WHERE segment_head=?"
+    plan = " ".join(r[-1] for r in conn.execute("EXPLAIN QUERY PLAN " + lookup, ("head",)))
+    assert "USING INDEX threads_segment_head" in plan
+    assert conn.execute(lookup, ("head",)).fetchall() == [("thread_b",)]
+    assert conn.execute("SELECT COUNT(*) FROM threads").fetchone() == (3,)
+    # An unbound thread's row has no entry in it.
+    assert conn.execute(
+        "SELECT COUNT(*) FROM threads INDEXED BY threads_segment_head WHERE segment_head IS NOT NULL"
+    ).fetchone() == (1,)
 
 
 class _TracedStore(SqliteStore):

@@ -265,6 +265,13 @@ CREATE TABLE cluster_secret (
 );
 """,
     ),
+    _migration(
+        10,
+        """
+DROP INDEX threads_segment_head;
+CREATE INDEX threads_segment_head ON threads (segment_head) WHERE segment_head IS NOT NULL;
+""",
+    ),
 )
 
 #: The advisory lock key schema creation holds (any fixed number; "funduq").

@@ -232,7 +232,20 @@ CREATE TABLE cluster_secret (
 );
 """,
     ),
-    # Next: Migration(10, "why", "CREATE TABLE ...; ALTER TABLE ..."),
+    # Most threads are bound to no key (no actor chain: segment_head null),
+    # yet each new one added an entry to this index, on a page of its own in
+    # every commit that made a thread; only the bound ones are ever looked up
+    # (``segment_head=?``, which a partial index on IS NOT NULL serves).
+    Migration(
+        10,
+        "the index of threads bound to a key holds only the bound ones: an "
+        "unbound thread's insert no longer writes to it",
+        """
+DROP INDEX threads_segment_head;
+CREATE INDEX threads_segment_head ON threads (segment_head) WHERE segment_head IS NOT NULL;
+""",
+    ),
+    # Next: Migration(11, "why", "CREATE TABLE ...; ALTER TABLE ..."),
 )
 
 
