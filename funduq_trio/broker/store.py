@@ -547,6 +547,13 @@ _INSERT_MESSAGE = (
 _INSERT_EVENT = "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)"
 
 
+def _dumps_metadata(metadata: dict[str, Any]) -> str:
+    """``dumps(metadata)``; most runs' is empty."""
+    if not metadata and type(metadata) is dict:
+        return "{}"
+    return dumps(metadata)
+
+
 class SqlStore:
     """The group-committed writer and the domain's SQL; a store subclasses it
     with its connections (``_commit``, ``_read_sync``, ``_open_sync``,
@@ -590,6 +597,8 @@ class SqlStore:
         #: calls this in its transaction: ``(connection, run id, its last seq
         #: written or 0, whether its status changed)``. None: nobody to tell.
         self._changed: Callable[[Any, str, int, bool], None] | None = None
+        #: A guarded move's UPDATE for each shape of its changes (``_move_sql``).
+        self._move_sqls: dict[tuple[Any, ...], str] = {}
 
     async def listen(
         self,
@@ -854,7 +863,7 @@ class SqlStore:
                     row["status"],
                     row["input"],
                     row["caller_metadata"],
-                    dumps(row["metadata"]),
+                    _dumps_metadata(row["metadata"]),
                     row["created_at"],
                 ),
             )
@@ -900,55 +909,77 @@ class SqlStore:
         messages: Sequence[MessageRow] | None = None,
         lead: str | None = None,
     ) -> Callable[[Any], bool]:
-        src = tuple(statuses.sources(to))
-        sets: list[str] = ["status=?"]
-        args: list[Any] = [to]
-        if metadata is not None:
-            sets.append("metadata=?")
-            args.append(dumps(metadata))
-        if stamp is not None:
-            column, when = stamp
-            if column not in ("started_at", "completed_at"):
-                raise ValueError(f"not a stamp: {column!r}")
-            sets.append(f"{column}=?")
-            args.append(when)
-        if run_input is not None:
-            sets.append("input=?")
-            args.append(dumps(run_input))
-        if arrival is not None:
-            sets.append(f"arrival={self.ARRIVAL}")
-            if self.ARRIVAL == "?":
-                args.append(arrival)
-        if caller_metadata is not None:
-            sets.append("caller_metadata=?")
-            args.append(caller_metadata)
-        # The lease check is in the UPDATE itself (one statement, and the
-        # lease row is locked before the run's, as a takeover locks them).
         fence, fence_args = self._fenced_move()
-        sql = (
-            f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN "
-            f"({','.join('?' * len(src))}){fence}"
+        shape = (
+            to,
+            metadata is None,
+            stamp and stamp[0],
+            run_input is None,
+            arrival is None,
+            caller_metadata is None,
+            fence,
         )
+        sql = self._move_sqls.get(shape)
+        if sql is None:
+            sql = self._move_sqls[shape] = self._move_sql(shape)
+        args: list[Any] = []
+        if metadata is not None:
+            args.append(_dumps_metadata(metadata))
+        if stamp is not None:
+            args.append(stamp[1])
+        if run_input is not None:
+            args.append(dumps(run_input))
+        if arrival is not None and self.ARRIVAL == "?":
+            args.append(arrival)
+        if caller_metadata is not None:
+            args.append(caller_metadata)
+        args.append(run_id)
+        if fence_args:
+            args.extend(fence_args)
+        params = tuple(args)
         rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
         changed = self._changed
 
         def apply(conn: Any) -> bool:
             if lead is not None:
                 self._lead(conn, lead)
-            moved = bool(conn.execute(sql, (*args, run_id, *src, *fence_args)).rowcount == 1)
-            if not moved:
+            if conn.execute(sql, params).rowcount != 1:
                 self._refused(conn, run_id)
-            if moved and rows:
-                conn.executemany(_INSERT_EVENT, rows)
-            if moved and messages:
-                conn.executemany(_INSERT_MESSAGE, messages)
-            if not moved:
                 log.error("run %s: guarded write to %r refused", run_id, to)
-            elif changed is not None:
+                return False
+            if rows:
+                conn.executemany(_INSERT_EVENT, rows)
+            if messages:
+                conn.executemany(_INSERT_MESSAGE, messages)
+            if changed is not None:
                 changed(conn, run_id, rows[-1][1] if rows else 0, True)
-            return moved
+            return True
 
         return apply
+
+    def _move_sql(self, shape: tuple[Any, ...]) -> str:
+        """A guarded move's UPDATE for one shape of ``_move_write``'s changes,
+        made once and kept. The statuses are the table's own words, written
+        into the SQL: no parameters to bind for them."""
+        to, no_metadata, stamp_column, no_input, no_arrival, no_caller_metadata, fence = shape
+        src = sorted(statuses.sources(to))  # ValueError: no status
+        sets: list[str] = [f"status='{statuses.Status(to).value}'"]
+        if not no_metadata:
+            sets.append("metadata=?")
+        if stamp_column is not None:
+            if stamp_column not in ("started_at", "completed_at"):
+                raise ValueError(f"not a stamp: {stamp_column!r}")
+            sets.append(f"{stamp_column}=?")
+        if not no_input:
+            sets.append("input=?")
+        if not no_arrival:
+            sets.append(f"arrival={self.ARRIVAL}")
+        if not no_caller_metadata:
+            sets.append("caller_metadata=?")
+        # The lease check is in the UPDATE itself (one statement, and the
+        # lease row is locked before the run's, as a takeover locks them).
+        sources = ",".join(f"'{s.value}'" for s in src)
+        return f"UPDATE runs SET {', '.join(sets)} WHERE id=? AND status IN ({sources}){fence}"
 
     async def append_events(
         self,
