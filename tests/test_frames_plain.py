@@ -156,6 +156,24 @@ def test_the_machine_acts_on_a_frame_as_the_long_road_does(
     assert _state(short) == _state(long)
 
 
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(_frames(), st.booleans())
+def test_take_gives_a_bare_report_only_where_the_long_road_reports(
+    obj: dict[str, Any], ascii_only: bool
+) -> None:
+    # The provider socket's reader takes a plain report as a bare tuple
+    # (`LinkMachine.take`): it must be the long road's one Report, and
+    # anything else the long road's actions.
+    text = json.dumps(obj, ensure_ascii=ascii_only)
+    short, long = _attached(), _attached()
+    got, want = short.take(text), long._read(text)
+    if isinstance(got, tuple):
+        assert want == [L.Report(*got)]
+    else:
+        assert got == want
+    assert _state(short) == _state(long)
+
+
 def test_messages_that_do_not_parse_are_answered_alike() -> None:
     for text in ["", "{", "\ufeff{}", "NaN", '{"kind":"report","seq":Infinity}', "[]", "3", b"{}"]:
         short, long = _attached(), _attached()

@@ -382,9 +382,21 @@ class ProviderSocket:
             message = await self._ws.receive()
             if message is None:  # quart-trio hands an empty binary frame over as None
                 message = b""
+            got = machine.take(message)
+            if type(got) is tuple:
+                # A plain report, the commonest message: straight to the
+                # session (`_perform`'s own case for it, less the `Report`,
+                # its list and the type tests before it).
+                session = self._session
+                if session is not None:
+                    if not session.report(got[0], got[1]):
+                        self._not_held("reported for", got[0])
+                if self._session is not None and self._session.behind:
+                    await self._session.can_read()  # backpressure, as below
+                continue
             # In order, the waiting ones included: a batch's frames take effect
             # exactly as if they had come one by one.
-            for action in machine.receive(message):
+            for action in got:
                 session = self._session
                 if type(action) is L.Report and session is not None:
                     # The commonest action, straight to the session (`_perform`'s
