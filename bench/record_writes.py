@@ -14,7 +14,12 @@ runs and the measured ``--runs``.
     python bench/record_writes.py --prefill 100000 --runs 3000 --threads 100
     PYTHONPATH=/work/wt/base python bench/record_writes.py ...   # another tree
 
-``--prefill 0`` measures a fresh record.
+``--prefill 0`` measures a fresh record. ``--direct`` leaves the broker
+out: one task makes each run's writes on the store itself, as a lane and
+a door make them (the insert and ``offering`` in one commit; ``running``,
+then the settle with the run's events and its reply in the next), for
+``--per-commit`` runs at a time, checkpoints off -- deterministic, for
+instruction counts (callgrind at two ``--runs``, subtracted).
 """
 
 from __future__ import annotations
@@ -189,6 +194,101 @@ async def measured_run(
     return out
 
 
+async def direct_run(
+    data_dir: Path, warmup: int, runs: int, per_commit: int, deltas: int
+) -> dict[str, float]:
+    """The record alone, a run's writes in the order a door and a lane make
+    them, ``per_commit`` runs sharing each commit."""
+    from funduq_trio.broker.store import dumps
+
+    async def no_checkpoints(self: Any) -> None:
+        await trio.sleep_forever()
+
+    record.SqliteStore._run_checkpoints = no_checkpoints  # type: ignore[method-assign]
+    key = "k" * 64
+    arrival = [10**9]
+    out: dict[str, float] = {}
+    async with record.open_record(data_dir / "funduq.sqlite3") as store:
+
+        def one_run(i: int) -> tuple[Any, ...]:
+            tid, rid = funduq_module._new_id("thread"), funduq_module._new_id("run")
+            arrival[0] += 1
+            run_input = {
+                "threadId": tid,
+                "runId": rid,
+                "messages": [{"id": "u", "role": "user", "content": "hello"}],
+            }
+            row = {
+                "id": rid,
+                "thread_id": tid,
+                "provider_key": key,
+                "agent_name": "echo",
+                "status": "queued",
+                "input": dumps(run_input),
+                "caller_metadata": "{}",
+                "metadata": {},
+                "arrival": arrival[0],
+                "created_at": time.time(),
+            }
+            messages = [(tid, 0, "u", rid, dumps(run_input["messages"][0]))]
+            return rid, tid, row, (tid, key, "echo", None, time.time()), messages
+
+        async def batch(n: int) -> None:
+            made = [one_run(i) for i in range(n)]
+            pending = []
+            for rid, tid, row, thread, messages in made:
+                inserted = store.insert_run_soon(row, thread, messages)
+                pending.append(store.write_soon(store._move_write(rid, "offering")))
+                del inserted
+            await pending[-1].result()
+            for rid, *_ in made:
+                store.move_soon(rid, "running", metadata={}, stamp=("started_at", time.time()))
+            done = []
+            for rid, tid, *_ in made:
+                events = list(enumerate(inprocess.events_for(rid, tid, deltas), start=1))
+                reply = [
+                    (
+                        tid,
+                        1,
+                        "m-" + rid,
+                        rid,
+                        dumps({"id": "m-" + rid, "role": "assistant", "content": "word " * deltas}),
+                    )
+                ]
+                done.append(
+                    store.write_soon(
+                        store._move_write(
+                            rid,
+                            "completed",
+                            metadata={},
+                            events=events,
+                            stamp=("completed_at", time.time()),
+                            messages=reply,
+                        )
+                    )
+                )
+            for handle in done:
+                assert await handle.result() is True
+
+        for phase, n in (("warmup", warmup), ("measured", runs)):
+            commits0, writes0 = store.commits, store.writes
+            io0, cpu0, t0 = io_counts(), time.process_time(), time.perf_counter()
+            for _ in range(n // per_commit):
+                await batch(per_commit)
+            io1 = io_counts()
+            if phase == "measured":
+                out = {
+                    "seconds": time.perf_counter() - t0,
+                    "cpu": time.process_time() - cpu0,
+                    "commit_cpu": 0.0,
+                    "commits": store.commits - commits0,
+                    "writes": store.writes - writes0,
+                    "syscw": io1["syscw"] - io0["syscw"],
+                    "syscr": io1["syscr"] - io0["syscr"],
+                }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefill", type=int, default=100_000)
@@ -199,6 +299,8 @@ def main() -> None:
     parser.add_argument("--deltas", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--direct", action="store_true", help="the record alone (see above)")
+    parser.add_argument("--per-commit", type=int, default=1, help="--direct: runs a commit")
     args = parser.parse_args()
     tree = Path(sys.modules["funduq_trio"].__file__ or "").resolve().parent.parent
     # One prefilled record per id scheme and schema: keyed by _new_id's and
@@ -221,9 +323,14 @@ def main() -> None:
             data.mkdir()
             if args.prefill:
                 shutil.copy(seeded, data / "funduq.sqlite3")
-            res = trio.run(
-                measured_run, data, args.warmup, args.runs, args.threads, args.deltas
-            )
+            if args.direct:
+                res = trio.run(
+                    direct_run, data, args.warmup, args.runs, args.per_commit, args.deltas
+                )
+            else:
+                res = trio.run(
+                    measured_run, data, args.warmup, args.runs, args.threads, args.deltas
+                )
             n = args.runs
             print(
                 f"  round {r}: commit CPU {res['commit_cpu'] / n * 1e6:6.1f} us/run, "

@@ -251,3 +251,31 @@ async def test_a_restart_finds_a_run_offered_as_it_arrived_offering_or_queued_ne
         p = await Provider(funduq, identity=identity).attach()
         await quiet()
         assert offered_runs(p.link) == [waiting.run_id]
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 17, 40])
+async def test_events_go_in_by_statements_of_many_rows_and_come_back_whole(tmp_path, count):
+    """A burst is written as statements of up to EVENTS_A_STATEMENT rows
+    each (store._event_statements): every event comes back, in seq order,
+    as one row each, with a move's events as with an append's; and a burst
+    with a seq already recorded is refused whole, as row by row it was."""
+    from funduq_trio.broker.store import EVENTS_A_STATEMENT, dumps
+
+    assert EVENTS_A_STATEMENT == 16  # the counts above straddle it
+    events = [
+        {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": f"w{i}é\ud800"}
+        for i in range(count)
+    ]
+    async with broker(tmp_path) as funduq:
+        record = funduq.record
+        await _queued_run(funduq, "run_a")
+        assert await record.move("run_a", "offering") is True
+        await record.append_events("run_a", list(enumerate(events, start=1)))
+        more = list(enumerate(events, start=count + 1))
+        assert await record.move("run_a", "running", events=more) is True
+        rows = await record.events_after("run_a", 0, None, None)
+        assert [seq for seq, _ in rows] == list(range(1, 2 * count + 1))
+        assert [text for _, text in rows] == [dumps(e) for e in events + events]
+        with pytest.raises(Exception):  # noqa: B017 -- each store's own IntegrityError
+            await record.append_events("run_a", [(2 * count + 1, EVENT), (1, EVENT)])
+        assert len(await record.events_after("run_a", 0, None, None)) == 2 * count

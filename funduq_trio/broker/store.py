@@ -545,6 +545,38 @@ _INSERT_MESSAGE = (
     "INSERT INTO messages (thread_id, idx, message_id, run_id, message) VALUES (?,?,?,?,?)"
 )
 _INSERT_EVENT = "INSERT INTO events (run_id, seq, event) VALUES (?,?,?)"
+#: A run's events go in as one statement of up to this many rows each (not
+#: a statement run once a row): SQLite's VALUES list costs a fraction of a
+#: step a row. Bounded, so there are at most this many statements to keep.
+EVENTS_A_STATEMENT = 16
+_INSERT_EVENTS = ("",) + tuple(
+    _INSERT_EVENT + ",(?,?,?)" * (n - 1) for n in range(1, EVENTS_A_STATEMENT + 1)
+)
+
+
+def _event_statements(
+    run_id: str, events: Iterable[tuple[int, dict[str, Any]]]
+) -> tuple[list[tuple[str, tuple[Any, ...]]], int]:
+    """A run's events as the statements that insert them (each with its
+    parameters, made now, outside the commit), and the last seq (0: none)."""
+    statements: list[tuple[str, tuple[Any, ...]]] = []
+    flat: list[Any] = []
+    seq = 0
+    for seq, event in events:
+        flat += (run_id, seq, dumps(event))
+        if len(flat) == 3 * EVENTS_A_STATEMENT:
+            statements.append((_INSERT_EVENTS[EVENTS_A_STATEMENT], tuple(flat)))
+            flat = []
+    if flat:
+        statements.append((_INSERT_EVENTS[len(flat) // 3], tuple(flat)))
+    return statements, seq
+
+
+def _insert_messages(conn: Any, messages: Sequence[MessageRow]) -> None:
+    if len(messages) == 1:
+        conn.execute(_INSERT_MESSAGE, messages[0])
+    else:
+        conn.executemany(_INSERT_MESSAGE, messages)
 
 
 def _dumps_metadata(metadata: dict[str, Any]) -> str:
@@ -868,7 +900,7 @@ class SqlStore:
                 ),
             )
             if messages:
-                conn.executemany(_INSERT_MESSAGE, messages)
+                _insert_messages(conn, messages)
             return True
 
         return apply
@@ -937,7 +969,7 @@ class SqlStore:
         if fence_args:
             args.extend(fence_args)
         params = tuple(args)
-        rows = [(run_id, seq, dumps(ev)) for seq, ev in events]
+        inserts, last_seq = _event_statements(run_id, events)
         changed = self._changed
 
         def apply(conn: Any) -> bool:
@@ -947,12 +979,12 @@ class SqlStore:
                 self._refused(conn, run_id)
                 log.error("run %s: guarded write to %r refused", run_id, to)
                 return False
-            if rows:
-                conn.executemany(_INSERT_EVENT, rows)
+            for insert, values in inserts:
+                conn.execute(insert, values)
             if messages:
-                conn.executemany(_INSERT_MESSAGE, messages)
+                _insert_messages(conn, messages)
             if changed is not None:
-                changed(conn, run_id, rows[-1][1] if rows else 0, True)
+                changed(conn, run_id, last_seq, True)
             return True
 
         return apply
@@ -990,20 +1022,22 @@ class SqlStore:
     ) -> Any:
         """A run's events by seq; ``after``: see ``write`` (``SKIPPED`` when
         that move did not move, and nothing written)."""
-        rows = [(run_id, seq, dumps(event)) for seq, event in events]
+        inserts, last_seq = _event_statements(run_id, events)
         changed = self._changed
         if changed is None and self.node is None:
 
             def insert(conn: Any) -> None:
-                conn.executemany(_INSERT_EVENT, rows)
+                for statement, values in inserts:
+                    conn.execute(statement, values)
 
             return await self.write(insert, after=after)
 
         def apply(conn: Any) -> None:
             self._fence(conn, run_id)
-            conn.executemany(_INSERT_EVENT, rows)
-            if rows and changed is not None:
-                changed(conn, run_id, rows[-1][1], False)
+            for statement, values in inserts:
+                conn.execute(statement, values)
+            if inserts and changed is not None:
+                changed(conn, run_id, last_seq, False)
 
         return await self.write(apply, after=after)
 
