@@ -86,6 +86,10 @@ class SqliteStore(SqlStore):
         self._idle_readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
         self._writer_conn: sqlite3.Connection | None = None
+        #: The writer connection's one cursor: every write's statements run
+        #: on it (``conn.execute`` made a cursor, registered by weak
+        #: reference with its connection, a statement).
+        self._writer_cursor: sqlite3.Cursor | None = None
 
     # -- connections -------------------------------------------------------
 
@@ -132,6 +136,7 @@ class SqliteStore(SqlStore):
         conn.execute(f"PRAGMA journal_size_limit={LOG_SIZE_LIMIT}")
         conn.execute("PRAGMA busy_timeout=0")
         self._writer_conn = conn
+        self._writer_cursor = conn.cursor()
 
     def _check_exists(self) -> None:
         """NoRecord unless the file exists and holds funduq's tables; looked
@@ -173,10 +178,10 @@ class SqliteStore(SqlStore):
         """Take the write lock without waiting; False when someone else holds
         it (another process writing the file: an operator's sqlite3 shell, a
         backup). The writer connection's busy timeout is 0 for this."""
-        conn = self._writer_conn
-        assert conn is not None
+        cursor = self._writer_cursor
+        assert cursor is not None
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            cursor.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
             if exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                 return False
@@ -197,28 +202,31 @@ class SqliteStore(SqlStore):
     def _apply(self, ops: list[_Write], *, begun: bool = False) -> None:
         """One transaction for the whole batch. Should any write fail, the
         batch is rolled back and replayed one write per transaction, so one
-        bad write never takes the others with it."""
-        conn = self._writer_conn
-        assert conn is not None
+        bad write never takes the others with it. Each write's statements run
+        on the writer's one cursor (a write is handed it as its connection:
+        ``execute``, ``executemany``, ``fetchone``, ``rowcount``), one after
+        another."""
+        conn, cursor = self._writer_conn, self._writer_cursor
+        assert conn is not None and cursor is not None
         try:
             if not begun:
-                conn.execute("BEGIN IMMEDIATE")
+                cursor.execute("BEGIN IMMEDIATE")
             for op in ops:
-                op.result = op.fn(conn)
-            conn.execute("COMMIT")
+                op.result = op.fn(cursor)
+            cursor.execute("COMMIT")
             return
         except Exception:  # noqa: BLE001 -- replayed below, one by one
             if conn.in_transaction:
-                conn.execute("ROLLBACK")
+                cursor.execute("ROLLBACK")
         for op in ops:
             try:
                 op.result = None  # not the rolled-back attempt's (see store._chained)
-                conn.execute("BEGIN IMMEDIATE")
-                op.result = op.fn(conn)
-                conn.execute("COMMIT")
+                cursor.execute("BEGIN IMMEDIATE")
+                op.result = op.fn(cursor)
+                cursor.execute("COMMIT")
             except Exception as exc:  # noqa: BLE001 -- reported to that write's caller
                 if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+                    cursor.execute("ROLLBACK")
                 op.error = exc
                 log.warning("write failed: %s", exc)
 
