@@ -236,10 +236,9 @@ async def direct_run(
         async def batch(n: int) -> None:
             made = [one_run(i) for i in range(n)]
             pending = []
-            for rid, tid, row, thread, messages in made:
-                inserted = store.insert_run_soon(row, thread, messages)
+            for rid, _tid, row, thread, messages in made:
+                store.insert_run_soon(row, thread, messages)
                 pending.append(store.write_soon(store._move_write(rid, "offering")))
-                del inserted
             await pending[-1].result()
             for rid, *_ in made:
                 store.move_soon(rid, "running", metadata={}, stamp=("started_at", time.time()))
