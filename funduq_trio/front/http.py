@@ -45,6 +45,11 @@ DISCONNECT = {"type": "http.disconnect"}
 #: `web/asgi_doors.py`'s blocking door waits use it): its
 #: value is a callable taking a callback, or None to stop.
 HANGUP_EXTENSION = "funduq.hangup"
+#: The ASGI extension by which the app writes a body chunk from the step
+#: that made it, without awaiting (`web/sse.py`'s chunks): its value is
+#: `Exchange.send_now`. When it answers "owed", the app's next `send`
+#: must follow (an empty body with more to come will do).
+SEND_NOW_EXTENSION = "funduq.http.send_now"
 #: What `Connection.write_now` did with the bytes it was given.
 SENT, OWED, BUSY = "sent", "owed", "busy"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -158,6 +163,16 @@ class Connection:
         self._owed = data[sent:]
         return OWED
 
+    def write_or_owe(self, data: bytes) -> str:
+        """`write_now`, but bytes it cannot write now are owed rather than
+        refused (BUSY never comes back): OWED, and the caller's next `write`
+        (if only of b"") writes them first, after any write in progress."""
+        state = self.write_now(data)
+        if state is BUSY:
+            self._owed += data
+            return OWED
+        return state
+
     async def next_event(self) -> Any:
         """h11's next event, reading the socket as h11 needs."""
         conn = self.h11
@@ -218,8 +233,11 @@ class Connection:
                     # app answers (an SSE stream may wait for hours), nor the scope
                     # once the app is given it (the app keeps what it needs).
                     del request
+                extensions = scope["extensions"]
+                extensions[SEND_NOW_EXTENSION] = exchange.send_now
                 if self.hangups is not None:
-                    scope["extensions"][HANGUP_EXTENSION] = exchange.on_hangup
+                    extensions[HANGUP_EXTENSION] = exchange.on_hangup
+                del extensions
                 logged = None if self.limits.access_log is None else _logged(scope)
                 began = time.monotonic()
                 answering: Any = None
@@ -540,66 +558,7 @@ class Exchange:
     async def send(self, message: dict[str, Any]) -> None:
         kind = message["type"]
         if kind == "http.response.body":
-            if not self.started or self.ended:
-                raise RuntimeError(
-                    f"{kind} {'before the start' if not self.started else 'after the end'}"
-                )
-            body = message.get("body", b"")
-            more = message.get("more_body", False)
-            if self.plain_answer:
-                if self._head is not None:
-                    head, self._head = self._head, None
-                    data = _plain_head(self.status, head, body, more)
-                    if data is None:  # not a plain answer: h11 writes it
-                        self._head = head
-                        self._to_h11()
-                        await self.send(message)
-                        return
-                    self._chunked = more or data.endswith(_CHUNKED_HEAD_END)
-                    if self._chunked:
-                        if body:
-                            data += b"%x\r\n%b\r\n" % (len(body), body)
-                        if not more:
-                            data += b"0\r\n\r\n"
-                    else:
-                        data += body
-                elif body:  # chunked: a Content-Length answer is whole in one message
-                    data = b"%x\r\n%b\r\n" % (len(body), body)
-                    if not more:
-                        data += b"0\r\n\r\n"
-                elif not more:
-                    data = b"0\r\n\r\n"
-                else:
-                    data = b""
-                if not more:
-                    self.ended = True
-                self.sent_bytes += len(data)
-                await self.conn.write(data)
-                return
-            conn = self.conn
-            machine = conn.h11
-            parts = []
-            if self._head is not None:
-                head, self._head = self._head, None
-                head.append((b"date", _date()))
-                parts.append(machine.send(h11.Response(status_code=self.status, headers=head)))
-                self._chunked = type(getattr(machine, "_writer", None)) is _ChunkedWriter
-            if body and not self._head_only:
-                if self._chunked:
-                    # A chunk is stateless for h11 (its SEND_BODY state stays): the
-                    # same bytes as h11's ChunkedWriter without its event and
-                    # state-machine round, which cost more than the rest of an
-                    # SSE burst's write. A Content-Length body goes through h11,
-                    # which counts it.
-                    parts.append(b"%x\r\n%b\r\n" % (len(body), body))
-                else:
-                    parts.append(machine.send(h11.Data(data=body)))
-            if not more:
-                parts.append(machine.send(h11.EndOfMessage()))
-                self.ended = True
-            data = b"".join(parts)  # type: ignore[arg-type]
-            self.sent_bytes += len(data)
-            await conn.write(data)
+            await self.conn.write(self._body_bytes(message))
         elif kind == "http.response.start":
             if self.started:
                 raise RuntimeError("http.response.start sent twice")
@@ -608,6 +567,76 @@ class Exchange:
             self.started = True
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r} on an HTTP request")
+
+    def send_now(self, message: dict[str, Any]) -> str:
+        """The `SEND_NOW_EXTENSION`: an ``http.response.body`` message with
+        more to come (an SSE chunk), written from the calling step without
+        awaiting: SENT (written, or dropped with the caller gone) or OWED
+        (not all taken: the app's next `send`, if only an empty body, must
+        follow and writes the rest first)."""
+        if message["type"] != "http.response.body" or not message.get("more_body", False):
+            raise RuntimeError("send_now takes an http.response.body with more_body")
+        return self.conn.write_or_owe(self._body_bytes(message))
+
+    def _body_bytes(self, message: dict[str, Any]) -> bytes:
+        """What an ``http.response.body`` message puts on the wire (the status
+        line and headers with the first)."""
+        if not self.started or self.ended:
+            raise RuntimeError(
+                f"http.response.body {'before the start' if not self.started else 'after the end'}"
+            )
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if self.plain_answer:
+            if self._head is not None:
+                data = _plain_head(self.status, self._head, body, more)
+                if data is None:  # not a plain answer: h11 writes it
+                    self._to_h11()
+                    return self._body_bytes(message)
+                self._head = None
+                self._chunked = data.endswith(_CHUNKED_HEAD_END)
+                if self._chunked:
+                    if body:
+                        data += b"%x\r\n%b\r\n" % (len(body), body)
+                    if not more:
+                        data += b"0\r\n\r\n"
+                else:
+                    data += body
+            elif body:  # chunked: a Content-Length answer is whole in one message
+                data = b"%x\r\n%b\r\n" % (len(body), body)
+                if not more:
+                    data += b"0\r\n\r\n"
+            elif not more:
+                data = b"0\r\n\r\n"
+            else:
+                data = b""
+            if not more:
+                self.ended = True
+            self.sent_bytes += len(data)
+            return data
+        machine = self.conn.h11
+        parts = []
+        if self._head is not None:
+            head, self._head = self._head, None
+            head.append((b"date", _date()))
+            parts.append(machine.send(h11.Response(status_code=self.status, headers=head)))
+            self._chunked = type(getattr(machine, "_writer", None)) is _ChunkedWriter
+        if body and not self._head_only:
+            if self._chunked:
+                # A chunk is stateless for h11 (its SEND_BODY state stays): the
+                # same bytes as h11's ChunkedWriter without its event and
+                # state-machine round, which cost more than the rest of an
+                # SSE burst's write. A Content-Length body goes through h11,
+                # which counts it.
+                parts.append(b"%x\r\n%b\r\n" % (len(body), body))
+            else:
+                parts.append(machine.send(h11.Data(data=body)))
+        if not more:
+            parts.append(machine.send(h11.EndOfMessage()))
+            self.ended = True
+        data = b"".join(parts)  # type: ignore[arg-type]
+        self.sent_bytes += len(data)
+        return data
 
     def nothing_written(self) -> bool:
         """No byte of an answer is written yet (a 500 may still be given)."""
