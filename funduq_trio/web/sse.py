@@ -109,15 +109,22 @@ class Identified:
 _LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
+#: `json.dumps(data, separators=(",", ":"), ensure_ascii=...)` with the
+#: encoder made once: `json.dumps` with any option builds a `JSONEncoder` for
+#: each call, and every event a caller is sent is one.
+_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse_frame(data: Any, event_id: int | None = None) -> bytes:
     """One SSE frame carrying `data` as compact JSON (and `event_id` as its id)."""
     try:
-        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+        text = _compact(data)
         if not text.isascii() and ("\x85" in text or "\u2028" in text or "\u2029" in text):
             text = text.translate(_LINE_BREAKERS)
         body = text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: only \u-escaped JSON can carry it
-        body = json.dumps(data, separators=(",", ":")).encode("ascii")
+        body = _compact_ascii(data).encode("ascii")
     if event_id is None:
         return b"data: " + body + b"\n\n"
     return b"id: %d\ndata: %s\n\n" % (event_id, body)
@@ -131,7 +138,7 @@ def _frame(item: Any) -> bytes:
 
 def burst_chunk(burst: list[Any]) -> bytes:
     """One burst of JSON-able items (or `Identified` ones) as one chunk of frames."""
-    return b"".join(_frame(item) for item in burst)
+    return b"".join([_frame(item) for item in burst])
 
 
 async def sse_frames(bursts: AsyncIterable[list[Any]]) -> AsyncIterator[bytes]:
