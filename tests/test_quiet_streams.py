@@ -32,6 +32,7 @@ from funduq_trio.front import http as front_http
 from funduq_trio.front.sockets import Hangups
 from funduq_trio.identity import Identity
 from funduq_trio.provider import Provider, echo
+from funduq_trio.web import sse
 from funduq_trio.web.sse import HANGUP_EXTENSION, KEEPALIVE, SseStream
 
 
@@ -253,6 +254,88 @@ async def test_without_the_extension_a_watcher_task_serves_it(autojump_clock) ->
 
 def test_the_front_and_the_app_name_the_same_extension() -> None:
     assert front_http.HANGUP_EXTENSION == HANGUP_EXTENSION
+
+
+def test_the_front_and_the_app_name_the_same_send_now() -> None:
+    assert front_http.SEND_NOW_EXTENSION == sse.SEND_NOW_EXTENSION
+    assert front_http.SENT == sse.SENT
+
+
+class NowCaller(Caller):
+    """A front that also offers `SEND_NOW_EXTENSION`: a chunk is "sent" at
+    once, or (`owe`) "owed", its rest left for the next `send`."""
+
+    def __init__(self, owe: bool = False) -> None:
+        super().__init__()
+        self.owe = owe
+        self.now: list[bytes] = []
+
+    def send_now(self, message: dict[str, Any]) -> str:
+        assert message["more_body"]
+        self.now.append(message["body"])
+        self.sent.append((trio.current_time(), message["body"], True))
+        return "owed" if self.owe else "sent"
+
+    def scope(self) -> dict[str, Any]:
+        scope = super().scope()
+        scope["extensions"][sse.SEND_NOW_EXTENSION] = self.send_now
+        return scope
+
+
+@pytest.mark.parametrize("owe", [False, True])
+async def test_chunks_written_at_once_come_as_they_did(autojump_clock, owe: bool) -> None:
+    """With send_now the stream writes the same chunks at the same times; an
+    owed chunk is followed by an empty one (the flush) before anything else."""
+    news = [trio.Event()]
+    closed = trio.Event()
+    quiet = Quiet()
+    caller = NowCaller(owe)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def news_at_40() -> None:
+            await trio.sleep_until(start + 40)
+            news[0].set()
+
+        nursery.start_soon(news_at_40)
+        await SseStream(quiet_source(quiet, news, closed), 15).serve(
+            caller.receive, caller.send, quiet, caller.scope()
+        )
+    assert closed.is_set()
+    chunks = [b'data: {"n":0}\n\n', KEEPALIVE, KEEPALIVE, b'data: {"n":1}\n\n']
+    assert caller.now == chunks
+    flushes = [b""] if owe else []
+    assert [body for _, body, _ in caller.sent] == [
+        *(part for chunk in chunks for part in [chunk, *flushes]),
+        b"",
+    ]
+    assert [t - start for t, _, _ in caller.sent][:: 2 if owe else 1][:4] == [0, 15, 30, 40]
+    assert caller.sent[-1][2] is False  # ended once
+
+
+async def test_a_hang_up_during_an_owed_write_cuts_it(autojump_clock) -> None:
+    """A chunk the kernel did not all take: its flush, blocked on a caller
+    that stopped reading, is cancelled when the caller goes."""
+    closed = trio.Event()
+    quiet = Quiet()
+    caller = NowCaller(owe=True)
+    writing = trio.Event()
+
+    async def stuck_send(message: dict[str, Any]) -> None:
+        writing.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+
+        async def leave_while_writing() -> None:
+            await writing.wait()
+            caller.hang_up()
+
+        nursery.start_soon(leave_while_writing)
+        await SseStream(quiet_source(quiet, [trio.Event()], closed), 15).serve(
+            caller.receive, stuck_send, quiet, caller.scope()
+        )
+    assert closed.is_set() and quiet.gone
 
 
 async def test_a_source_that_waits_first_sends_the_head_at_once(autojump_clock) -> None:

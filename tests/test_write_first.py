@@ -66,6 +66,32 @@ def _drain(sock: socket.socket) -> bytes:
         data += chunk
 
 
+async def test_write_or_owe_owes_what_write_now_would_refuse_and_keeps_the_order():
+    """`write_or_owe` (an SSE chunk's `Exchange.send_now`): never BUSY; what
+    the kernel does not take is owed and goes, in order, with the next write."""
+    conn, theirs = _pair()
+    big = bytes(range(256)) * 4096
+    assert conn.write_or_owe(big) == OWED  # written in part
+    assert conn.write_or_owe(b"next") == OWED  # nothing at once: owed after it
+    got = b""
+
+    async def read_all() -> None:
+        nonlocal got
+        await trio.testing.wait_all_tasks_blocked()
+        while len(got) < len(big) + len(b"next"):
+            await trio.lowlevel.wait_readable(theirs)
+            got += _drain(theirs)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_all)
+        await conn.write(b"")  # the flush
+    assert got == big + b"next"
+    assert conn.write_or_owe(b"again") == SENT
+    assert _drain(theirs) == b"again"
+    conn.sock.close()
+    theirs.close()
+
+
 async def test_write_now_writes_whole_in_part_or_not_at_all_and_keeps_the_order():
     conn, theirs = _pair()
     assert conn.write_now(b"first") == SENT

@@ -129,7 +129,13 @@ class WebSocket:
             if self.state == "open" or self.state == "closing":
                 data = await self.conn.read()
                 if data:
-                    await self._take(data)
+                    items = self._frames.feed(data)
+                    del data
+                    if len(items) == 1 and type(items[0]) is str:
+                        # One whole text message in the read (a provider's
+                        # message when the server keeps up): handed over as it is.
+                        return {"type": "websocket.receive", "text": items[0]}
+                    await self._take_items(items)
                 else:
                     assert self.ws is not None
                     self.ws.receive_data(None)  # the end, reported as 1006
@@ -147,8 +153,13 @@ class WebSocket:
 
     async def _take(self, data: bytes) -> None:
         """Parse `data`: the common frames here, the rest by wsproto, in order."""
+        await self._take_items(self._frames.feed(data))
+
+    async def _take_items(self, items: list[str | bytes | ForWsproto]) -> None:
+        """The messages of `ClientFrames.feed`'s `items` made ready, in order;
+        bytes for wsproto parsed by it."""
         ready = self._ready
-        for item in self._frames.feed(data):
+        for item in items:
             kind = type(item)
             if kind is str:
                 ready.append({"type": "websocket.receive", "text": item})

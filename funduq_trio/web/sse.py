@@ -109,15 +109,22 @@ class Identified:
 _LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
+#: `json.dumps(data, separators=(",", ":"), ensure_ascii=...)` with the
+#: encoder made once: `json.dumps` with any option builds a `JSONEncoder` for
+#: each call, and every event a caller is sent is one.
+_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_compact_ascii = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse_frame(data: Any, event_id: int | None = None) -> bytes:
     """One SSE frame carrying `data` as compact JSON (and `event_id` as its id)."""
     try:
-        text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+        text = _compact(data)
         if not text.isascii() and ("\x85" in text or "\u2028" in text or "\u2029" in text):
             text = text.translate(_LINE_BREAKERS)
         body = text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: only \u-escaped JSON can carry it
-        body = json.dumps(data, separators=(",", ":")).encode("ascii")
+        body = _compact_ascii(data).encode("ascii")
     if event_id is None:
         return b"data: " + body + b"\n\n"
     return b"id: %d\ndata: %s\n\n" % (event_id, body)
@@ -131,7 +138,7 @@ def _frame(item: Any) -> bytes:
 
 def burst_chunk(burst: list[Any]) -> bytes:
     """One burst of JSON-able items (or `Identified` ones) as one chunk of frames."""
-    return b"".join(_frame(item) for item in burst)
+    return b"".join([_frame(item) for item in burst])
 
 
 async def sse_frames(bursts: AsyncIterable[list[Any]]) -> AsyncIterator[bytes]:
@@ -263,6 +270,14 @@ HANGUP_EXTENSION = "funduq.hangup"
 STREAM_SLOT = "funduq.sse_stream"
 
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
+#: What writes the rest of a chunk `send_now` owed (an empty chunk writes nothing).
+_FLUSH = {"type": "http.response.body", "body": b"", "more_body": True}
+
+#: The ASGI extension by which funduq's front writes a body chunk without
+#: awaiting (`front/http.py` `Exchange.send_now`): "sent", or "owed" (the
+#: rest goes first with the next `send`, which must follow).
+SEND_NOW_EXTENSION = "funduq.http.send_now"
+SENT = "sent"
 
 Send = Callable[[Any], Awaitable[None]]
 Receive = Callable[[], Awaitable[Any]]
@@ -317,9 +332,10 @@ class SseStream:
         (`_serve_quiet`); otherwise a watcher task reads `receive` beside it."""
         # Not a coroutine itself: one frame less for as long as the stream waits.
         if quiet is not None and scope is not None:
-            on_hangup = scope.get("extensions", {}).get(HANGUP_EXTENSION)
+            extensions = scope.get("extensions", {})
+            on_hangup = extensions.get(HANGUP_EXTENSION)
             if on_hangup is not None:
-                return self._serve_quiet(send, quiet, on_hangup)
+                return self._serve_quiet(send, quiet, on_hangup, extensions.get(SEND_NOW_EXTENSION))
         return self._serve_watched(receive, send)
 
     async def _serve_watched(self, receive: Receive, send: Send) -> None:
@@ -346,13 +362,22 @@ class SseStream:
             await send(_END)
 
     async def _serve_quiet(
-        self, send: Send, quiet: Quiet, on_hangup: Callable[[Callable[[], None] | None], None]
+        self,
+        send: Send,
+        quiet: Quiet,
+        on_hangup: Callable[[Callable[[], None] | None], None],
+        send_now: Callable[[Any], str] | None = None,
     ) -> None:
         """`serve` with no task beside the writer: the source's waits end at
         the keepalive's deadline (it yields an empty burst: the keepalive is
         written) and when the front, which watches the connection, says the
         caller has gone (`quiet.end`: the wait or the write in progress is
-        cancelled, the source closed, nothing more sent)."""
+        cancelled, the source closed, nothing more sent).
+
+        With the front's `SEND_NOW_EXTENSION` a chunk is written from this
+        step; only one the kernel does not take at once is awaited (in the
+        cancel scope the caller's going ends). The source's own waits are
+        the stream's checkpoints, as they were between two writes."""
         bursts, self.bursts = self.bursts, None  # type: ignore[assignment]
         interval = self.interval
         # The first wait that would block ends at once: the response's status
@@ -376,9 +401,12 @@ class SseStream:
                 else:
                     continue  # no keepalives (a wait ended early, by someone else)
                 del burst  # not held while the next one is awaited
-                with quiet.waiting(math.inf):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                message = {"type": "http.response.body", "body": chunk, "more_body": True}
                 del chunk
+                if send_now is None or send_now(message) != SENT:
+                    with quiet.waiting(math.inf):
+                        await send(message if send_now is None else _FLUSH)
+                del message
                 head_sent = True
                 if quiet.gone:
                     break
