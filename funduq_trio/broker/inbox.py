@@ -143,6 +143,20 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
         self._head = head
         return value
 
+    def waiting(self) -> bool:
+        """A message waits to be read (``receive`` would return at once)."""
+        return self._head < len(self._items) and not self._closed
+
+    def take_nowait(self) -> T | None:
+        """``receive_nowait`` without its exceptions, for the reader's loops:
+        None when nothing waits or the inbox is closed (messages are never
+        None)."""
+        items = self._items
+        head = self._head
+        if self._closed or head == len(items):
+            return None
+        return self.receive_nowait()
+
     async def receive(self) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         # Asked before taking, not by catching WouldBlock: an exception passing
