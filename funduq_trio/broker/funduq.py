@@ -795,14 +795,15 @@ class Funduq:
         self._lost_lead(thread_id)
 
     def _lane_ended(self, lane: Lane) -> None:
-        log.debug(
-            "run %s ended %s%s",
-            lane.run_id,
-            lane.status,
-            f" ({lane.metadata['failureReason']})"
-            if "failureReason" in (lane.metadata or {})
-            else "",
-        )
+        if log.isEnabledFor(logging.DEBUG):  # its arguments cost a run something
+            log.debug(
+                "run %s ended %s%s",
+                lane.run_id,
+                lane.status,
+                f" ({lane.metadata['failureReason']})"
+                if "failureReason" in (lane.metadata or {})
+                else "",
+            )
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
             self.waiting.release(lane.run_id)
@@ -1084,17 +1085,27 @@ class Funduq:
         insert's error is raised once the lane is gone."""
         inserted = self.record.insert_run_soon(row, new_thread, messages)
         lane = self._start_lane(row, arriving=True, inserted=inserted)
-        # Shielded: the run is laned now, so a caller gone meanwhile must not
-        # leave the door's bookkeeping undone for a run that goes on. The
-        # writer is woken by the lane (its first write, or its wait for the
-        # insert's verdict, or its end), not here: so the two share a commit.
-        with trio.CancelScope(shield=True):
+        # The run is laned now, so a caller gone meanwhile must not leave the
+        # door's bookkeeping undone for a run that goes on: its cancel waits
+        # for the insert's verdict, as if the wait were shielded. Shielded
+        # only once cancelled: a cancel scope entered for every run was most
+        # of this wait's cost. Trio delivers a cancel again at the next
+        # checkpoint in its scope, so the one caught here reaches the caller
+        # right after the door's bookkeeping (``start_run`` has no checkpoint
+        # left once this returns). The writer is woken by the lane (its first
+        # write, or its wait for the insert's verdict, or its end), not here:
+        # so the two share a commit.
+        try:
             try:
                 await inserted.durable()
-                await inserted.result()
-            except BaseException:
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):
+                    await inserted.durable()
+            await inserted.result()  # at hand: no checkpoint
+        except BaseException:
+            with trio.CancelScope(shield=True):
                 await lane.ended()
-                raise
+            raise
 
     async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
         """The URLs of the nodes a caller's request about this thread (None: a
@@ -1321,7 +1332,11 @@ class Funduq:
                     yield recorded
                     continue
                 events = feed.events
-                index = bisect.bisect_right(events, last, key=lambda item: item[0])
+                # The feed holds consecutive seqs from first_seq on: the next
+                # to yield is at once at hand (bisected should that ever not hold).
+                index = last + 1 - feed.first_seq
+                if index < len(events) and events[index][0] != last + 1:  # pragma: no cover
+                    index = bisect.bisect_right(events, last, key=lambda item: item[0])
                 if index < len(events):
                     burst = events[index:]
                     last = burst[-1][0]
