@@ -1085,6 +1085,16 @@ class Lane:
         kind, mid = event["type"], event.get("messageId")
         if not isinstance(mid, str):
             return
+        if kind == "TEXT_MESSAGE_CONTENT":
+            # The commonest, on its own road: a delta of a message begun, with
+            # room for it (``_keep_text`` does the same, in a call more).
+            delta, known, room = event.get("delta"), self._texts.get(mid), self._text_room
+            if known is not None and type(delta) is str and room is not None:
+                if len(delta) <= room:
+                    self._text_room = room - len(delta)
+                    if delta:
+                        known[1].append(delta)
+                    return
         if kind == "TEXT_MESSAGE_START":
             role = event.get("role", "assistant")
             self._keep_text(mid, role if isinstance(role, str) else "assistant", "", restart=True)
