@@ -927,7 +927,7 @@ class Funduq:
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
-        if not forwarded:
+        if not forwarded and self.record.shared:  # (one process: always here)
             # Carried out where the thread is led, or where the agent is
             # served (docs/cluster.md, "Forwarding"); everything -- authority,
             # limits -- is checked there, once.
@@ -947,7 +947,8 @@ class Funduq:
                     thread_id,
                 )
                 return RunTicket(str(found["runId"]), str(found["threadId"]))
-        await self._writable()
+        if self.record.failing:  # (the probe's coroutine only when it may refuse)
+            await self._writable()
         _check_carriable(metadata, thread_id)
         run_input = _read_run_input(run_input)
         metadata = dict(metadata or {})
@@ -958,7 +959,11 @@ class Funduq:
             run_metadata = {"funduq": {"kyok": {"llmProvider": metadata["kyok"]["llmProvider"]}}}
         # The chain's check comes before the thread's lookup, so the answer to
         # a forged chain is the same whether or not the thread exists.
-        head = await self._presented_head(metadata, run_input, key, agent)
+        head = (
+            await self._presented_head(metadata, run_input, key, agent)
+            if metadata.get("actorChain") is not None
+            else None
+        )
         if thread_id is not None and keepable(thread_id):
             self._forget_unled(thread_id)
         info = await self._thread(thread_id) if thread_id is not None else None

@@ -34,6 +34,20 @@ EXPIRED_OFFERS_KEPT = 1024
 VERDICTS = frozenset({ACCEPTED, DECLINED, REFUSED})
 
 
+_entropy = bytearray()
+
+
+def _offer_id() -> str:
+    """``offer_`` + 16 random hex digits, the entropy drawn from the OS in
+    blocks (as ``funduq._new_id``), not a system call per offer."""
+    global _entropy
+    if len(_entropy) < 8:
+        _entropy = bytearray(secrets.token_bytes(4096))
+    chunk = _entropy[:8]
+    del _entropy[:8]
+    return "offer_" + chunk.hex()
+
+
 class ProviderLink(Protocol):
     """What the broker needs from a link (the WebSocket shell implements it).
     None of these may block: they queue a frame and return."""
@@ -164,7 +178,7 @@ class ProviderSession:
         """Spend a place for an offer about to leave. Spent at once, before
         any await, so two lanes that both saw room cannot both take it."""
         self.in_use += 1
-        return Offer("offer_" + secrets.token_hex(8), lane, self)
+        return Offer(_offer_id(), lane, self)
 
     def send(self, offer: Offer, run: dict[str, Any]) -> None:
         """Send a reserved offer. A session that has gone answers at once."""
