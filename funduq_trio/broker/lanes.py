@@ -256,7 +256,7 @@ class ThreadLanes:
                 nursery.cancel_scope.cancel()
             assert self._starting is not None
             for lane in self._starting:
-                nursery.start_soon(lane.run)
+                nursery.start_soon(lane.run, name=_LANE_TASK)
             self._starting = None
 
     def depose(self) -> None:
@@ -271,7 +271,7 @@ class ThreadLanes:
             assert self._starting is not None
             self._starting.append(lane)
         else:
-            self._nursery.start_soon(lane.run)
+            self._nursery.start_soon(lane.run, name=_LANE_TASK)
 
     def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
@@ -536,7 +536,8 @@ class Lane:
                     message.refuse()  # the run ended (or paused) first
                 elif isinstance(message, Wake):
                     self._baton = self._baton or message.baton
-            self._took_reports(self.unread_reports)  # dropped: nobody waits on them
+            if self.unread_reports or self._room is not None:
+                self._took_reports(self.unread_reports)  # dropped: nobody waits on them
             for cancel in self._cancels:
                 cancel.refuse()
             self._cancels.clear()
@@ -552,7 +553,8 @@ class Lane:
             if self._place is not None:
                 self._release_place(wake=True)  # the fault could not settle: still free it
             self.f.providers.stop_waiting(self.key, self)
-            self._pass_baton()
+            if self._baton:
+                self._pass_baton()
             if self.thread is not None:
                 self.thread.leave(self)
             self.feed.close()
@@ -626,10 +628,12 @@ class Lane:
         elif kind is Finish:
             await self._do(m.handle(_FINISH))
         elif kind is Turn:
-            await self._do(m.handle(_TURN))
+            if actions := m.handle(_TURN):  # none in any phase today: no _do to await
+                await self._do(actions)
         elif kind is Wake:
             self._baton = self._baton or message.baton  # type: ignore[union-attr]
-            await self._do(m.handle(_WAKE))
+            if actions := m.handle(_WAKE):
+                await self._do(actions)
         elif kind is Cancel:
             self._cancels.append(message)  # type: ignore[arg-type]
             await self._do(m.handle(_CANCEL))
@@ -1128,6 +1132,10 @@ class Lane:
             for mid, (role, parts) in self._texts.items()
         ]
 
+
+#: A lane's task name, as trio would make it from ``Lane.run`` -- made once,
+#: not formatted at each spawn.
+_LANE_TASK = f"{Lane.run.__module__}.{Lane.run.__qualname__}"
 
 #: Each action of the run machine and the lane's step that carries it out.
 _STEPS: dict[type[Any], Callable[[Lane, Any], Awaitable[None] | None]] = {
