@@ -193,6 +193,50 @@ async def test_a_quiet_provider_keeps_its_run(tmp_path, mock_clock):
         assert await status_of(funduq, a.run_id) == "completed"
 
 
+async def test_the_undelivered_window_is_read_when_a_message_waits_as_when_the_lane_waits(
+    tmp_path, mock_clock
+):
+    """A held run's lane arms the window's clock only when it must wait; a
+    message already waiting is taken without it. Past the window, that
+    message is not taken first: the window is counted before it, as the
+    clock's scope, entered past its deadline, counted it."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await accepted(funduq, p)
+        lane = funduq.lanes[a.run_id]
+        record, providers = funduq.record, funduq.providers
+        append, count = record.append_events, providers.count
+        gate = trio.Event()
+        published_when_counted: list[int] = []
+
+        async def held_append(*args, **kw):
+            await gate.wait()
+            return await append(*args, **kw)
+
+        async def seen_count(key, counter):
+            if counter == "undelivered":
+                published_when_counted.append(len(lane.feed.events))
+            await count(key, counter)
+
+        record.append_events, providers.count = held_append, seen_count
+        events = reply(a.run_id, a.thread_id)
+        p.stream(a.run_id, events[0], finish=False)
+        await quiet()  # the lane writes the first event: its write waits at the gate
+        p.stream(a.run_id, events[1], finish=False)  # waits in the inbox meanwhile
+        await advance(mock_clock, 1801)  # past the window: nobody's clock was armed
+        assert published_when_counted == []
+        gate.set()
+        await quiet()
+        assert published_when_counted == [1]  # counted before the waiting event was taken
+        record.append_events = append
+        p.stream(a.run_id, *events[2:])
+        assert await status_of(funduq, a.run_id) == "completed"
+        assert published_when_counted == [1]  # once
+        assert [e["type"] for e in events_of(await record_of(funduq, a.run_id))] == [
+            e["type"] for e in events
+        ]
+
+
 async def test_undelivered_counts_once_per_run_and_withdraws_at_the_allowance(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()

@@ -82,3 +82,43 @@ async def test_a_reader_that_never_catches_up_keeps_order_and_not_what_it_read()
     while received < sent:
         assert await inbox.receive() == received
         received += 1
+
+
+def test_take_nowait_and_waiting_answer_as_receive_nowait() -> None:
+    """The lane's exception-free reads (``take_nowait``, ``waiting``) say
+    what ``receive_nowait`` says, across the list's compaction."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from(["send", "take", "receive"]), st.integers(1, 90))))
+    def check(steps: list[tuple[str, int]]) -> None:
+        a: Inbox[int] = Inbox()
+        b: Inbox[int] = Inbox()
+        n = 0
+        for op, count in steps:
+            for _ in range(count):
+                if op == "send":
+                    a.send_nowait(n)
+                    b.send_nowait(n)
+                    n += 1
+                    continue
+                assert a.waiting() == (b.statistics().current_buffer_used > 0)
+                try:
+                    expected: int | None = b.receive_nowait()
+                except trio.WouldBlock:
+                    expected = None
+                got = a.take_nowait() if op == "take" else _receive_or_none(a)
+                assert got == expected
+                assert a.statistics() == b.statistics()
+        a.close()
+        assert a.take_nowait() is None and not a.waiting()
+
+    check()
+
+
+def _receive_or_none(inbox: Inbox[int]) -> int | None:
+    try:
+        return inbox.receive_nowait()
+    except trio.WouldBlock:
+        return None

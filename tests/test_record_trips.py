@@ -279,3 +279,58 @@ async def test_events_go_in_by_statements_of_many_rows_and_come_back_whole(tmp_p
         with pytest.raises(Exception):  # noqa: B017 -- each store's own IntegrityError
             await record.append_events("run_a", [(2 * count + 1, EVENT), (1, EVENT)])
         assert len(await record.events_after("run_a", 0, None, None)) == 2 * count
+
+
+@pytest.mark.parametrize("insert_fails", [False, True])
+async def test_a_caller_cancelled_while_its_run_is_inserted_is_answered_as_if_shielded(
+    tmp_path, mock_clock, store, insert_fails
+):
+    """The door waits for a laned run's insert shielded only once cancelled
+    (``Funduq._insert_laned``): a caller cancelled during that wait still
+    gets the door's answer -- its ticket, the run laned, offered and going
+    on; or, when the insert failed, RecordUnavailable and nothing laned --
+    and its cancel only after it, at its own next checkpoint, as a wait
+    shielded throughout gave it."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        record = funduq.record
+        insert_soon, insert_write = record.insert_run_soon, record._insert_write
+        answered: list[object] = []
+
+        def failing(row, new_thread, messages):
+            def apply(conn):
+                raise _medium_error(store)
+
+            return apply
+
+        if insert_fails:
+            record._insert_write = failing
+        with trio.CancelScope() as scope:
+
+            def cancelled_as_queued(*args, **kw):
+                handle = insert_soon(*args, **kw)
+                scope.cancel()  # the door's next checkpoint is the insert's wait
+                return handle
+
+            record.insert_run_soon = cancelled_as_queued
+            try:
+                answered.append(await funduq.start_run(p.key, AGENT, user_input()))
+            except RecordUnavailable as exc:
+                answered.append(exc)
+            await trio.lowlevel.checkpoint()  # the cancel, delivered here
+            answered.append("not cancelled")
+        record.insert_run_soon, record._insert_write = insert_soon, insert_write
+        assert scope.cancelled_caught
+        await quiet()
+        if insert_fails:
+            assert len(answered) == 1 and isinstance(answered[0], RecordUnavailable)
+            assert p.link.offers == [] and funduq.lanes == {} and funduq.threads == {}
+            assert funduq.waiting.runs == 0 and funduq.waiting.bytes == 0
+            return
+        assert len(answered) == 1 and not isinstance(answered[0], Exception)
+        ticket = answered[0]
+        assert offered_runs(p.link) == [ticket.run_id]
+        assert funduq.waiting.runs == 1  # charged until the run is taken
+        p.session.answer(last_offer_for(p.link, ticket.run_id), "accepted")
+        p.stream(ticket.run_id, *reply(ticket.run_id, ticket.thread_id))
+        assert (await funduq.wait_run(ticket.run_id))["status"] == "completed"

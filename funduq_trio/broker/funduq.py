@@ -801,14 +801,15 @@ class Funduq:
         self._lost_lead(thread_id)
 
     def _lane_ended(self, lane: Lane) -> None:
-        log.debug(
-            "run %s ended %s%s",
-            lane.run_id,
-            lane.status,
-            f" ({lane.metadata['failureReason']})"
-            if "failureReason" in (lane.metadata or {})
-            else "",
-        )
+        if log.isEnabledFor(logging.DEBUG):  # its arguments cost a run something
+            log.debug(
+                "run %s ended %s%s",
+                lane.run_id,
+                lane.status,
+                f" ({lane.metadata['failureReason']})"
+                if "failureReason" in (lane.metadata or {})
+                else "",
+            )
         if self.lanes.get(lane.run_id) is lane:
             del self.lanes[lane.run_id]
             self.waiting.release(lane.run_id)
@@ -932,7 +933,7 @@ class Funduq:
         if view is None:
             raise AgentNotFound(f"no agent {agent!r} published by provider {provider!r}")
         key = view.key
-        if not forwarded:
+        if not forwarded and self.record.shared:  # (one process: always here)
             # Carried out where the thread is led, or where the agent is
             # served (docs/cluster.md, "Forwarding"); everything -- authority,
             # limits -- is checked there, once.
@@ -952,7 +953,8 @@ class Funduq:
                     thread_id,
                 )
                 return RunTicket(str(found["runId"]), str(found["threadId"]))
-        await self._writable()
+        if self.record.failing:  # (the probe's coroutine only when it may refuse)
+            await self._writable()
         _check_carriable(metadata, thread_id)
         run_input = _read_run_input(run_input)
         metadata = dict(metadata or {})
@@ -963,7 +965,11 @@ class Funduq:
             run_metadata = {"funduq": {"kyok": {"llmProvider": metadata["kyok"]["llmProvider"]}}}
         # The chain's check comes before the thread's lookup, so the answer to
         # a forged chain is the same whether or not the thread exists.
-        head = await self._presented_head(metadata, run_input, key, agent)
+        head = (
+            await self._presented_head(metadata, run_input, key, agent)
+            if metadata.get("actorChain") is not None
+            else None
+        )
         if thread_id is not None and keepable(thread_id):
             self._forget_unled(thread_id)
         info = await self._thread(thread_id) if thread_id is not None else None
@@ -1090,17 +1096,27 @@ class Funduq:
         insert's error is raised once the lane is gone."""
         inserted = self.record.insert_run_soon(row, new_thread, messages)
         lane = self._start_lane(row, arriving=True, inserted=inserted)
-        # Shielded: the run is laned now, so a caller gone meanwhile must not
-        # leave the door's bookkeeping undone for a run that goes on. The
-        # writer is woken by the lane (its first write, or its wait for the
-        # insert's verdict, or its end), not here: so the two share a commit.
-        with trio.CancelScope(shield=True):
+        # The run is laned now, so a caller gone meanwhile must not leave the
+        # door's bookkeeping undone for a run that goes on: its cancel waits
+        # for the insert's verdict, as if the wait were shielded. Shielded
+        # only once cancelled: a cancel scope entered for every run was most
+        # of this wait's cost. Trio delivers a cancel again at the next
+        # checkpoint in its scope, so the one caught here reaches the caller
+        # right after the door's bookkeeping (``start_run`` has no checkpoint
+        # left once this returns). The writer is woken by the lane (its first
+        # write, or its wait for the insert's verdict, or its end), not here:
+        # so the two share a commit.
+        try:
             try:
                 await inserted.durable()
-                await inserted.result()
-            except BaseException:
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):
+                    await inserted.durable()
+            await inserted.result()  # at hand: no checkpoint
+        except BaseException:
+            with trio.CancelScope(shield=True):
                 await lane.ended()
-                raise
+            raise
 
     async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
         """The URLs of the nodes a caller's request about this thread (None: a
@@ -1327,7 +1343,11 @@ class Funduq:
                     yield recorded
                     continue
                 events = feed.events
-                index = bisect.bisect_right(events, last, key=lambda item: item[0])
+                # The feed holds consecutive seqs from first_seq on: the next
+                # to yield is at once at hand (bisected should that ever not hold).
+                index = last + 1 - feed.first_seq
+                if index < len(events) and events[index][0] != last + 1:  # pragma: no cover
+                    index = bisect.bisect_right(events, last, key=lambda item: item[0])
                 if index < len(events):
                     burst = events[index:]
                     last = burst[-1][0]

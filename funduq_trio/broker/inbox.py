@@ -143,6 +143,31 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
         self._head = head
         return value
 
+    def waiting(self) -> bool:
+        """A message waits to be read (``receive`` would return at once)."""
+        return self._head < len(self._items) and not self._closed
+
+    def take_nowait(self) -> T | None:
+        """``receive_nowait`` without its exceptions, for the reader's loops:
+        None when nothing waits or the inbox is closed (messages are never
+        None)."""
+        items = self._items
+        head = self._head
+        if self._closed or head == len(items):
+            return None
+        value = items[head]  # as receive_nowait, without its call
+        head += 1
+        if head == len(items):
+            items.clear()
+            head = 0
+        elif head >= COMPACT_AFTER and 2 * head >= len(items):
+            del items[:head]
+            head = 0
+        else:
+            items[head - 1] = None  # type: ignore[assignment]  # not held once read
+        self._head = head
+        return value
+
     async def receive(self) -> T:
         await trio.lowlevel.checkpoint_if_cancelled()
         # Asked before taking, not by catching WouldBlock: an exception passing

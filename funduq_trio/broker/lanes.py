@@ -88,6 +88,14 @@ RETRY_MAX_SECONDS = 8.0
 
 #: The phases a provider holds the run in (its events are read).
 _HOLDING = frozenset({Phase.HELD, Phase.STOPPING})
+# Enum members read per message, bound once (a class attribute of an enum
+# costs a lookup through its metaclass each time).
+_WAITING, _RESERVED, _SETTLED = Phase.WAITING, Phase.RESERVED, Phase.SETTLED
+_REPORT, _FINISH, _TURN, _WAKE = Input.REPORT, Input.FINISH, Input.TURN, Input.WAKE
+_CANCEL, _LINK_GONE, _MALFORMED = Input.CANCEL, Input.LINK_GONE, Input.MALFORMED
+_RUN_FINISHED, _RUN_ERROR = agui.RUN_FINISHED, agui.RUN_ERROR
+#: The events whose text the thread's history keeps (``Lane._note_text``).
+_TEXT_KINDS = frozenset({"TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_CHUNK"})
 #: A provider's answer to an offer, as the machine's input (an answer that
 #: is none of these is the lane's fault: KeyError).
 _ANSWER = {verdict.value: Input(verdict.value) for verdict in Verdict}
@@ -153,8 +161,9 @@ class Feed:
         # frames are most of a kilobyte per followed waiting run. Made by the
         # first follower to wait: a run nobody follows has none.
         self._followers: list[trio.lowlevel.Task] | None = None
-        # Made by the first to wait for the end alone (``wait_closed``).
-        self._closing: trio.Event | None = None
+        # The tasks waiting for the end alone (``wait_closed``), parked as
+        # followers are: made by the first of them.
+        self._closing: list[trio.lowlevel.Task] | None = None
 
     def _wake(self) -> None:
         followers, self._followers = self._followers, None
@@ -163,18 +172,26 @@ class Feed:
                 trio.lowlevel.reschedule(task)
 
     def publish(self, seq: int, event: dict[str, Any]) -> None:
+        self.publish_all([(seq, event)])
+
+    def publish_all(self, numbered: list[tuple[int, dict[str, Any]]]) -> None:
+        """Publish events (seq order, following those held): one wake-up of
+        the followers for the lot."""
         events = self.events
-        events.append((seq, event))
+        events += numbered
         if self.keep is not None and len(events) > self.keep:
             del events[: len(events) - self.keep]
             self.first_seq = events[0][0]
-        self._wake()
+        if self._followers:
+            self._wake()
 
     def close(self) -> None:
         self.closed = True
         self._wake()
-        if self._closing is not None:
-            self._closing.set()
+        closing, self._closing = self._closing, None
+        if closing:
+            for task in closing:
+                trio.lowlevel.reschedule(task)
 
     async def changed(self) -> None:
         """Wait for the next publish or the close (as ``Event.wait`` would:
@@ -198,9 +215,17 @@ class Feed:
         by each publish (a caller awaiting the run's end, ``Lane.ended``)."""
         if self.closed:
             return
-        if self._closing is None:
-            self._closing = trio.Event()
-        await self._closing.wait()
+        closing = self._closing
+        if closing is None:
+            closing = self._closing = []
+        task = trio.lowlevel.current_task()
+        closing.append(task)
+
+        def abort(_: RaiseCancelT) -> Abort:
+            closing.remove(task)
+            return Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 class ThreadLanes:
@@ -231,7 +256,7 @@ class ThreadLanes:
                 nursery.cancel_scope.cancel()
             assert self._starting is not None
             for lane in self._starting:
-                nursery.start_soon(lane.run)
+                nursery.start_soon(lane.run, name=_LANE_TASK)
             self._starting = None
 
     def depose(self) -> None:
@@ -246,7 +271,7 @@ class ThreadLanes:
             assert self._starting is not None
             self._starting.append(lane)
         else:
-            self._nursery.start_soon(lane.run)
+            self._nursery.start_soon(lane.run, name=_LANE_TASK)
 
     def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
@@ -305,6 +330,7 @@ class Lane:
         "_undelivered_at",
         "unread_reports",
         "_room",
+        "_inbox_reports",
         "_recorded",
         "_faulted",
     )
@@ -333,7 +359,9 @@ class Lane:
         self.metadata: dict[str, Any] = row["metadata"]
         self.next_seq: int = row["next_seq"]
         self.stamps: dict[str, float | None] = {
-            k: row.get(k) for k in ("created_at", "started_at", "completed_at")
+            "created_at": row.get("created_at"),
+            "started_at": row.get("started_at"),
+            "completed_at": row.get("completed_at"),
         }
         self.arriving = arriving
         self.feed = Feed(self.next_seq)
@@ -373,6 +401,7 @@ class Lane:
         #: Reports told and not yet taken up for recording (see ``full``).
         self.unread_reports = 0
         self._room: trio.Event | None = None
+        self._inbox_reports = host.settings.lane_inbox_reports
 
     @property
     def status(self) -> Status:
@@ -399,13 +428,23 @@ class Lane:
         if isinstance(message, Report):
             self.unread_reports += 1
 
+    def report(self, event: Any) -> bool:
+        """``tell(Report(event))``, the provider link's commonest message, on
+        its own road; True when the lane is ``full`` after it."""
+        try:
+            self._inbox.send_nowait(Report(event))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        self.unread_reports = unread = self.unread_reports + 1
+        return unread >= self._inbox_reports
+
     # -- backpressure: the inbox holds at most lane_inbox_reports reports ----------
 
     @property
     def full(self) -> bool:
         """Funduq is behind recording this run's reports: whoever reports for
         it should stop reading until ``room()`` (its link's reader does)."""
-        return self.unread_reports >= self.f.settings.lane_inbox_reports
+        return self.unread_reports >= self._inbox_reports
 
     async def room(self) -> None:
         """Wait until the run is no longer ``full`` (or its lane ended)."""
@@ -432,34 +471,36 @@ class Lane:
     def _receive_nowait(self) -> Message | None:
         if self._backlog:
             return self._backlog.pop(0)
-        try:
-            return self._inbox.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return None
+        return self._inbox.take_nowait()
 
     def _more_reports(self, first: Report) -> list[Any]:
         """The report just read plus any that queue right behind it, so one
         group commit carries a burst (a message that is not a report waits)."""
         raws = [first.event]
-        while len(raws) < REPORT_BURST and not self._backlog:
-            try:
-                message = self._inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
+        if self._backlog:
+            return raws
+        take = self._inbox.take_nowait
+        while len(raws) < REPORT_BURST:
+            message = take()
+            if message is None:
                 break
-            if isinstance(message, Report):
+            if type(message) is Report:
                 raws.append(message.event)
             else:
                 self._backlog.append(message)
+                break
         return raws
 
     def _drain(self) -> list[Message]:
-        out = list(self._backlog)
-        self._backlog.clear()
-        while True:
-            try:
-                out.append(self._inbox.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return out
+        out = self._backlog
+        if out:
+            self._backlog = []
+        else:
+            out = []
+        take = self._inbox.take_nowait
+        while (message := take()) is not None:
+            out.append(message)
+        return out
 
     # -- the task ----------------------------------------------------------------
 
@@ -495,7 +536,8 @@ class Lane:
                     message.refuse()  # the run ended (or paused) first
                 elif isinstance(message, Wake):
                     self._baton = self._baton or message.baton
-            self._took_reports(self.unread_reports)  # dropped: nobody waits on them
+            if self.unread_reports or self._room is not None:
+                self._took_reports(self.unread_reports)  # dropped: nobody waits on them
             for cancel in self._cancels:
                 cancel.refuse()
             self._cancels.clear()
@@ -511,7 +553,8 @@ class Lane:
             if self._place is not None:
                 self._release_place(wake=True)  # the fault could not settle: still free it
             self.f.providers.stop_waiting(self.key, self)
-            self._pass_baton()
+            if self._baton:
+                self._pass_baton()
             if self.thread is not None:
                 self.thread.leave(self)
             self.feed.close()
@@ -539,12 +582,29 @@ class Lane:
             # Served when the door took it, gone by the lane's first step.
             await self._do(m.handle(Input.ARRIVED_UNSERVED))
         while not m.over:
-            if m.phase is Phase.WAITING:
+            phase = m.phase
+            if phase is _WAITING:
                 message = await self._pending_wait()
                 if message is None:
                     continue
-            elif m.phase in _HOLDING:
-                message = await self._receive(self._undelivered_at)
+            elif phase in _HOLDING:
+                # ``_receive``, inline: the held run's every message comes here.
+                if self._backlog:
+                    message = self._backlog.pop(0)
+                elif self._undelivered_at == math.inf:
+                    message = await self._inbox.receive()
+                elif self._inbox.waiting():
+                    # A message waits: ``receive`` returns it at once (still a
+                    # checkpoint), so the window's clock is read, not armed --
+                    # a cancel scope per message was most of a burst's cost.
+                    if trio.current_time() < self._undelivered_at:
+                        message = await self._inbox.receive()
+                    else:
+                        message = None  # as the scope, entered past its deadline
+                else:
+                    message = None
+                    with trio.move_on_at(self._undelivered_at):
+                        message = await self._inbox.receive()
                 if message is None:
                     # Silence is not a verdict: counted against the provider,
                     # once, and the run is left alone.
@@ -557,25 +617,28 @@ class Lane:
 
     async def _on_message(self, message: Message) -> None:
         m = self.machine
-        if isinstance(message, Report):  # the commonest first
-            raws = self._more_reports(message)
+        kind = type(message)
+        if kind is Report:  # the commonest first
+            raws = self._more_reports(message)  # type: ignore[arg-type]
             self._took_reports(len(raws))
             if m.phase not in _HOLDING:
-                await self._do(m.handle(Input.REPORT))  # a run nobody holds: nothing
+                await self._do(m.handle(_REPORT))  # a run nobody holds: nothing
                 return
             await self._report(raws)
-        elif isinstance(message, Turn):
-            await self._do(m.handle(Input.TURN))
-        elif isinstance(message, Wake):
-            self._baton = self._baton or message.baton
-            await self._do(m.handle(Input.WAKE))
-        elif isinstance(message, Cancel):
-            self._cancels.append(message)
-            await self._do(m.handle(Input.CANCEL))
-        elif isinstance(message, Finish):
-            await self._do(m.handle(Input.FINISH))
-        elif isinstance(message, Gone):
-            await self._do(m.handle(Input.LINK_GONE))
+        elif kind is Finish:
+            await self._do(m.handle(_FINISH))
+        elif kind is Turn:
+            if actions := m.handle(_TURN):  # none in any phase today: no _do to await
+                await self._do(actions)
+        elif kind is Wake:
+            self._baton = self._baton or message.baton  # type: ignore[union-attr]
+            if actions := m.handle(_WAKE):
+                await self._do(actions)
+        elif kind is Cancel:
+            self._cancels.append(message)  # type: ignore[arg-type]
+            await self._do(m.handle(_CANCEL))
+        elif kind is Gone:
+            await self._do(m.handle(_LINK_GONE))
 
     async def _report(self, raws: list[Any]) -> None:
         """Validate a burst; the machine relays it (persist, then publish) or,
@@ -583,28 +646,30 @@ class Lane:
         events: list[dict[str, Any]] = []
         finished: str | None = None
         errored = False
+        read_event = agui.read_event
         for raw in raws:
             try:
-                event = agui.read_event(raw)
+                event = read_event(raw)
             except agui.MalformedEvent as exc:
                 log.info("run %s: malformed event from provider: %s", self.run_id, exc)
                 self._burst = events
                 await self._do(
                     self.machine.handle(
-                        Input.MALFORMED, reason=agui.MALFORMED, finished=finished, errored=errored
+                        _MALFORMED, reason=agui.MALFORMED, finished=finished, errored=errored
                     )
                 )
                 return
             kind = event["type"]
-            if kind == agui.RUN_FINISHED:
+            if kind in _TEXT_KINDS:
+                self._note_text(event)
+            elif kind == _RUN_FINISHED:
                 self._finished = event
                 finished = agui.outcome_of(event)
-            elif kind == agui.RUN_ERROR:
+            elif kind == _RUN_ERROR:
                 errored = True
-            self._note_text(event)
             events.append(event)
         self._burst = events
-        await self._do(self.machine.handle(Input.REPORT, finished=finished, errored=errored))
+        await self._do(self.machine.handle(_REPORT, finished=finished, errored=errored))
 
     # -- pending: waiting for a turn, a place, an answer --------------------------
 
@@ -670,7 +735,7 @@ class Lane:
         while True:
             deadline = min(max(sent, session.last_heard) + timeout, bound)
             with trio.move_on_at(deadline):
-                await offer.answered.wait()
+                await offer.wait()
                 return
             if (
                 not session.live
@@ -710,7 +775,7 @@ class Lane:
                 self._undelivered_at = (
                     trio.current_time() + self.f.settings.undelivered_window_seconds
                 )
-        elif offer.answered.is_set():  # resolved with no verdict: the link went away
+        elif offer.answered:  # resolved with no verdict: the link went away
             await self._do(m.handle(Input.LINK_GONE))
         else:
             await self._do(m.handle(Input.UNANSWERED))
@@ -822,20 +887,24 @@ class Lane:
 
     # -- writing -------------------------------------------------------------------
 
-    async def _retrying(self, write: Callable[[], Any]) -> Any:
+    async def _retrying(self, write: Callable[[], Any], failed: Exception | None = None) -> Any:
         """``await write()`` until the record takes it. Only the medium's
         troubles are retried (while they last the broker is not ready); any
-        other error is the lane's fault and propagates."""
+        other error is the lane's fault and propagates. ``failed``: the first
+        try was made already (by the caller, on its own road) and raised this."""
         pause = RETRY_SECONDS
         while True:
-            try:
-                return await write()
-            except Exception as exc:
-                if not record_trouble(exc):
-                    raise
-                log.warning(
-                    "run %s: record write failed (%s); retrying in %.1fs", self.run_id, exc, pause
-                )
+            if failed is None:
+                try:
+                    return await write()
+                except Exception as exc:  # noqa: BLE001 -- raised below unless the medium's
+                    failed = exc
+            if not record_trouble(failed):
+                raise failed
+            log.warning(
+                "run %s: record write failed (%s); retrying in %.1fs", self.run_id, failed, pause
+            )
+            failed = None
             await trio.sleep(pause)
             pause = min(pause * 2, RETRY_MAX_SECONDS)
 
@@ -904,17 +973,25 @@ class Lane:
             return
         numbered = list(enumerate(events, start=self.next_seq))
         record = self.f.record
+        run_id = self.run_id
+        if self._unconfirmed is None:
+            # The common road: nothing to chain behind, so ``_after_move``'s
+            # and ``_retrying``'s frames only for a failed first try.
+            try:
+                await record.append_events(run_id, numbered)
+            except Exception as exc:  # noqa: BLE001 -- _retrying re-raises what is not the medium's
+                await self._retrying(lambda: record.append_events(run_id, numbered), exc)
+        else:
 
-        def append(after: PendingWrite | None) -> Awaitable[Any]:
-            if after is None:
-                return record.append_events(self.run_id, numbered)
-            return record.append_events(self.run_id, numbered, after=after)
+            def append(after: PendingWrite | None) -> Awaitable[Any]:
+                if after is None:
+                    return record.append_events(run_id, numbered)
+                return record.append_events(run_id, numbered, after=after)
 
-        await self._after_move(append)
+            await self._after_move(append)
         self.next_seq += len(events)
         self.f.metrics.events_recorded += len(numbered)
-        for seq, event in numbered:
-            self.feed.publish(seq, event)
+        self.feed.publish_all(numbered)
 
     async def _move(
         self,
@@ -953,7 +1030,15 @@ class Lane:
                     changes["after"] = after
                 return record.move(self.run_id, to, **changes)
 
-            if not await self._after_move(move):
+            if self._unconfirmed is None:
+                # As in ``_append``: the common road without the chain's frames.
+                try:
+                    moved = await move(None)
+                except Exception as exc:  # noqa: BLE001 -- _retrying re-raises what is not the medium's
+                    moved = await self._retrying(lambda: move(None), exc)
+            else:
+                moved = await self._after_move(move)
+            if not moved:
                 raise MoveRefused(f"run {self.run_id}: the record refused the move to {to}")
             self._carried = []
             self.next_seq += len(numbered)
@@ -963,8 +1048,8 @@ class Lane:
         self.f.metrics.events_recorded += len(numbered)
         if to in _ENDS:
             self.f.metrics.run_ended(to)
-        for seq, event in numbered:
-            self.feed.publish(seq, event)
+        if numbered:
+            self.feed.publish_all(numbered)
 
     def snapshot(self) -> dict[str, Any] | None:
         """The run's record as the lane knows it, when the lane saw all of its
@@ -1004,6 +1089,16 @@ class Lane:
         kind, mid = event["type"], event.get("messageId")
         if not isinstance(mid, str):
             return
+        if kind == "TEXT_MESSAGE_CONTENT":
+            # The commonest, on its own road: a delta of a message begun, with
+            # room for it (``_keep_text`` does the same, in a call more).
+            delta, known, room = event.get("delta"), self._texts.get(mid), self._text_room
+            if known is not None and type(delta) is str and room is not None:
+                if len(delta) <= room:
+                    self._text_room = room - len(delta)
+                    if delta:
+                        known[1].append(delta)
+                    return
         if kind == "TEXT_MESSAGE_START":
             role = event.get("role", "assistant")
             self._keep_text(mid, role if isinstance(role, str) else "assistant", "", restart=True)
@@ -1037,6 +1132,10 @@ class Lane:
             for mid, (role, parts) in self._texts.items()
         ]
 
+
+#: A lane's task name, as trio would make it from ``Lane.run`` -- made once,
+#: not formatted at each spawn.
+_LANE_TASK = f"{Lane.run.__module__}.{Lane.run.__qualname__}"
 
 #: Each action of the run machine and the lane's step that carries it out.
 _STEPS: dict[type[Any], Callable[[Lane, Any], Awaitable[None] | None]] = {

@@ -13,14 +13,15 @@ import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
+from trio.lowlevel import Abort, RaiseCancelT
 
 from ..identity import fingerprint_of
 from .errors import TooManyAgents
-from .inbox import Finish, Gone, Message, Report, Wake
+from .inbox import Finish, Gone, Message, Wake
 from .metrics import Metrics
 from .run_machine import Verdict
 from .store import COUNTERS, Store, dumps
@@ -31,6 +32,20 @@ ACCEPTED, DECLINED, REFUSED = Verdict.ACCEPTED, Verdict.DECLINED, Verdict.REFUSE
 #: How many expired offers a session remembers, to answer a late acceptance.
 EXPIRED_OFFERS_KEPT = 1024
 VERDICTS = frozenset({ACCEPTED, DECLINED, REFUSED})
+
+
+_entropy = bytearray()
+
+
+def _offer_id() -> str:
+    """``offer_`` + 16 random hex digits, the entropy drawn from the OS in
+    blocks (as ``funduq._new_id``), not a system call per offer."""
+    global _entropy
+    if len(_entropy) < 8:
+        _entropy = bytearray(secrets.token_bytes(4096))
+    chunk = _entropy[:8]
+    del _entropy[:8]
+    return "offer_" + chunk.hex()
 
 
 class ProviderLink(Protocol):
@@ -50,28 +65,58 @@ class Lane(Protocol):
 
     def tell(self, message: Message) -> None: ...
 
+    def report(self, event: Any) -> bool:
+        """Tell a ``Report`` of ``event``; True when the lane is ``full`` then."""
+        ...
+
     @property
     def full(self) -> bool: ...
 
     async def room(self) -> None: ...
 
 
-@dataclass(eq=False)
 class Offer:
-    """One offer in flight: the answer slot its lane awaits."""
+    """One offer in flight: the answer slot its lane awaits.
 
-    id: str
-    lane: Lane
-    session: ProviderSession
-    verdict: str | None = None
-    reason: str | None = None
-    answered: trio.Event = field(default_factory=trio.Event)
-    sent_at: float = 0.0  # trio clock: when it was handed to the link
+    The slot is the offer itself, not a ``trio.Event``: an event and its
+    parking lot were made per offer for the one task (the lane) that ever
+    waits on it. ``wait`` behaves as ``Event.wait`` (a checkpoint, at once
+    when answered; cancellable while it waits)."""
+
+    __slots__ = ("id", "lane", "session", "verdict", "reason", "answered", "sent_at", "_waiter")
+
+    def __init__(self, id: str, lane: Lane, session: ProviderSession) -> None:  # noqa: A002
+        self.id = id
+        self.lane = lane
+        self.session = session
+        self.verdict: str | None = None
+        self.reason: str | None = None
+        #: Resolved: answered, or the link went away (``verdict`` None).
+        self.answered = False
+        self.sent_at = 0.0  # trio clock: when it was handed to the link
+        self._waiter: trio.lowlevel.Task | None = None
 
     def resolve(self, verdict: str | None, reason: str | None = None) -> None:
-        if not self.answered.is_set():
+        if not self.answered:
             self.verdict, self.reason = verdict, reason
-            self.answered.set()
+            self.answered = True
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None:
+                trio.lowlevel.reschedule(waiter)
+
+    async def wait(self) -> None:
+        """Until resolved (one waiter: the offer's lane)."""
+        if self.answered:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._waiter is not None:
+            raise trio.BusyResourceError("an offer has one waiter: its lane")
+        self._waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: RaiseCancelT) -> Abort:
+        self._waiter = None
+        return Abort.SUCCEEDED
 
 
 @dataclass(frozen=True)
@@ -116,8 +161,11 @@ class ProviderSession:
         #: asked to stop once that offer is answered other than accepted, or
         #: withdrawn (see ``answer``). At most one per offer out.
         self.stale_takes: set[str] = set()
+        # trio.current_time without its two calls through the runner: the
+        # link's every frame reads it.
+        self._now = trio.lowlevel.current_clock().current_time
         #: When the link last delivered anything (trio clock): see Lane._offer.
-        self.last_heard = trio.current_time()
+        self.last_heard = self._now()
         #: Lanes this link reported to that are behind (see ``can_read``).
         self.behind: dict[int, Lane] = {}
 
@@ -130,7 +178,7 @@ class ProviderSession:
         """Spend a place for an offer about to leave. Spent at once, before
         any await, so two lanes that both saw room cannot both take it."""
         self.in_use += 1
-        return Offer("offer_" + secrets.token_hex(8), lane, self)
+        return Offer(_offer_id(), lane, self)
 
     def send(self, offer: Offer, run: dict[str, Any]) -> None:
         """Send a reserved offer. A session that has gone answers at once."""
@@ -138,13 +186,13 @@ class ProviderSession:
             offer.resolve(None)
             return
         self.offers[offer.id] = offer
-        offer.sent_at = trio.current_time()
+        offer.sent_at = self._now()
         self.link.send_offer(offer.id, run)
 
     def withdraw(self, offer: Offer) -> None:
         """The lane stopped waiting: a later answer to this offer is ignored
         (an acceptance is asked to stop -- see ``answer``)."""
-        if self.offers.pop(offer.id, None) is not None and not offer.answered.is_set():
+        if self.offers.pop(offer.id, None) is not None and not offer.answered:
             self.expired[offer.id] = offer.lane.run_id
             self._stop_stale_take(offer.lane.run_id)
             if len(self.expired) > EXPIRED_OFFERS_KEPT:
@@ -189,7 +237,7 @@ class ProviderSession:
         self.registry.served_changed(self.key, dropped)
 
     def answer(self, offer_id: str, verdict: str, reason: str | None = None) -> None:
-        self.last_heard = trio.current_time()
+        self.last_heard = self._now()
         offer = self.offers.pop(offer_id, None)
         if offer is None:
             log.info(
@@ -235,12 +283,11 @@ class ProviderSession:
         return any(offer.lane.run_id == run_id for offer in self.offers.values())
 
     def report(self, run_id: str, event: Any) -> bool:
-        self.last_heard = trio.current_time()
+        self.last_heard = self._now()
         lane = self.held.get(run_id)
         if lane is None:
             return False
-        lane.tell(Report(event))
-        if lane.full:
+        if lane.report(event):
             self.behind[id(lane)] = lane
         return True
 
@@ -257,10 +304,10 @@ class ProviderSession:
                 waited = True
                 await lane.room()
         if waited:
-            self.last_heard = trio.current_time()
+            self.last_heard = self._now()
 
     def finish(self, run_id: str) -> bool:
-        self.last_heard = trio.current_time()
+        self.last_heard = self._now()
         lane = self.held.get(run_id)
         if lane is None:
             return False

@@ -430,6 +430,13 @@ FUNNEL: Final[tuple[tuple[str | None, bool | None, Phase, Action], ...]] = (
 )
 
 
+#: ``TABLE`` by phase, then input: what ``handle`` looks rows up in (derived
+#: from the table, never edited: the table above is the one that says).
+_ROWS: Final[dict[Phase, dict[Input, Row]]] = {phase: {} for phase in Phase}
+for (_phase, _input), _row in TABLE.items():
+    _ROWS[_phase][_input] = _row
+del _phase, _input, _row
+
 # Enum members read per input, bound once (a class attribute costs a lookup
 # through the enum's metaclass each time).
 _WAITING, _OFFERED, _PAUSED, _SETTLED = Phase.WAITING, Phase.OFFERED, Phase.PAUSED, Phase.SETTLED
@@ -484,7 +491,7 @@ class RunMachine:
         """Apply one input. ``reason``: a refusal's or a malformed event's;
         ``finished`` / ``errored``: what a relayed burst carried (a
         RUN_FINISHED's outcome, a RUN_ERROR)."""
-        row = TABLE.get((self.phase, what))
+        row = _ROWS[self.phase].get(what)
         if row is None:
             raise RunProtocolError(
                 f"{what.value!r} cannot happen to a run in phase {self.phase.value!r}"
