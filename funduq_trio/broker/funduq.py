@@ -1096,27 +1096,20 @@ class Funduq:
         insert's error is raised once the lane is gone."""
         inserted = self.record.insert_run_soon(row, new_thread, messages)
         lane = self._start_lane(row, arriving=True, inserted=inserted)
-        # The run is laned now, so a caller gone meanwhile must not leave the
-        # door's bookkeeping undone for a run that goes on: its cancel waits
-        # for the insert's verdict, as if the wait were shielded. Shielded
-        # only once cancelled: a cancel scope entered for every run was most
-        # of this wait's cost. Trio delivers a cancel again at the next
-        # checkpoint in its scope, so the one caught here reaches the caller
-        # right after the door's bookkeeping (``start_run`` has no checkpoint
-        # left once this returns). The writer is woken by the lane (its first
-        # write, or its wait for the insert's verdict, or its end), not here:
-        # so the two share a commit.
-        try:
+        # Shielded: the run is laned now, so a caller gone meanwhile must not
+        # leave the door's bookkeeping undone for a run that goes on (its
+        # cancel reaches it at its next checkpoint). The writer is woken by
+        # the lane (its first write, or its wait for the insert's verdict, or
+        # its end), not here: so the two share a commit. (Catching Cancelled
+        # to shield only once cancelled saves the scope, but a Cancelled
+        # caught and not re-raised is what trio asks code never to do.)
+        with trio.CancelScope(shield=True):
             try:
                 await inserted.durable()
-            except trio.Cancelled:
-                with trio.CancelScope(shield=True):
-                    await inserted.durable()
-            await inserted.result()  # at hand: no checkpoint
-        except BaseException:
-            with trio.CancelScope(shield=True):
+                await inserted.result()
+            except BaseException:
                 await lane.ended()
-            raise
+                raise
 
     async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
         """The URLs of the nodes a caller's request about this thread (None: a
