@@ -25,7 +25,7 @@ from a2a.utils.proto_utils import parse_lenient
 from ag_ui.core import EventType
 
 from .. import statuses
-from .structs import proto_timestamp, set_struct, utf8
+from .structs import json_timestamp, proto_timestamp, set_struct, utf8
 
 #: Task metadata key: a cancel was asked for and the run has not settled yet.
 CANCEL_REQUESTED_KEY = "funduq/cancelRequested"
@@ -43,6 +43,11 @@ _RUN_STARTED = EventType.RUN_STARTED.value
 _RUN_FINISHED = EventType.RUN_FINISHED.value
 _RUN_ERROR = EventType.RUN_ERROR.value
 _CUSTOM = EventType.CUSTOM.value
+
+#: The event types `apply(..., updates=False)` keeps something of besides
+#: their seq (text deltas, artifacts, a turn's start and end): any other
+#: is only its seq to a snapshot (`from_record`).
+_SNAPSHOT_FOLDS = frozenset({*_TEXT_DELTA_TYPES, _CUSTOM, _RUN_STARTED, _RUN_FINISHED, _RUN_ERROR})
 
 #: What `_text_delta` answers for a delta folded in without an update.
 _FOLDED = pb.StreamResponse()
@@ -160,27 +165,44 @@ class TaskProjection:
     def from_record(cls, record: Mapping[str, Any]) -> TaskProjection:
         projection = cls(task_id=str(record["runId"]), context_id=str(record["threadId"]))
         texts = projection._texts
+        # `last_seq` and `_last_text_id` as locals, handed to `apply` and
+        # taken back around each event it folds.
+        last = 0
+        text_id: str | None = None
         for entry in record.get("events") or ():
-            seq = int(entry.get("seq", 0))
+            seq = entry.get("seq", 0)
+            if type(seq) is not int:
+                seq = int(seq)
             event = entry.get("event")
-            # Most of a record is text deltas continuing the text just
-            # before them: folded here as `apply` folds them (same checks,
-            # ASCII needs no `utf8`), without its dispatch per event.
-            if type(event) is dict and event.get("type") == _CONTENT and seq > projection.last_seq:
-                delta = event.get("delta")
-                message_id = event.get("messageId")
-                if (
-                    type(delta) is str
-                    and delta
-                    and delta.isascii()
-                    and type(message_id) is str
-                    and message_id == projection._last_text_id
-                    and message_id in texts
-                ):
-                    texts[message_id].append(delta)
-                    projection.last_seq = seq
+            if type(event) is dict and seq > last:
+                kind = event.get("type")
+                # Most of a record is text deltas continuing the text just
+                # before them: folded here as `apply` folds them (same
+                # checks, ASCII needs no `utf8`), without its dispatch.
+                if kind == _CONTENT:
+                    delta = event.get("delta")
+                    message_id = event.get("messageId")
+                    if (
+                        type(delta) is str
+                        and delta
+                        and delta.isascii()
+                        and type(message_id) is str
+                        and message_id == text_id
+                        and message_id in texts
+                    ):
+                        texts[message_id].append(delta)
+                        last = seq
+                        continue
+                elif type(kind) is str and kind not in _SNAPSHOT_FOLDS:
+                    # An event a snapshot keeps nothing of but its seq (a
+                    # message's start and end, steps, state, tool calls...).
+                    last = seq
                     continue
+            projection.last_seq = last
             projection.apply(seq, event, updates=False)
+            last = projection.last_seq
+            text_id = projection._last_text_id
+        projection.last_seq = last
         projection.observe(record)
         return projection
 
@@ -382,9 +404,9 @@ class TaskProjection:
             rendered["parts"] = [{"text": "".join(deltas)}]
             artifacts.append(rendered)
         status: dict[str, Any] = {"state": state}
-        stamp = proto_timestamp(self.status_time)
+        stamp = json_timestamp(self.status_time)
         if stamp is not None:
-            status["timestamp"] = stamp.ToJsonString()
+            status["timestamp"] = stamp
         task: dict[str, Any] = {}
         if self.task_id:
             task["id"] = self.task_id

@@ -74,7 +74,11 @@ def error_response(
 
 
 def _jsonrpc_result(result: Any, request_id: str | int | None) -> dict[str, Any]:
-    """A JSON-RPC 2.0 success envelope (the `jsonrpc` package's rendering)."""
+    """A JSON-RPC 2.0 success envelope (the `jsonrpc` package's rendering,
+    written directly for an id it takes as it is: a str, an int, None)."""
+    kind = type(request_id)
+    if kind is str or kind is int or request_id is None:
+        return {"result": result, "id": request_id, "jsonrpc": "2.0"}
     envelope: dict[str, Any] = JSONRPC20Response(result=result, _id=request_id).data
     return envelope
 
