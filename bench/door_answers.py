@@ -24,25 +24,48 @@ import argparse
 import cProfile
 import json
 import pstats
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
+from quart_trio import QuartTrio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from funduq_trio.config import Settings
+from funduq_trio.web.app import compact_dumps
+from funduq_trio.web.asgi_doors import serve_doors
 
-from a2a_handler import PROVIDER, echo_record  # noqa: E402
-from quart_trio import QuartTrio  # noqa: E402
-
-from funduq_trio.config import Settings  # noqa: E402
-from funduq_trio.web.app import compact_dumps  # noqa: E402
-from funduq_trio.web.asgi_doors import serve_doors  # noqa: E402
+PROVIDER = "ab" * 32
 
 TEXT = "bench thread 00017 utterance 00042: hello there, echo me".ljust(64, ".")
 RUN = "run_e7d282851f11348f562292ef"
 THREAD = "thread_14f2ea61a5c3dbaa55fe8bfe"
+
+
+def echo_record(run_id: str, thread_id: str, text: str, deltas: int = 8) -> dict[str, Any]:
+    """A completed echo run's record as `wait_run` answers it (as
+    bench/a2a_handler.py's)."""
+    mid = f"{run_id}-echo"
+    step = max(1, len(text) // deltas)
+    parts = [text[i : i + step] for i in range(0, len(text), step)][:deltas]
+    events: list[dict[str, Any]] = [
+        {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id},
+        {"type": "TEXT_MESSAGE_START", "messageId": mid, "role": "assistant"},
+        *({"type": "TEXT_MESSAGE_CONTENT", "messageId": mid, "delta": p} for p in parts),
+        {"type": "TEXT_MESSAGE_END", "messageId": mid},
+        {"type": "RUN_FINISHED", "threadId": thread_id, "runId": run_id},
+    ]
+    return {
+        "runId": run_id,
+        "threadId": thread_id,
+        "agent": {"provider": PROVIDER, "name": "echo"},
+        "status": "completed",
+        "metadata": {},
+        "createdAt": "2026-12-04T10:39:03.100000Z",
+        "startedAt": "2026-12-04T10:39:03.101000Z",
+        "completedAt": "2026-12-04T10:39:03.103000Z",
+        "events": [{"seq": i + 1, "event": e} for i, e in enumerate(events)],
+    }
 
 
 class _View:
@@ -64,8 +87,6 @@ class StubFunduq:
     def __init__(self, bursts: int) -> None:
         self.settings = Settings()
         self.record = echo_record(RUN, THREAD, TEXT)
-        self.record["createdAt"] = "2026-12-04T10:39:03.100000Z"
-        self.record["completedAt"] = "2026-12-04T10:39:03.103000Z"
         events = [(e["seq"], e["event"]) for e in self.record["events"]]
         size = -(-len(events) // bursts)
         self.bursts = [events[i : i + size] for i in range(0, len(events), size)]
@@ -83,19 +104,24 @@ class StubFunduq:
     async def get_run(self, run_id: str) -> dict[str, Any]:
         return self.record
 
+    def live_record(self, run_id: str) -> dict[str, Any]:
+        """The run as it arrived (a stream's opening snapshot)."""
+        return {**self.record, "status": "queued", "events": [], "completedAt": None}
+
     async def follow(self, run_id: str, after_seq: int = 0, quiet: Any = None) -> Any:
         for burst in self.bursts:
-            yield burst
+            if burst[-1][0] > after_seq:
+                yield [(seq, event) for seq, event in burst if seq > after_seq]
 
 
-def a2a_body() -> bytes:
+def a2a_body(method: str = "SendMessage") -> bytes:
     message = {
         "messageId": "m-17-42",
         "role": "ROLE_USER",
         "parts": [{"text": TEXT}],
         "contextId": THREAD,
     }
-    body = {"jsonrpc": "2.0", "id": 42, "method": "SendMessage", "params": {"message": message}}
+    body = {"jsonrpc": "2.0", "id": 42, "method": method, "params": {"message": message}}
     return json.dumps(body).encode()
 
 
@@ -114,16 +140,19 @@ def agui_body() -> bytes:
 
 
 def request(door: str) -> tuple[dict[str, Any], bytes]:
-    body = a2a_body() if door == "a2a" else agui_body()
+    if door == "a2a-stream":
+        body = a2a_body("SendStreamingMessage")
+    else:
+        body = a2a_body() if door == "a2a" else agui_body()
     headers = [
         (b"host", b"127.0.0.1:8000"),
         (b"accept", b"*/*"),
         (b"content-type", b"application/json"),
         (b"content-length", b"%d" % len(body)),
     ]
-    if door == "a2a":
+    if door.startswith("a2a"):
         headers.append((b"a2a-version", b"1.0"))
-    path = f"/{door}/{PROVIDER}/echo"
+    path = f"/{door.split('-')[0]}/{PROVIDER}/echo"
     scope = {
         "type": "http",
         "http_version": "1.1",
@@ -164,8 +193,8 @@ async def main_async(args: argparse.Namespace) -> None:
     app.json.sort_keys = False
     funduq = StubFunduq(args.bursts)
     doors = serve_doors(None, funduq, compact_dumps(app))
-    for door in ("a2a", "agui"):
-        if args.door not in ("both", door):
+    for door in ("a2a", "agui", "a2a-stream"):
+        if args.door != door and not (args.door == "both" and door != "a2a-stream"):
             continue
         scope, body = request(door)
         out = answered(await post(doors, scope, body))
@@ -173,6 +202,11 @@ async def main_async(args: argparse.Namespace) -> None:
             print(out.decode())
         if door == "a2a":
             assert json.loads(out)["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+        elif door == "a2a-stream":
+            frames = [json.loads(x[6:]) for x in out.split(b"\n") if x.startswith(b"data: ")]
+            assert frames[-1]["result"]["statusUpdate"]["status"]["state"] == (
+                "TASK_STATE_COMPLETED"
+            ), frames[-1]
         else:
             assert out.count(b"data: ") == 12, out
         if args.profile:
@@ -192,12 +226,18 @@ async def main_async(args: argparse.Namespace) -> None:
             for _ in range(args.number):
                 await post(doors, scope, body)
             best = min(best, time.perf_counter() - began)
-        print(f"{door:5} best {best / args.number * 1e6:7.1f} µs a POST")
+        print(f"{door:10} best {best / args.number * 1e6:7.1f} µs a POST")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--door", choices=("a2a", "agui", "both"), default="both")
+    parser.add_argument(
+        "--door",
+        choices=("a2a", "agui", "both", "a2a-stream"),
+        default="both",
+        help="both: e2e's two (a blocking SendMessage, an AG-UI POST); "
+        "a2a-stream: a SendStreamingMessage read to its end",
+    )
     parser.add_argument("--number", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--bursts", type=int, default=1, help="the AG-UI run's events in N bursts")

@@ -23,9 +23,10 @@ from test_a2a_fast_paths import agui_events, folded_one_by_one, parsed, record_l
 
 from funduq_trio.protocol import carriable
 from funduq_trio.protocol.a2a import messages, parsing, render
+from funduq_trio.protocol.a2a.calls import REST, STREAM, V1, Call
 from funduq_trio.protocol.a2a.projection import TaskProjection
 from funduq_trio.protocol.a2a.structs import json_timestamp, proto_timestamp, struct_dict
-from funduq_trio.web import asgi_doors
+from funduq_trio.web import a2a_door, asgi_doors
 from funduq_trio.web.exchange import AsgiRequest, _Headers
 
 # ------------------------------------------------------------ a status stamp
@@ -434,3 +435,101 @@ async def test_a_body_read_under_the_hang_up_watch_times_out_as_read_body_does(
 
     with pytest.raises(asgi_doors.RequestEntityTooLarge):
         await asgi_doors._read_until_hung_up(scope, whole, 3, 5.0, watched.append, door)
+
+
+# ------------------------------------------------------------ a stream's text deltas
+
+stream_events = st.one_of(
+    more_events,
+    st.builds(
+        lambda kind, mid, delta: {
+            k: v
+            for k, v in {"type": kind, "messageId": mid, "delta": delta}.items()
+            if v is not None
+        },
+        st.sampled_from(["TEXT_MESSAGE_CONTENT", "TEXT_MESSAGE_CHUNK"]),
+        st.sampled_from(["m1", "m1", "m2", "", None, 0, 7, "m\u00e9", "\ud800"]),
+        st.sampled_from(["a", "bc ", "", "\u00e9", "\ud800", None, 5, "x" * 40]),
+    ),
+)
+
+
+def framed_by_protobuf(call: Any, projection: TaskProjection, seq: int, event: Any) -> list[Any]:
+    return [render.stream_frame(call, update) for update in projection.apply(seq, event)]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    run_records,
+    st.lists(stream_events, max_size=14),
+    st.sampled_from(["seq", "back", "zero", "dup"]),
+    st.sampled_from([V1, REST]),
+    st.booleans(),
+)
+def test_a_streamed_delta_frames_as_protobuf_frames_it(
+    record: dict[str, Any], events: list[Any], numbering: str, dialect: str, cancel: bool
+) -> None:
+    """`A2ADoor.stream`'s frames, built with `plain_updates` where it takes
+    an event, are those of `apply` and `stream_frame` alone, byte for byte,
+    and the projection ends the same (its snapshot and its final status)."""
+    seqs = list(range(1, len(events) + 1))
+    if numbering == "back":
+        seqs = seqs[::-1][: len(seqs) // 2] + seqs[len(seqs) // 2 :]
+    elif numbering == "zero":
+        seqs = [0] * len(events)
+    elif numbering == "dup":
+        seqs = [max(1, s - 2) for s in seqs]
+    opening = {**record, "events": record["events"][:2]}
+    fast = TaskProjection.from_record(opening)
+    slow = TaskProjection.from_record(opening)
+    fast.cancel_requested = slow.cancel_requested = cancel
+    call = Call(11, "SendStreamingMessage", STREAM, dialect, None, {})
+    burst = list(zip(seqs, events, strict=True))
+    got = [json.dumps(f.data) + f"@{f.id}" for f in a2a_door._frames(call, fast, burst, True)]
+    expected = [
+        json.dumps(frame) + f"@{seq}"
+        for seq, event in burst
+        for frame in framed_by_protobuf(call, slow, seq, event)
+    ]
+    assert got == expected
+    assert fast == slow
+    assert fast.task().SerializeToString(deterministic=True) == slow.task().SerializeToString(
+        deterministic=True
+    )
+    assert render.stream_frame(call, fast.settle(record)) == render.stream_frame(
+        call, slow.settle(record)
+    )
+
+
+def test_an_echo_runs_deltas_take_the_plain_way() -> None:
+    projection = TaskProjection(task_id="run_1", context_id="thread_1")
+    first = projection.plain_updates(
+        3, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "he"}
+    )
+    again = projection.plain_updates(
+        4, {"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "y"}
+    )
+    assert first == [
+        {
+            "artifactUpdate": {
+                "taskId": "run_1",
+                "contextId": "thread_1",
+                "artifact": {"artifactId": "m", "parts": [{"text": "he"}]},
+            }
+        }
+    ]
+    assert again is not None and again[0]["artifactUpdate"]["append"] is True
+    assert projection.plain_updates(5, {"type": "TEXT_MESSAGE_END", "messageId": "m"}) is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(run_records, st.sampled_from([V1, REST]), st.booleans())
+def test_a_streams_opening_snapshot_frames_as_protobuf_frames_it(
+    record: dict[str, Any], dialect: str, cancel: bool
+) -> None:
+    projection = TaskProjection.from_record(record)
+    projection.cancel_requested = cancel
+    call = Call(11, "SendStreamingMessage", STREAM, dialect, None, {})
+    frame = a2a_door._opening_frame(call, projection, True)
+    expected = render.stream_frame(call, pb.StreamResponse(task=projection.task()))
+    assert (frame.id, json.dumps(frame.data)) == (projection.last_seq, json.dumps(expected))

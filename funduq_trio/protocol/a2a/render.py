@@ -174,5 +174,15 @@ def stream_frame(call: Call, update: pb.StreamResponse) -> dict[str, Any]:
     return compat.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
+def stream_result(call: Call, result: dict[str, Any]) -> dict[str, Any]:
+    """`stream_frame` of an update given as its 1.0 JSON (`MessageToDict`'s,
+    `TaskProjection.plain_updates`), for the dialects that write it as it is
+    (1.0 JSON-RPC, REST); a 0.3 call's frames are converted, never this."""
+    if call.dialect == REST:
+        return result
+    assert call.dialect == V1, call.dialect
+    return _jsonrpc_result(result, call.request_id)
+
+
 def stream_snapshot(task: pb.Task) -> pb.StreamResponse:
     return pb.StreamResponse(task=task)
