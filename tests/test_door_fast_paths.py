@@ -385,6 +385,8 @@ def test_a_requests_headers_read_as_they_did(pairs: list[tuple[bytes, bytes]]) -
     assert type(request.headers) is _Headers
     assert list(request.headers.items()) == list(expected.items())
     assert request.headers.get("Content-Type") == expected.get("content-type")
+    # Any iterable of pairs, as ASGI allows, is read once.
+    assert list(AsgiRequest({"headers": iter(pairs)}).headers.items()) == list(expected.items())
 
 
 # ------------------------------------------------------------ the body under the hang-up watch

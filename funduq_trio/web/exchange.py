@@ -164,6 +164,8 @@ class AsgiRequest:
     def __init__(self, scope: dict[str, Any]) -> None:
         self.scope = scope
         pairs = scope["headers"]
+        if type(pairs) is not list:
+            pairs = list(pairs)  # an iterable of pairs (ASGI): read once
         headers = _Headers(
             (raw_name.decode("latin-1").lower(), raw_value.decode("latin-1"))
             for raw_name, raw_value in pairs
