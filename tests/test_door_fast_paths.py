@@ -535,3 +535,33 @@ def test_a_streams_opening_snapshot_frames_as_protobuf_frames_it(
     frame = a2a_door._opening_frame(call, projection, True)
     expected = render.stream_frame(call, pb.StreamResponse(task=projection.task()))
     assert (frame.id, json.dumps(frame.data)) == (projection.last_seq, json.dumps(expected))
+
+
+async def test_a_body_whose_last_bytes_come_as_its_deadline_passes_is_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The race `read_body` answers as a body read in time: the last bytes
+    wake the reader, and the deadline expires before it runs. The door is
+    answered (in a scope of its own), not taken for a hang-up."""
+    watched: list[Any] = []
+    scope = {"headers": []}
+    arrived = trio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await arrived.wait()
+        return {"type": "http.request", "body": b"late", "more_body": False}
+
+    async def door(body: bytes) -> Any:
+        await trio.sleep(1)  # a checkpoint the deadline would cut
+        return body
+
+    async def sender() -> None:
+        await trio.sleep(4.5)
+        arrived.set()  # the reader is woken...
+        autojump_clock.jump(1)  # ...and the deadline (5 s) expires before it runs
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        answer = await asgi_doors._read_until_hung_up(scope, receive, 10, 5.0, watched.append, door)
+    assert answer == b"late"
+    assert [callable(w) for w in watched] == [True, False]

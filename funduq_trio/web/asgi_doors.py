@@ -124,16 +124,19 @@ async def _read_until_hung_up(
         deadline=math.inf if timeout is None else trio.current_time() + timeout
     )
     watching = False
+    body: bytes | None = None
     try:
         with cancel:
             body = await _body(scope, receive, limit)
-            # No checkpoint since the last receive: the deadline cannot have
-            # cancelled anything in between.
-            cancel.deadline = math.inf
-            on_hangup(cancel.cancel)
-            watching = True
-            reply = await door(body)
-            del body
+            # No checkpoint since the last receive. If the deadline passed
+            # meanwhile (the body's last bytes came as it expired), the body
+            # still counts as read in time, as `read_body` counts it, and the
+            # door is answered in a scope of its own (below).
+            if not cancel.cancel_called:
+                cancel.deadline = math.inf
+                on_hangup(cancel.cancel)
+                watching = True
+                reply = await door(body)
     except Exception:
         if not (watching and cancel.cancel_called):
             raise
@@ -142,9 +145,34 @@ async def _read_until_hung_up(
     finally:
         if watching:
             on_hangup(None)
-    if cancel.cancel_called:
-        if not watching:
+    if not watching:
+        if body is None:
             raise RequestTimeout  # the body's deadline passed
+        return await _until_hung_up(on_hangup, door, body)
+    if cancel.cancel_called:
+        raise _Gone
+    return reply
+
+
+async def _until_hung_up(
+    on_hangup: Callable[[Callable[[], None] | None], None],
+    door: Callable[[bytes], Awaitable[Answer]],
+    body: bytes,
+) -> Answer:
+    """`door`'s answer to `body` (read already) in a cancel scope of its own
+    that the hang-up cancels: `_read_until_hung_up` when the body's deadline
+    passed just as the body came in."""
+    scope = trio.CancelScope()
+    on_hangup(scope.cancel)
+    try:
+        with scope:
+            reply = await door(body)
+    except Exception:
+        if not scope.cancel_called:
+            raise
+    finally:
+        on_hangup(None)
+    if scope.cancel_called:
         raise _Gone
     return reply
 
