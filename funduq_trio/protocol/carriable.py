@@ -42,10 +42,23 @@ def _refuse_constant(name: str) -> Any:
     raise NotCarriable(f"{name} is not JSON (JSON numbers are finite)")
 
 
+#: `json.loads(..., parse_constant=_refuse_constant)`'s decoder, made once
+#: (`json.loads` with an option builds a decoder for each call).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def loads(text: str | bytes) -> Any:
     """`json.loads`, refusing NaN/Infinity/-Infinity (NotCarriable). Other
-    failures raise as `json.loads` raises them (ValueError, RecursionError)."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    failures raise as `json.loads` raises them (ValueError, RecursionError).
+    (`json.loads`' own steps before its decoder, with the decoder made once.)"""
+    if isinstance(text, str):
+        if text.startswith("\ufeff"):
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    elif isinstance(text, bytes | bytearray):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    else:
+        return json.loads(text, parse_constant=_refuse_constant)  # its TypeError
+    return _DECODER.decode(text)
 
 
 def _where(path: tuple[Any, ...] | None) -> str:

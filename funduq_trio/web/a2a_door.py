@@ -70,9 +70,11 @@ from ..protocol.a2a.calls import (
     PUSH_GET,
     PUSH_LIST,
     PUSH_OPS,
+    REST,
     SEND,
     STREAM,
     SUBSCRIBE,
+    V1,
     Call,
 )
 from ..protocol.a2a.card import agent_card
@@ -86,7 +88,7 @@ from ..protocol.a2a.projection import (
     task_from_record,
     task_state,
 )
-from ..protocol.a2a.render import error_response, result_response, stream_frame
+from ..protocol.a2a.render import error_response, result_response, stream_frame, stream_result
 from .a2a_rest import mount_a2a_rest
 from .access import of_agent, reader_of
 from .door_errors import a2a_error
@@ -492,11 +494,11 @@ class A2ADoor:
         With a `quiet` (`broker/quiet.py`) its waits end at the keepalive's
         deadline or when the caller goes, and it yields an empty burst then."""
         run_id = projection.task_id
+        # Text deltas written without protobuf where the dialect allows.
+        plain = call.dialect in (V1, REST)
         try:
             if opening:
-                yield [
-                    _framed(call, pb.StreamResponse(task=projection.task()), projection.last_seq)
-                ]
+                yield [_opening_frame(call, projection, plain)]
             if at_pause:
                 while not await _reopened(funduq, run_id, projection.last_seq, quiet):
                     yield []
@@ -504,11 +506,7 @@ class A2ADoor:
                 follow = funduq.follow(run_id, after_seq=projection.last_seq, quiet=quiet)
                 async with contextlib.aclosing(follow) as bursts:
                     async for burst in bursts:
-                        frames = [
-                            _framed(call, update, seq)
-                            for seq, event in burst
-                            for update in projection.apply(seq, event)
-                        ]
+                        frames = _frames(call, projection, burst, plain)
                         if frames or not burst:  # an empty burst: the quiet's wait ended
                             yield frames
                 record = await funduq.get_run(run_id)
@@ -540,6 +538,33 @@ class A2ADoor:
 
 def _framed(call: Call, update: pb.StreamResponse, seq: int) -> Identified:
     return Identified(seq, stream_frame(call, update))
+
+
+def _opening_frame(call: Call, projection: TaskProjection, plain: bool) -> Identified:
+    """The stream's opening snapshot (the Task as it stands); with `plain`,
+    the common Task written straight from the projection (`plain_task_json`,
+    the same JSON as through protobuf)."""
+    task = projection.plain_task_json() if plain else None
+    if task is not None:
+        return Identified(projection.last_seq, stream_result(call, {"task": task}))
+    return _framed(call, pb.StreamResponse(task=projection.task()), projection.last_seq)
+
+
+def _frames(
+    call: Call, projection: TaskProjection, burst: list[tuple[int, Any]], plain: bool
+) -> list[Identified]:
+    """A burst of events as the stream's frames: each event folded into
+    `projection`, each update it becomes framed. With `plain`, a text delta's
+    update is written straight from the projection (`plain_updates`), the
+    same JSON as through protobuf."""
+    frames = []
+    for seq, event in burst:
+        results = projection.plain_updates(seq, event) if plain else None
+        if results is not None:
+            frames.extend(Identified(seq, stream_result(call, result)) for result in results)
+        else:
+            frames.extend(_framed(call, update, seq) for update in projection.apply(seq, event))
+    return frames
 
 
 async def _reopened(funduq: Any, run_id: str, after_seq: int, quiet: Quiet | None) -> bool:

@@ -75,6 +75,13 @@ async def read_body(scope: Any, receive: Receive, limit: int, timeout: float | N
     """The request's body, as quart reads it: refused at once when its
     Content-Length is over `limit`, else as soon as the bytes read pass it;
     cut when it has not all come within `timeout` seconds."""
+    with trio.move_on_after(math.inf if timeout is None else timeout):
+        return await _body(scope, receive, limit)
+    raise RequestTimeout
+
+
+async def _body(scope: Any, receive: Receive, limit: int) -> bytes:
+    """`read_body` without its timeout (the caller's cancel scope has it)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             if int(value) > limit:  # h11 has checked it is digits
@@ -82,20 +89,69 @@ async def read_body(scope: Any, receive: Receive, limit: int, timeout: float | N
             break
     chunks: list[bytes] = []
     size = 0
-    with trio.move_on_after(math.inf if timeout is None else timeout):
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Gone
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise RequestEntityTooLarge
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    raise RequestTimeout
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Gone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise RequestEntityTooLarge
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _read_until_hung_up(
+    scope: Any,
+    receive: Receive,
+    limit: int,
+    timeout: float | None,
+    on_hangup: Callable[[Callable[[], None] | None], None],
+    door: Callable[[bytes], Awaitable[Answer]],
+) -> Answer:
+    """The body read and the door's answer to it, on a server that says when
+    the caller goes (the `HANGUP_EXTENSION`, funduq's front): the door runs
+    in a cancel scope that the hang-up cancels, on this task alone -- no
+    watcher task, no nursery. The body is read in the same scope, with its
+    deadline (`read_body`'s timeout) until it is all read and none after:
+    a cancel scope is the dearest part of reading a body (bench/README.md,
+    "The doors' own work per run"). The hang-up is watched once the body
+    is read. A refusal is raised as it is; `RequestTimeout` when the body
+    did not come in time, `_Gone` if the caller went."""
+    cancel = trio.CancelScope(
+        deadline=math.inf if timeout is None else trio.current_time() + timeout
+    )
+    watching = False
+    body: bytes | None = None
+    try:
+        with cancel:
+            body = await _body(scope, receive, limit)
+            # No checkpoint since the last receive. If the deadline passed
+            # meanwhile (the body's last bytes came as it expired), the body
+            # still counts as read in time, as `read_body` counts it, and the
+            # door is answered in a scope of its own (below).
+            if not cancel.cancel_called:
+                cancel.deadline = math.inf
+                on_hangup(cancel.cancel)
+                watching = True
+                reply = await door(body)
+    except Exception:
+        if not (watching and cancel.cancel_called):
+            raise
+        # The door failed on its way out of the cancelled wait: the caller
+        # has gone, which is what `_until_gone` says too.
+    finally:
+        if watching:
+            on_hangup(None)
+    if not watching:
+        if body is None:
+            raise RequestTimeout  # the body's deadline passed
+        return await _until_hung_up(on_hangup, door, body)
+    if cancel.cancel_called:
+        raise _Gone
+    return reply
 
 
 async def _until_hung_up(
@@ -103,10 +159,9 @@ async def _until_hung_up(
     door: Callable[[bytes], Awaitable[Answer]],
     body: bytes,
 ) -> Answer:
-    """`_until_gone` on a server that says when the caller goes (the
-    `HANGUP_EXTENSION`, funduq's front): the door runs in a cancel scope
-    that the hang-up cancels, on this task alone -- no watcher task, no
-    nursery. A refusal is raised as it is; `_Gone` if the caller went."""
+    """`door`'s answer to `body` (read already) in a cancel scope of its own
+    that the hang-up cancels: `_read_until_hung_up` when the body's deadline
+    passed just as the body came in."""
     scope = trio.CancelScope()
     on_hangup(scope.cancel)
     try:
@@ -115,8 +170,6 @@ async def _until_hung_up(
     except Exception:
         if not scope.cancel_called:
             raise
-        # The door failed on its way out of the cancelled wait: the caller
-        # has gone, which is what `_until_gone` says too.
     finally:
         on_hangup(None)
     if scope.cancel_called:
@@ -217,16 +270,17 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         end) is stopped when its caller disconnects meanwhile; one that does
         not is let finish."""
         try:
-            body = await read_body(scope, receive, limit, timeout)
-            if not waits:
-                reply = await door(body)
+            on_hangup = (scope.get("extensions") or {}).get(HANGUP_EXTENSION) if waits else None
+            if on_hangup is not None:
+                # The body's timeout and the hang-up watch in one scope.
+                reply = await _read_until_hung_up(scope, receive, limit, timeout, on_hangup, door)
             else:
-                on_hangup = (scope.get("extensions") or {}).get(HANGUP_EXTENSION)
-                if on_hangup is not None:
-                    reply = await _until_hung_up(on_hangup, door, body)
+                body = await read_body(scope, receive, limit, timeout)
+                if not waits:
+                    reply = await door(body)
                 else:
                     reply = await _until_gone(receive, door, body)
-            del body  # not held for as long as a stream lasts
+                del body  # not held for as long as a stream lasts
         except _Gone:
             return None
         except RequestEntityTooLarge as exc:

@@ -140,6 +140,20 @@ class _Headers(dict[str, str]):
         return dict.__getitem__(self, name.lower())
 
 
+def _joined(pairs: Any) -> _Headers:
+    """ASGI header pairs by name, a repeated one's values joined as werkzeug
+    joins them."""
+    headers = _Headers()
+    for raw_name, raw_value in pairs:
+        name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1")
+        if dict.__contains__(headers, name):
+            separator = "; " if name == "cookie" else ", "
+            value = dict.__getitem__(headers, name) + separator + value
+        dict.__setitem__(headers, name, value)
+    return headers
+
+
 class AsgiRequest:
     """What a door reads of an HTTP request, from its ASGI scope: the parts of
     quart's `request` the doors' POST routes use (headers, cookies, the
@@ -149,14 +163,15 @@ class AsgiRequest:
 
     def __init__(self, scope: dict[str, Any]) -> None:
         self.scope = scope
-        headers = _Headers()
-        for raw_name, raw_value in scope["headers"]:
-            name = raw_name.decode("latin-1").lower()
-            value = raw_value.decode("latin-1")
-            if name in headers:  # repeated: joined as werkzeug joins them
-                separator = "; " if name == "cookie" else ", "
-                value = dict.__getitem__(headers, name) + separator + value
-            dict.__setitem__(headers, name, value)
+        pairs = scope["headers"]
+        if type(pairs) is not list:
+            pairs = list(pairs)  # an iterable of pairs (ASGI): read once
+        headers = _Headers(
+            (raw_name.decode("latin-1").lower(), raw_value.decode("latin-1"))
+            for raw_name, raw_value in pairs
+        )
+        if len(headers) != len(pairs):  # a name repeated: read again, joining
+            headers = _joined(pairs)
         self.headers = headers
         self._cookies: Any = None
 

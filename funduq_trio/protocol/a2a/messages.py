@@ -66,16 +66,22 @@ def run_input_from_message(
     `resume` entry per interrupt, resolved, its payload the message's single
     data value when it has exactly one, else its text.
     """
-    text_parts: list[dict[str, Any]] = []
+    texts: list[str] = []
     files: list[dict[str, Any]] = []
+    data_parts: list[pb.Part] = []
+    # One pass over the parts (`message_text` and `message_data` each make one).
     for part in message.parts:
         which = part.WhichOneof("content")
         if which == "text":
-            text_parts.append({"type": "text", "text": part.text})
+            texts.append(part.text)
         elif which in ("raw", "url"):
             files.append(_media_part(part))
-    text = message_text(message)
-    content: Any = text if not files else [*text_parts, *files]
+        elif which == "data":
+            data_parts.append(part)
+    text = "\n".join(texts)
+    content: Any = text
+    if files:
+        content = [*({"type": "text", "text": t} for t in texts), *files]
     user: dict[str, Any] = {"id": message.message_id, "role": "user", "content": content}
     own_metadata = struct_dict(message, "metadata")
     if own_metadata:
@@ -88,7 +94,7 @@ def run_input_from_message(
         "tools": [],
         "context": [],
     }
-    data = message_data(message)
+    data = [plain(p.data) for p in data_parts]
     a2a_props: dict[str, Any] = {"messageId": message.message_id}
     if data:
         a2a_props["dataParts"] = data

@@ -170,6 +170,72 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
             )
         ) from None
 
+    plain = _plain_envelope(data)
+    if plain is not None:
+        method, request_id, params = plain
+    else:
+        method, request_id, params = _envelope(data)
+    if method in METHODS_V03 or method in METHODS_V1:
+        # Params the provider link could not carry (a lone surrogate, NaN, too
+        # deep) are the params' fault, whichever field holds them: -32602
+        # before anything reads them (request metadata is kept as sent).
+        problem = carriable.problem(params)
+        if problem is not None:
+            not_carriable = InvalidParamsError(
+                message=f"params cannot be carried to a provider: {problem}",
+                data={"reason": "not_carriable"},
+            )
+            if method in METHODS_V03:
+                raise CallRejected(v03_error_envelope(request_id, not_carriable))
+            raise CallRejected(build_error_response(request_id, not_carriable))
+
+    if method in METHODS_V03:
+        return _parse_v03(data, method, request_id, params, version_header)
+    if method not in METHODS_V1:
+        raise CallRejected(build_error_response(request_id, rpc.MethodNotFoundError()))
+    op, model = METHODS_V1[method]
+    try:
+        request = (
+            plain_send_request(params) if model is pb.SendMessageRequest else None
+        ) or ParseDict(params, model(), ignore_unknown_fields=True)
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the params' fault
+        raise CallRejected(
+            build_error_response(request_id, InvalidParamsError(data={"parseError": str(exc)}))
+        ) from None
+    call = Call(request_id, method, op, V1, request, params if isinstance(params, dict) else {})
+    try:
+        check_version(version_header, V1)
+        _validate(call)
+    except A2AError as exc:
+        raise CallRejected(error_response(call, exc)) from None
+    return call
+
+
+def _plain_envelope(data: Any) -> tuple[str, Any, Any] | None:
+    """`_envelope(data)` for the common envelope, read without the `jsonrpc`
+    package: exactly the keys `jsonrpc` ("2.0"), `id` (a str or an int),
+    `method` (a name of either table) and `params` (an object). None for
+    anything else, which `_envelope` reads (and refuses, if it must);
+    `tests/test_a2a_fast_paths.py` holds the two equal."""
+    if type(data) is not dict or len(data) != 4 or data.get("jsonrpc") != "2.0":
+        return None
+    method = data.get("method")
+    request_id = data.get("id")
+    params = data.get("params")
+    kind = type(request_id)
+    if (
+        (kind is str or kind is int)
+        and type(method) is str
+        and (method in METHODS_V1 or method in METHODS_V03)
+        and type(params) is dict
+    ):
+        return method, request_id, params
+    return None
+
+
+def _envelope(data: Any) -> tuple[str, Any, Any]:
+    """The call's method, id and params, the envelope checked as the
+    a2a-sdk server checks it (`CallRejected` for what it refuses)."""
     request_id: Any = None
     if isinstance(data, dict):
         request_id = data.get("id")
@@ -212,40 +278,7 @@ def parse_call(body: bytes | str, version_header: str | None) -> Call:
             build_error_response(request_id, InvalidRequestError(message="Method is required"))
         )
     params = data.get("params", {})
-    if method in METHODS_V03 or method in METHODS_V1:
-        # Params the provider link could not carry (a lone surrogate, NaN, too
-        # deep) are the params' fault, whichever field holds them: -32602
-        # before anything reads them (request metadata is kept as sent).
-        problem = carriable.problem(params)
-        if problem is not None:
-            not_carriable = InvalidParamsError(
-                message=f"params cannot be carried to a provider: {problem}",
-                data={"reason": "not_carriable"},
-            )
-            if method in METHODS_V03:
-                raise CallRejected(v03_error_envelope(request_id, not_carriable))
-            raise CallRejected(build_error_response(request_id, not_carriable))
-
-    if method in METHODS_V03:
-        return _parse_v03(data, method, request_id, params, version_header)
-    if method not in METHODS_V1:
-        raise CallRejected(build_error_response(request_id, rpc.MethodNotFoundError()))
-    op, model = METHODS_V1[method]
-    try:
-        request = (
-            plain_send_request(params) if model is pb.SendMessageRequest else None
-        ) or ParseDict(params, model(), ignore_unknown_fields=True)
-    except Exception as exc:  # noqa: BLE001 - any parse failure is the params' fault
-        raise CallRejected(
-            build_error_response(request_id, InvalidParamsError(data={"parseError": str(exc)}))
-        ) from None
-    call = Call(request_id, method, op, V1, request, params if isinstance(params, dict) else {})
-    try:
-        check_version(version_header, V1)
-        _validate(call)
-    except A2AError as exc:
-        raise CallRejected(error_response(call, exc)) from None
-    return call
+    return method, request_id, params
 
 
 #: The message fields a plain SendMessage sets, by their JSON names.

@@ -25,7 +25,7 @@ from a2a.utils.proto_utils import parse_lenient
 from ag_ui.core import EventType
 
 from .. import statuses
-from .structs import proto_timestamp, set_struct, utf8
+from .structs import json_timestamp, proto_timestamp, set_struct, utf8
 
 #: Task metadata key: a cancel was asked for and the run has not settled yet.
 CANCEL_REQUESTED_KEY = "funduq/cancelRequested"
@@ -43,6 +43,11 @@ _RUN_STARTED = EventType.RUN_STARTED.value
 _RUN_FINISHED = EventType.RUN_FINISHED.value
 _RUN_ERROR = EventType.RUN_ERROR.value
 _CUSTOM = EventType.CUSTOM.value
+
+#: The event types `apply(..., updates=False)` keeps something of besides
+#: their seq (text deltas, artifacts, a turn's start and end): any other
+#: is only its seq to a snapshot (`from_record`).
+_SNAPSHOT_FOLDS = frozenset({*_TEXT_DELTA_TYPES, _CUSTOM, _RUN_STARTED, _RUN_FINISHED, _RUN_ERROR})
 
 #: What `_text_delta` answers for a delta folded in without an update.
 _FOLDED = pb.StreamResponse()
@@ -160,27 +165,44 @@ class TaskProjection:
     def from_record(cls, record: Mapping[str, Any]) -> TaskProjection:
         projection = cls(task_id=str(record["runId"]), context_id=str(record["threadId"]))
         texts = projection._texts
+        # `last_seq` and `_last_text_id` as locals, handed to `apply` and
+        # taken back around each event it folds.
+        last = 0
+        text_id: str | None = None
         for entry in record.get("events") or ():
-            seq = int(entry.get("seq", 0))
+            seq = entry.get("seq", 0)
+            if type(seq) is not int:
+                seq = int(seq)
             event = entry.get("event")
-            # Most of a record is text deltas continuing the text just
-            # before them: folded here as `apply` folds them (same checks,
-            # ASCII needs no `utf8`), without its dispatch per event.
-            if type(event) is dict and event.get("type") == _CONTENT and seq > projection.last_seq:
-                delta = event.get("delta")
-                message_id = event.get("messageId")
-                if (
-                    type(delta) is str
-                    and delta
-                    and delta.isascii()
-                    and type(message_id) is str
-                    and message_id == projection._last_text_id
-                    and message_id in texts
-                ):
-                    texts[message_id].append(delta)
-                    projection.last_seq = seq
+            if type(event) is dict and seq > last:
+                kind = event.get("type")
+                # Most of a record is text deltas continuing the text just
+                # before them: folded here as `apply` folds them (same
+                # checks, ASCII needs no `utf8`), without its dispatch.
+                if kind == _CONTENT:
+                    delta = event.get("delta")
+                    message_id = event.get("messageId")
+                    if (
+                        type(delta) is str
+                        and delta
+                        and delta.isascii()
+                        and type(message_id) is str
+                        and message_id == text_id
+                        and message_id in texts
+                    ):
+                        texts[message_id].append(delta)
+                        last = seq
+                        continue
+                elif type(kind) is str and kind not in _SNAPSHOT_FOLDS:
+                    # An event a snapshot keeps nothing of but its seq (a
+                    # message's start and end, steps, state, tool calls...).
+                    last = seq
                     continue
+            projection.last_seq = last
             projection.apply(seq, event, updates=False)
+            last = projection.last_seq
+            text_id = projection._last_text_id
+        projection.last_seq = last
         projection.observe(record)
         return projection
 
@@ -252,6 +274,45 @@ class TaskProjection:
             metadata[CANCEL_REQUESTED_KEY] = True
         set_struct(update.metadata, metadata)
         return [pb.StreamResponse(status_update=update)]
+
+    def plain_updates(self, seq: int, event: Any) -> list[dict[str, Any]] | None:
+        """`[MessageToDict(u) for u in self.apply(seq, event)]` for the common
+        event of a stream, a text delta, written directly: its artifact
+        update built as protobuf and walked back out was most of a streamed
+        event's cost (bench/README.md, "The doors' own work per run"). The
+        projection is left as `apply` leaves it. None for any other event
+        (nothing folded in: `apply` takes it), or one with a text, id or
+        message id that is not ASCII. `tests/test_door_fast_paths.py` holds
+        the two equal."""
+        if type(event) is not dict:
+            return None
+        if seq and seq <= self.last_seq:
+            return []  # already folded in (a snapshot and a follow overlap)
+        if event.get("type") not in _TEXT_DELTA_TYPES:
+            return None
+        delta = event.get("delta")
+        if type(delta) is not str or not delta or not delta.isascii():
+            return None
+        message_id = event.get("messageId") or self._last_text_id or "text"
+        if type(message_id) is not str or not message_id.isascii():
+            return None
+        if not (self.task_id.isascii() and self.context_id.isascii()):
+            return None
+        self.last_seq = max(self.last_seq, seq)
+        self._last_text_id = message_id
+        existing = self._artifacts.get(message_id)
+        if existing is None:
+            self._artifacts[message_id] = pb.Artifact(artifact_id=message_id)
+        self._texts.setdefault(message_id, []).append(delta)
+        update: dict[str, Any] = {}
+        if self.task_id:
+            update["taskId"] = self.task_id
+        if self.context_id:
+            update["contextId"] = self.context_id
+        update["artifact"] = {"artifactId": message_id, "parts": [{"text": delta}]}
+        if existing is not None:
+            update["append"] = True
+        return [{"artifactUpdate": update}]
 
     def _text_delta(
         self, event: Mapping[str, Any], updates: bool = True
@@ -382,9 +443,9 @@ class TaskProjection:
             rendered["parts"] = [{"text": "".join(deltas)}]
             artifacts.append(rendered)
         status: dict[str, Any] = {"state": state}
-        stamp = proto_timestamp(self.status_time)
+        stamp = json_timestamp(self.status_time)
         if stamp is not None:
-            status["timestamp"] = stamp.ToJsonString()
+            status["timestamp"] = stamp
         task: dict[str, Any] = {}
         if self.task_id:
             task["id"] = self.task_id

@@ -74,7 +74,11 @@ def error_response(
 
 
 def _jsonrpc_result(result: Any, request_id: str | int | None) -> dict[str, Any]:
-    """A JSON-RPC 2.0 success envelope (the `jsonrpc` package's rendering)."""
+    """A JSON-RPC 2.0 success envelope (the `jsonrpc` package's rendering,
+    written directly for an id it takes as it is: a str, an int, None)."""
+    kind = type(request_id)
+    if kind is str or kind is int or request_id is None:
+        return {"result": result, "id": request_id, "jsonrpc": "2.0"}
     envelope: dict[str, Any] = JSONRPC20Response(result=result, _id=request_id).data
     return envelope
 
@@ -168,6 +172,16 @@ def stream_frame(call: Call, update: pb.StreamResponse) -> dict[str, Any]:
         return result if call.dialect == REST else _jsonrpc_result(result, call.request_id)
     compat = v03.to_compat_stream_response(update, call.request_id)
     return compat.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def stream_result(call: Call, result: dict[str, Any]) -> dict[str, Any]:
+    """`stream_frame` of an update given as its 1.0 JSON (`MessageToDict`'s,
+    `TaskProjection.plain_updates`), for the dialects that write it as it is
+    (1.0 JSON-RPC, REST); a 0.3 call's frames are converted, never this."""
+    if call.dialect == REST:
+        return result
+    assert call.dialect == V1, call.dialect
+    return _jsonrpc_result(result, call.request_id)
 
 
 def stream_snapshot(task: pb.Task) -> pb.StreamResponse:

@@ -171,3 +171,42 @@ def _whole_seconds(text: str) -> int | None:
     except ValueError:
         return None
     return int(ts.seconds)
+
+
+def json_timestamp(value: Any) -> str | None:
+    """`proto_timestamp(value).ToJsonString()` (None where `proto_timestamp`
+    is None): a record's own stamps (`store.iso`) written without building
+    the Timestamp -- its seconds' text made once per second, the fraction
+    as `ToJsonString` writes it (3, 6 or 9 digits, none for whole seconds).
+    Anything else goes through the Timestamp. `tests/test_a2a_fast_paths.py`
+    holds the two equal."""
+    if type(value) is str:
+        stamp = _RECORD_STAMP.fullmatch(value)
+        if stamp is not None:
+            whole = _json_seconds(stamp[1])
+            fraction = stamp[2]
+            nanos = round(float("0." + fraction) * 1e9) if fraction else 0
+            if whole is not None and 0 <= nanos < 1_000_000_000:
+                if nanos == 0:
+                    return whole + "Z"
+                if nanos % 1_000_000 == 0:
+                    return f"{whole}.{nanos // 1_000_000:03d}Z"
+                if nanos % 1_000 == 0:
+                    return f"{whole}.{nanos // 1_000:06d}Z"
+                return f"{whole}.{nanos:09d}Z"
+    ts = proto_timestamp(value)
+    return None if ts is None else str(ts.ToJsonString())
+
+
+@functools.lru_cache(maxsize=256)
+def _json_seconds(text: str) -> str | None:
+    """`ToJsonString` of `YYYY-MM-DDTHH:MM:SS` UTC as `proto_timestamp` reads
+    it, without its "Z"; None where that refuses it."""
+    seconds = _whole_seconds(text)
+    if seconds is None:
+        return None
+    ts = Timestamp(seconds=seconds)
+    try:
+        return str(ts.ToJsonString())[:-1]
+    except ValueError:
+        return None
