@@ -124,24 +124,9 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
     def receive_nowait(self) -> T:
         if self._closed:
             raise trio.ClosedResourceError
-        items = self._items
-        if self._head == len(items):
+        if self._head == len(self._items):
             raise trio.WouldBlock
-        head = self._head
-        value = items[head]
-        head += 1
-        if head == len(items):
-            items.clear()
-            head = 0
-        elif head >= COMPACT_AFTER and 2 * head >= len(items):
-            # A lane that never quite catches up never empties the list:
-            # what it read goes, at most half the list's length at a time.
-            del items[:head]
-            head = 0
-        else:
-            items[head - 1] = None  # type: ignore[assignment]  # not held once read
-        self._head = head
-        return value
+        return self.take_nowait()  # type: ignore[return-value]  # one waits: not None
 
     def waiting(self) -> bool:
         """A message waits to be read (``receive`` would return at once)."""
@@ -155,12 +140,14 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
         head = self._head
         if self._closed or head == len(items):
             return None
-        value = items[head]  # as receive_nowait, without its call
+        value = items[head]
         head += 1
         if head == len(items):
             items.clear()
             head = 0
         elif head >= COMPACT_AFTER and 2 * head >= len(items):
+            # A lane that never quite catches up never empties the list:
+            # what it read goes, at most half the list's length at a time.
             del items[:head]
             head = 0
         else:
