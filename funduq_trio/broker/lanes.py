@@ -140,6 +140,19 @@ class LaneHost(Protocol):
         ...
 
 
+async def _park(waiters: list[trio.lowlevel.Task]) -> None:
+    """Wait in ``waiters`` until rescheduled (as ``Event.wait`` would:
+    cancellable while it waits, a cancel takes the task out of the list)."""
+    task = trio.lowlevel.current_task()
+    waiters.append(task)
+
+    def abort(_: RaiseCancelT) -> Abort:
+        waiters.remove(task)
+        return Abort.SUCCEEDED
+
+    await trio.lowlevel.wait_task_rescheduled(abort)
+
+
 class Feed:
     """A live run's events for its followers, in seq order. Events land here
     only after the record has them (persisted before relayed).
@@ -198,34 +211,18 @@ class Feed:
         cancellable while it waits)."""
         if self.closed:
             return
-        followers = self._followers
-        if followers is None:
-            followers = self._followers = []
-        task = trio.lowlevel.current_task()
-        followers.append(task)
-
-        def abort(_: RaiseCancelT) -> Abort:
-            followers.remove(task)
-            return Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        if self._followers is None:
+            self._followers = []
+        await _park(self._followers)
 
     async def wait_closed(self) -> None:
         """Wait for the close only: a waiter that reads no events is not woken
         by each publish (a caller awaiting the run's end, ``Lane.ended``)."""
         if self.closed:
             return
-        closing = self._closing
-        if closing is None:
-            closing = self._closing = []
-        task = trio.lowlevel.current_task()
-        closing.append(task)
-
-        def abort(_: RaiseCancelT) -> Abort:
-            closing.remove(task)
-            return Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        if self._closing is None:
+            self._closing = []
+        await _park(self._closing)
 
 
 class ThreadLanes:
