@@ -40,6 +40,10 @@ from funduq_trio.identity import Identity, new_nonce, provider_connect_payload
 SAFETY = 60.0
 HTTP_TIMEOUT = 30.0
 
+#: One sequence for every offer any `Peer` of this process receives: the
+#: order the peers' receive loops read them in (across links and peers).
+_offers_received = itertools.count(1)
+
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 ACTIVE = frozenset({"queued", "offering", "running", "cancelling", "input-required"})
 SETTLED_OR_PAUSED = TERMINAL | {"input-required"}
@@ -418,6 +422,9 @@ class Offer:
     #: A cancel names a run, not an offer, so one that came before the offer
     #: was about an earlier play (e.g. a late acceptance) -- never this one.
     cancelled: bool = False
+    #: Where this offer falls among every offer this process's peers read
+    #: (`_offers_received`), taken when the receive loop read its frame.
+    received: int = field(default_factory=lambda: next(_offers_received))
 
     @property
     def run_id(self) -> str:

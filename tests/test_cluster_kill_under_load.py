@@ -15,6 +15,8 @@ import trio
 from reliability_support import (
     A2A,
     TERMINAL,
+    Offer,
+    Peer,
     event_types,
     eventually,
     get_run,
@@ -29,6 +31,28 @@ THREADS = 6
 #: Runs each link of the provider holds at once: the rest of a busy
 #: thread's runs wait queued on its leader.
 ROOM = 2
+
+
+def offers_seen(thread: str, peer: Peer, twin: Peer) -> list[str]:
+    """Every offer of ``thread`` the provider's links read, in the order they
+    were read: its text, run, the node it came from (``peer``'s first link is
+    A's, its later ones B's; ``twin``'s are C's), the answers given and
+    whether a cancel followed -- kept in a failure's message as evidence."""
+
+    def via(offer: Offer) -> str:
+        if offer.link.peer is twin:
+            return f"C#{offer.link.number}"
+        return f"{'A' if offer.link.number == 1 else 'B'}#{offer.link.number}"
+
+    offers = sorted(
+        (o for o in [*peer.offer_log, *twin.offer_log] if o.thread_id == thread),
+        key=lambda o: o.received,
+    )
+    return [
+        f"#{o.received} {o.text!r} {o.run_id} via {via(o)} answers={o.answers}"
+        + (" cancelled" if o.cancelled else "")
+        for o in offers
+    ]
 
 
 async def send_until_taken(caller: A2A, text: str, thread: str) -> str:
@@ -122,8 +146,19 @@ async def test_a_node_killed_under_load_loses_nothing_and_keeps_every_threads_or
 
         for thread, ids in runs.items():
             record = (await http_c.get(f"/threads/{thread}")).json()
-            assert [r["runId"] for r in record["runs"]] == ids, thread
-            assert script.offered[thread] == sent[thread], thread  # once each, in order
+            evidence = "\n".join(
+                [
+                    f"thread {thread}",
+                    f"sent: {list(zip(sent[thread], ids, strict=True))}",
+                    f"recorded: {[(r['runId'], r.get('status')) for r in record['runs']]}",
+                    f"script.offered: {script.offered[thread]}",
+                    "offers read (every link, in reading order):",
+                    *offers_seen(thread, peer, twin),
+                ]
+            )
+            assert [r["runId"] for r in record["runs"]] == ids, evidence
+            # once each, in order
+            assert script.offered[thread] == sent[thread], evidence
             users = [m["content"] for m in record["messages"] if m["role"] == "user"]
             assert users == sent[thread], thread
         for run_id in every_run:
