@@ -326,10 +326,102 @@ async def test_a_run_sent_as_a_thread_is_handed_over_comes_after_its_queued_runs
         assert [names.get(r, r) for r in offered_runs(pb.link)] == ["q1", "q2", "y"]
 
 
+async def test_a_run_sharing_a_commit_with_the_claim_of_its_thread_comes_after_its_queued_runs(
+    tmp_path, store
+):
+    """A node died leaving a thread with two queued runs, its lease lapsed.
+    On B a run X arrives for the thread while B's lease task is renewing;
+    the renewal's commit is held until X's insert is queued, so the lease
+    task's claim of the thread lands in the same group commit as X's insert,
+    behind it. The insert must be refused as the dead node's (its lease was
+    not B's when the insert took it), not recorded because the claim, later
+    in the same transaction, made the lease B's by the commit: recorded so,
+    X was laned as it arrived, ahead of the queued runs the claim's restore
+    then laned behind it. The provider must be offered the queued runs
+    first, then X, each once (docs/cluster.md, "How ownership moves")."""
+    assert stores.database_url is not None
+    tid = "thread_of_the_dead"
+    identity = Identity.generate()
+    key = identity.public_key_hex
+    # A lease lasting an hour: no periodic round claims anything meanwhile.
+    async with broker(tmp_path, lease_seconds=3600) as b:
+        # The provider holds one run at a time, and holds one: X, when laned,
+        # waits for room rather than writing its offer.
+        heard, wake = trio.Event(), b._wake_lease_task
+
+        def woken() -> None:
+            heard.set()
+            wake()
+
+        b._wake_lease_task = woken  # type: ignore[method-assign]
+        pb = await Provider(b, identity=identity, max_concurrent=1).attach()
+        await heard.wait()
+        await quiet()
+        busy = await b.start_run(key, AGENT, user_input("busy", "m0"))
+        await take(b, pb, busy.run_id)
+        async with run_store(PostgresStore(stores.database_url, node="node_dead")) as dead:
+            new = (tid, key, AGENT, None, time.time())
+            await dead.insert_run(_row("run_queued_1", tid, key), new, [])
+            await dead.insert_run(_row("run_queued_2", tid, key), None, [])
+        with psycopg.connect(stores.database_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
+                "WHERE thread_id = %s",
+                (tid,),
+            )
+
+        # The lease task's renewal is held in its commit (the writer with it).
+        at_gate, gate = trio.Event(), trio.Event()
+        commit = b.record._commit
+
+        async def held_commit(ops: Any) -> None:
+            if not gate.is_set():
+                at_gate.set()
+                await gate.wait()
+            await commit(ops)
+
+        b.record._commit = held_commit  # type: ignore[method-assign]
+        tickets: dict[str, str] = {}
+
+        async def send_x() -> None:
+            ticket = await b.start_run(key, AGENT, user_input("x", "x"), thread_id=tid)
+            tickets["x"] = ticket.run_id
+
+        async with trio.open_nursery() as nursery:
+            b._claim_now.set()  # a lease round: its renewal waits at the gate
+            await at_gate.wait()
+            nursery.start_soon(send_x)
+            await quiet()  # X's insert is queued behind the renewal
+            assert not b.leases.leads(tid)
+            gate.set()  # the renewal commits; the claim joins X's insert
+        b.record._commit = commit  # type: ignore[method-assign]
+        assert b.leases.leads(tid)
+
+        pb.stream(busy.run_id, *reply(busy.run_id, busy.thread_id))
+        assert (await b.wait_run(busy.run_id))["status"] == "completed"
+        order = ["run_queued_1", "run_queued_2", tickets["x"]]
+        thread = await b.get_thread(tid)
+        assert thread is not None
+        assert [r["runId"] for r in thread["runs"]] == order
+        # The busy run's offer came first; then the thread's, one at a time.
+        await finish_offers_in_turn_after(b, pb, 1, len(order), tid)
+        await quiet()
+        names = {tickets["x"]: "x"}
+        offered = [names.get(r, r) for r in offered_runs(pb.link)][1:]
+        assert offered == ["run_queued_1", "run_queued_2", "x"]
+
+
 async def finish_offers_in_turn(funduq: Any, provider: Any, most: int, thread_id: str) -> None:
     """The provider takes each offer as it comes, one at a time, and
     finishes it; up to `most` offers, fewer when nothing more is offered."""
-    for n in range(most):
+    await finish_offers_in_turn_after(funduq, provider, 0, most, thread_id)
+
+
+async def finish_offers_in_turn_after(
+    funduq: Any, provider: Any, first: int, most: int, thread_id: str
+) -> None:
+    """`finish_offers_in_turn` from the link's offer number `first` on."""
+    for n in range(first, first + most):
         await quiet()
         if len(provider.link.offers) <= n:
             break  # nothing more is offered

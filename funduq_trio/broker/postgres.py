@@ -447,12 +447,19 @@ _NEEDS_LEADER_SQL = ",".join(f"'{s}'" for s in NEEDS_LEADER)
 #: Take the thread's lease when nobody holds it; keep (extend) it when it is
 #: ours. Held by another node, lapsed or not, it is left alone: taking a
 #: lapsed lease over is a claim (``claim_threads``), since the new leader
-#: must first settle what the old one left (docs/cluster.md).
+#: must first settle what the old one left (docs/cluster.md). And the write
+#: is refused there and then (``funduq_lead`` raises), not only by the
+#: check before COMMIT: a claim of this node's, queued after the write but
+#: sharing its group commit, would make the lease ours by then, and the run
+#: would be recorded -- and laned as it arrived -- ahead of the runs the old
+#: leader left queued, which that claim's restore lanes after it. (Refused
+#: here, too, before a stale leader's messages meet the new leader's.)
 _TAKE_LEASE = (
     "INSERT INTO thread_leases (thread_id, node, expires_at) "
     "VALUES (?, ?, now() + make_interval(secs => ?)) "
     "ON CONFLICT (thread_id) DO UPDATE SET expires_at = EXCLUDED.expires_at "
-    "WHERE thread_leases.node = EXCLUDED.node"
+    "WHERE CASE WHEN thread_leases.node = EXCLUDED.node THEN true "
+    "ELSE funduq_lead(thread_leases.thread_id, EXCLUDED.node) IS NULL END"
 )
 
 
