@@ -411,6 +411,63 @@ async def test_a_run_sharing_a_commit_with_the_claim_of_its_thread_comes_after_i
         assert offered == ["run_queued_1", "run_queued_2", "x"]
 
 
+async def test_a_run_taking_over_a_thread_it_thought_its_own_reads_its_history_again(
+    tmp_path, store
+):
+    """A leads a thread (its run held) and stops renewing; B takes the
+    thread over, and a run sent to B adds a message to it; then B's lease
+    lapses too. A, which never heard it had lost the thread, is sent a run
+    for it: the insert is refused (B's lease), so A takes the thread over
+    and records the run -- with the history B added read again, not A's
+    stale copy of it, whose next message position B's message took (a
+    duplicate key and a 500, before). Every message ends in the thread, in
+    the order sent."""
+    identity = Identity.generate()
+    async with (
+        broker(tmp_path / "a", lease_seconds=3600) as a,
+        broker(tmp_path / "b", lease_seconds=3600) as b,
+    ):
+        pa = await Provider(a, identity=identity).attach()
+        pb = await Provider(b, identity=identity).attach()
+        await quiet()
+        first = await a.start_run(pa.key, AGENT, user_input("one", "m1"))
+        tid = first.thread_id
+        await take(a, pa, first.run_id)
+        assert a.leases.leads(tid)
+
+        def lapse() -> None:
+            assert stores.database_url is not None
+            with psycopg.connect(stores.database_url, autocommit=True) as conn:
+                conn.execute(
+                    "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
+                    "WHERE thread_id = %s",
+                    (tid,),
+                )
+
+        lapse()  # A renews no more (its next round is an hour on)
+        b._claim_now.set()
+        await quiet()
+        await committed(b)
+        assert (await b.get_run(first.run_id))["status"] == "failed"  # orphaned
+        second = await b.start_run(pb.key, AGENT, user_input("two", "m2"), thread_id=tid)
+        await take(b, pb, second.run_id)
+        assert b.leases.leads(tid)
+        lapse()  # and B's lease lapses in turn
+        assert a.leases.leads(tid)  # as far as A knows
+
+        third = await a.start_run(pa.key, AGENT, user_input("three", "m3"), thread_id=tid)
+        assert a.leases.leads(tid)
+        assert (await a.get_run(second.run_id))["status"] == "failed"  # orphaned by A
+        thread = await a.get_thread(tid)
+        assert thread is not None
+        assert [r["runId"] for r in thread["runs"]] == [
+            first.run_id,
+            second.run_id,
+            third.run_id,
+        ]
+        assert [m["id"] for m in thread["messages"]] == ["m1", "m2", "m3"]
+
+
 async def finish_offers_in_turn(funduq: Any, provider: Any, most: int, thread_id: str) -> None:
     """The provider takes each offer as it comes, one at a time, and
     finishes it; up to `most` offers, fewer when nothing more is offered."""

@@ -1032,6 +1032,22 @@ class Funduq:
                             f"thread {tid} is led by another funduq node right now; retry "
                             "on the node that leads it"
                         ) from None
+                    if new_thread is None:
+                        # Another node led the thread until now and may have
+                        # added to its history; this node's copy (kept while
+                        # the run was being taken: the restore leaves a
+                        # reserved thread's alone) is read again, and the
+                        # run's messages placed after what is there now.
+                        self._unsee(info, messages, new=False)
+                        self._thread_info.pop(tid, None)
+                        fresh = await self._thread(tid)
+                        if fresh is None or (fresh.key, fresh.agent) != (key, agent):
+                            raise UnknownThread(f"unknown thread {tid!r} for this agent") from None
+                        if not authority.may_write(fresh.segment_head, head, key):
+                            raise NotAuthorized(authority.NOT_AUTHORIZED) from None
+                        info = fresh
+                        messages = self._new_messages(info, run_input, run_id)
+                        row["input"] = dumps(run_input)
                     takeovers = tuple(self._takeovers)
                     await self.record.insert_run(row, new_thread, messages)
             except BaseException as exc:
@@ -1974,9 +1990,9 @@ class Funduq:
         found = await self.record.thread(thread_id)
         if found is None:
             return None
-        (key, agent, head), ids = found
+        (key, agent, head), ids, position = found
         info = self._thread_info.setdefault(
-            thread_id, ThreadInfo(thread_id, key, agent, head, set(ids), len(ids))
+            thread_id, ThreadInfo(thread_id, key, agent, head, set(ids), position)
         )
         return info
 

@@ -497,7 +497,10 @@ class Store(Protocol):
 
     async def thread(
         self, thread_id: str
-    ) -> tuple[tuple[str, str, str | None], list[str]] | None: ...
+    ) -> tuple[tuple[str, str, str | None], list[str], int] | None:
+        """((provider key, agent, segment head), message ids, the next
+        message's position) of a thread."""
+        ...
 
     async def messages(self, thread_id: str, limit: int | None) -> list[str]: ...
 
@@ -1598,8 +1601,13 @@ class SqlStore:
             ),
         )
 
-    async def thread(self, thread_id: str) -> tuple[tuple[str, str, str | None], list[str]] | None:
-        """((provider key, agent, segment head), message ids) of a thread."""
+    async def thread(
+        self, thread_id: str
+    ) -> tuple[tuple[str, str, str | None], list[str], int] | None:
+        """((provider key, agent, segment head), message ids, the next
+        message's position) of a thread. The next position is one past the
+        last one taken, not the count: positions a run that was not recorded
+        could not give back (``Funduq._unsee``) leave gaps."""
         if not keepable(thread_id):
             return None
 
@@ -1610,15 +1618,14 @@ class SqlStore:
             ).fetchone()
             if row is None:
                 return None
-            ids = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT message_id FROM messages WHERE thread_id=?", (thread_id,)
-                ).fetchall()
-            ]
-            return tuple(row), ids
+            found = conn.execute(
+                "SELECT message_id, idx FROM messages WHERE thread_id=?", (thread_id,)
+            ).fetchall()
+            return tuple(row), [r[0] for r in found], max((r[1] + 1 for r in found), default=0)
 
-        return cast(tuple[tuple[str, str, str | None], list[str]] | None, await self.read(read))
+        return cast(
+            tuple[tuple[str, str, str | None], list[str], int] | None, await self.read(read)
+        )
 
     async def messages(self, thread_id: str, limit: int | None) -> list[str]:
         """A thread's messages (JSON) in order: all, or the last ``limit``."""
