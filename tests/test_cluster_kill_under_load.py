@@ -82,7 +82,7 @@ async def test_a_node_killed_under_load_loses_nothing_and_keeps_every_threads_or
     thread's runs are recorded, and were offered, once each in the order
     they were sent."""
     async with provider_on_a_and_c(tmp_path, room=ROOM, reconnect_delay=0.05) as (
-        (a, b, _),
+        (a, b, c),
         peer,
         twin,
         script,
@@ -154,6 +154,13 @@ async def test_a_node_killed_under_load_loses_nothing_and_keeps_every_threads_or
                     f"script.offered: {script.offered[thread]}",
                     "offers read (every link, in reading order):",
                     *offers_seen(thread, peer, twin),
+                    "the nodes' takeovers and letting go:",
+                    *(
+                        f"{node.name}: {line}"
+                        for node in (a, b, c)
+                        for line in node.lines
+                        if "took over" in line or "letting go" in line or "handed over" in line
+                    ),
                 ]
             )
             assert [r["runId"] for r in record["runs"]] == ids, evidence
