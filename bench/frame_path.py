@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import json
 import tempfile
 import time
@@ -168,7 +169,11 @@ async def load(
                 return
             await front.send(message)
 
-        ws = AsgiWebsocket(receive, send, lambda: None)
+        if "receive_message" in inspect.signature(AsgiWebsocket).parameters:
+            # As the server's front offers it (its receive_message extension).
+            ws = AsgiWebsocket(receive, send, lambda: None, receive_message=front.receive_message)
+        else:  # a tree before it
+            ws = AsgiWebsocket(receive, send, lambda: None)
         link = ProviderSocket(ws, funduq)
         message = {
             "threadId": "t",
