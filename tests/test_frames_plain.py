@@ -246,11 +246,63 @@ def test_parse_json_is_json_loads_on_deep_and_binary_input() -> None:
         assert _parse(text) == _loads(text)
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(_frames(), min_size=1, max_size=4))
-def test_a_batch_is_read_as_the_long_road_reads_it(items: list[dict[str, Any]]) -> None:
-    # A batch goes the long road, on the object `receive` parsed already.
-    text = json.dumps({"kind": "batch", "frames": items})
+#: Batch items the short readers never take: each must be read (answered,
+#: refused, or closing the link) as the long road reads it.
+_ODD_ITEMS = st.sampled_from(
+    [
+        None,
+        3,
+        "report",
+        [],
+        {},
+        {"kind": "batch", "frames": [{"kind": "finish", "runId": "r1"}]},
+        {"kind": "connect", "id": "c1"},
+        {"kind": "connect"},
+        {"kind": "register", "id": "g1", "agents": [{"name": "echo"}]},
+        {"kind": "register", "id": "g2"},
+        {"kind": "nope", "id": "n1"},
+        {"kind": "nope"},
+        {"kind": "err", "id": "o1", "reason": "bad offer"},
+        {"kind": "err", "reason": "about something"},
+        {"kind": "query.threadMessages", "id": "q1", "threadId": "t1"},
+    ]
+)
+
+
+@st.composite
+def _batches(draw: st.DrawFn) -> dict[str, Any]:
+    """A batch of bent frames and odd items; sometimes the batch itself bent
+    (an extra key, no items, items that are not a list)."""
+    items = draw(st.lists(st.one_of(_frames(), _frames(), _ODD_ITEMS), min_size=1, max_size=5))
+    obj: dict[str, Any] = {"kind": "batch", "frames": items}
+    bend = draw(st.integers(min_value=0, max_value=7))
+    if bend == 0:
+        obj["extra"] = 1
+    elif bend == 1:
+        obj["frames"] = []
+    elif bend == 2:
+        obj["frames"] = {"0": items[0]}
+    elif bend == 3:
+        del obj["frames"]
+    return obj
+
+
+@settings(max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches(), st.booleans())
+def test_a_batch_is_read_as_the_long_road_reads_it(obj: dict[str, Any], ascii_only: bool) -> None:
+    # A batch's items take the short readers where they can (LinkMachine._batch):
+    # the same actions, in the same order, and the same state after, as the
+    # long road's (every item through pydantic), a closing item included.
+    text = json.dumps(obj, ensure_ascii=ascii_only)
     short, long = _attached(), _attached()
-    assert short.receive(text) == long._read(text)
+    assert short.take(text) == long._read(text)
     assert _state(short) == _state(long)
+
+
+def test_a_batch_past_the_item_limit_is_refused_as_the_long_road_refuses_it() -> None:
+    finish = {"kind": "finish", "runId": "r1"}
+    for count in (f.MAX_BATCH_FRAMES, f.MAX_BATCH_FRAMES + 1):
+        text = json.dumps({"kind": "batch", "frames": [finish] * count})
+        short, long = _attached(), _attached()
+        assert short.take(text) == long._read(text)
+        assert _state(short) == _state(long)

@@ -58,18 +58,35 @@ class WsprotoAlone(WebSocket):
         await self._take_events()
 
 
+async def by_message(socket: WebSocket) -> dict[str, Any]:
+    """`receive` as the provider link reads it (web/provider_socket.py's
+    AsgiWebsocket): the message itself when `receive_message` has one,
+    `receive` when it answers None."""
+    message = await socket.receive_message()
+    if type(message) is str:
+        return {"type": "websocket.receive", "text": message}
+    if message is not None:
+        return {"type": "websocket.receive", "bytes": message}
+    return await socket.receive()
+
+
 async def serve(
-    kind: type[WebSocket], chunks: list[bytes], limit: int, close_after: int | None
+    kind: type[WebSocket],
+    chunks: list[bytes],
+    limit: int,
+    close_after: int | None,
+    messages: bool = False,
 ) -> tuple[list[dict[str, Any]], bytes, int]:
     """What the app receives, what the client is sent, and the close code,
-    with the app itself closing after `close_after` messages if set."""
+    with the app itself closing after `close_after` messages if set;
+    `messages`: the app reads through `receive_message` (`by_message`)."""
     wire = Wire(chunks, limit)
     socket = kind(wire, b"key")  # type: ignore[arg-type]
     socket.ws = WsConnection(ConnectionType.SERVER)
     socket.state = "open"
     received: list[dict[str, Any]] = []
     while True:
-        message = await socket.receive()
+        message = await (by_message(socket) if messages else socket.receive())
         received.append(message)
         if message["type"] == "websocket.disconnect":
             break
@@ -88,6 +105,9 @@ def both_roads(
     split = trio.run(serve, WebSocket, chunks, limit, close_after)
     alone = trio.run(serve, WsprotoAlone, chunks, limit, close_after)
     assert split == alone
+    # The provider link's road (the receive_message extension) hands over
+    # the same messages, disconnect and writes as `receive` does.
+    assert trio.run(serve, WebSocket, chunks, limit, close_after, True) == split
     return split
 
 

@@ -40,6 +40,12 @@ log = logging.getLogger("funduq_trio.server")
 #: ``{"type": FLUSH}``, which writes the owed rest.
 SEND_NOW_EXTENSION = "funduq.websocket.send_now"
 FLUSH = "funduq.websocket.flush"
+#: The ASGI extension by which an app that only reads messages (the provider
+#: link) takes the next one as its text (or bytes) itself, without
+#: ``receive``'s dict: its value is `WebSocket.receive_message`, which
+#: answers None where ``receive`` has something else to say (the app then
+#: calls ``receive``, which says it).
+RECEIVE_MESSAGE_EXTENSION = "funduq.websocket.receive_message"
 
 
 def is_upgrade(request: h11.Request) -> bool:
@@ -80,7 +86,11 @@ async def serve_websocket(conn: Connection, request: h11.Request) -> None:
     protocols = headers.get(b"sec-websocket-protocol", b"")
     scope["subprotocols"] = [p.strip() for p in protocols.decode("latin-1").split(",") if p.strip()]
     socket = WebSocket(conn, headers[b"sec-websocket-key"])
-    scope["extensions"] = {"websocket.http.response": {}, SEND_NOW_EXTENSION: socket.send_now}
+    scope["extensions"] = {
+        "websocket.http.response": {},
+        SEND_NOW_EXTENSION: socket.send_now,
+        RECEIVE_MESSAGE_EXTENSION: socket.receive_message,
+    }
     try:
         await conn.app(scope, socket.receive, socket.send)
     except Exception:
@@ -114,7 +124,8 @@ class WebSocket:
         self.state = "new"
         self.close_code = 1006
         self._frames = ClientFrames(conn.limits.max_message_bytes)
-        self._ready: deque[dict[str, Any]] = deque()
+        #: Messages parsed and not yet handed over (their text or bytes).
+        self._ready: deque[str | bytes] = deque()
         self._parts: list[Any] = []  # the message being assembled
         self._size = 0
         self._denial: list[Any] = []  # status, headers, body parts
@@ -124,22 +135,12 @@ class WebSocket:
             self.state = "connecting"
             return {"type": "websocket.connect"}
         while True:
-            if self._ready:
-                return self._ready.popleft()
-            if self.state == "open" or self.state == "closing":
-                data = await self.conn.read()
-                if data:
-                    items = self._frames.feed(data)
-                    del data
-                    if len(items) == 1 and type(items[0]) is str:
-                        # One whole text message in the read (a provider's
-                        # message when the server keeps up): handed over as it is.
-                        return {"type": "websocket.receive", "text": items[0]}
-                    await self._take_items(items)
-                else:
-                    assert self.ws is not None
-                    self.ws.receive_data(None)  # the end, reported as 1006
-                    await self._take_events()
+            if self._ready or self.state == "open" or self.state == "closing":
+                message = await self.receive_message()
+                if type(message) is str:
+                    return {"type": "websocket.receive", "text": message}
+                if message is not None:
+                    return {"type": "websocket.receive", "bytes": message}
             elif self.state == "connecting" or self.state == "answered":
                 # Before the handshake's answer only the caller's end can
                 # come; bytes it sends early wait in h11 for the socket.
@@ -151,6 +152,30 @@ class WebSocket:
             else:
                 return {"type": "websocket.disconnect", "code": self.close_code}
 
+    async def receive_message(self) -> str | bytes | None:
+        """The next message, as the text or bytes `receive` would hand over
+        in a ``websocket.receive``; None when `receive` has anything else to
+        say next (a disconnect), or before the handshake's answer."""
+        ready = self._ready
+        while True:
+            if ready:
+                return ready.popleft()
+            if self.state != "open" and self.state != "closing":
+                return None
+            data = await self.conn.read()
+            if data:
+                items = self._frames.feed(data)
+                del data
+                if len(items) == 1 and type(items[0]) is str:
+                    # One whole text message in the read (a provider's
+                    # message when the server keeps up): handed over as it is.
+                    return items[0]
+                await self._take_items(items)
+            else:
+                assert self.ws is not None
+                self.ws.receive_data(None)  # the end, reported as 1006
+                await self._take_events()
+
     async def _take(self, data: bytes) -> None:
         """Parse `data`: the common frames here, the rest by wsproto, in order."""
         await self._take_items(self._frames.feed(data))
@@ -161,10 +186,8 @@ class WebSocket:
         ready = self._ready
         for item in items:
             kind = type(item)
-            if kind is str:
-                ready.append({"type": "websocket.receive", "text": item})
-            elif kind is bytes:
-                ready.append({"type": "websocket.receive", "bytes": item})
+            if kind is str or kind is bytes:
+                ready.append(item)  # type: ignore[arg-type]  # (not a ForWsproto)
             else:
                 assert self.ws is not None and isinstance(item, ForWsproto)
                 self.ws.receive_data(item.data)
@@ -187,9 +210,9 @@ class WebSocket:
                 if event.message_finished:
                     parts, self._parts, self._size = self._parts, [], 0
                     if type(event) is TextMessage:
-                        self._ready.append({"type": "websocket.receive", "text": "".join(parts)})
+                        self._ready.append("".join(parts))
                     else:
-                        self._ready.append({"type": "websocket.receive", "bytes": b"".join(parts)})
+                        self._ready.append(b"".join(parts))
             elif isinstance(event, Ping):
                 # After our close only the peer's close is awaited: a ping
                 # then goes unanswered (wsproto refuses to send a pong).

@@ -93,11 +93,13 @@ __all__ = [
     "Report",
     "BATCH_BYTES",
     "Outgoing",
+    "batch_item",
     "batch_items",
     "message_frames",
     "read_message",
     "batch_text",
     "parse_json",
+    "plain_batch",
     "plain_finish",
     "plain_ok",
     "plain_report",
@@ -594,6 +596,7 @@ def decode_object(obj: Any, *, accept: frozenset[str] | None = None) -> Frame:
 _REPORT_KEYS = frozenset({"kind", "runId", "event", "seq"})
 _FINISH_KEYS = frozenset({"kind", "runId"})
 _OK_KEYS = frozenset({"kind", "id", "verdict", "reason", "payload"})
+_BATCH_KEYS = frozenset({"kind", "frames"})
 
 
 def _plain_id(value: Any) -> TypeGuard[str]:
@@ -637,15 +640,31 @@ def plain_ok(obj: dict[str, Any]) -> tuple[str, str | None, str | None] | None:
     return frame_id, verdict, reason
 
 
+def plain_batch(obj: dict[str, Any]) -> list[Any] | None:
+    """A `batch`'s items, or None: decode it the long way. (Each item is
+    still the machine's to read, as `batch_items` reads it.)"""
+    if not obj.keys() <= _BATCH_KEYS or obj.get("kind") != "batch":
+        return None
+    items = obj.get("frames")
+    if type(items) is not list or not 0 < len(items) <= MAX_BATCH_FRAMES:
+        return None
+    return items
+
+
 def batch_items(batch: Batch, *, accept: frozenset[str]) -> Iterator[Frame | FrameError]:
     """A batch's frames in order, each decoded on its own: the frame, or the
     FrameError that item would have raised alone, its reason prefixed
     `batch item N: ` so the sender can find it."""
     for index, item in enumerate(batch.frames):
-        try:
-            yield decode_object(item, accept=accept)
-        except FrameError as exc:
-            yield FrameError(f"batch item {index}: {exc.reason}", exc.id)
+        yield batch_item(index, item, accept=accept)
+
+
+def batch_item(index: int, item: Any, *, accept: frozenset[str]) -> Frame | FrameError:
+    """A batch's item `index` decoded on its own (`batch_items`)."""
+    try:
+        return decode_object(item, accept=accept)
+    except FrameError as exc:
+        return FrameError(f"batch item {index}: {exc.reason}", exc.id)
 
 
 def message_frames(

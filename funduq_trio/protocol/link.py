@@ -419,7 +419,49 @@ class LinkMachine:
                 ok = f.plain_ok(obj)
                 if ok is not None:
                     return self._answer(*ok)
+            elif kind == "batch":
+                items = f.plain_batch(obj)
+                if items is not None:
+                    return self._batch(items)
         return self._read(text, obj)
+
+    def _batch(self, items: list[Any]) -> list[Action]:
+        """A batch's items (`frames.plain_batch`), each taken as `take`
+        takes a lone frame: the commonest short of a model, the others the
+        long road's way (`frames.batch_item`), in order, nothing after the
+        item that closed the link. The same actions as `_read`'s
+        (tests/test_frames_plain.py holds the two equal)."""
+        actions: list[Action] = []
+        for index, item in enumerate(items):
+            if type(item) is dict:
+                kind = item.get("kind")
+                if kind == "report":
+                    report = f.plain_report(item)
+                    if report is not None:
+                        actions.append(Report(*report))
+                        continue
+                elif kind == "finish":
+                    run_id = f.plain_finish(item)
+                    if run_id is not None:
+                        actions.append(Finish(run_id))
+                        continue
+                elif kind == "ok":
+                    ok = f.plain_ok(item)
+                    if ok is not None:
+                        actions += self._answer(*ok)
+                        if self.state is State.CLOSED:
+                            break
+                        continue
+            frame = f.batch_item(index, item, accept=f.IN_BATCH)
+            if not isinstance(frame, f.FrameError):
+                actions += self._receive_attached(frame)
+            elif frame.id is not None:
+                actions.append(Send(f.Err(id=frame.id, reason=frame.reason)))
+            else:
+                actions += self._violation(frame.reason)
+            if self.state is State.CLOSED:
+                break
+        return actions
 
     def _read(self, text: str | bytes, parsed: Any = f._UNPARSED) -> list[Action]:
         """An attached link's message, every frame decoded in full (the

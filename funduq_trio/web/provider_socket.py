@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -58,6 +58,8 @@ CLOSE_GRACE_SECONDS = 2.0
 #: (front/websocket.py); elsewhere (hypercorn) every frame goes through the
 #: writer task.
 SEND_NOW_EXTENSION = "funduq.websocket.send_now"
+#: funduq's front hands a message over as its text, without an ASGI dict.
+RECEIVE_MESSAGE_EXTENSION = "funduq.websocket.receive_message"
 _FLUSH_MESSAGE = {"type": "funduq.websocket.flush"}
 _CLOSE_REASON_BYTES = 123  # RFC 6455: a close reason fits in 123 bytes
 
@@ -508,8 +510,12 @@ class AsgiWebsocket:
         send: Any,
         gone: Callable[[], None],
         send_now: Callable[[dict[str, Any]], str] | None = None,
+        receive_message: Callable[[], Awaitable[str | bytes | None]] | None = None,
     ) -> None:
         self._receive = receive
+        #: The server hands a message over as itself (funduq's front, see
+        #: front/websocket.py; not hypercorn): None means ``receive`` says what came.
+        self._receive_message = receive_message
         self._send = send
         self._gone = gone
         self._send_now = send_now
@@ -524,6 +530,10 @@ class AsgiWebsocket:
         await self._send({"type": "websocket.accept"})
 
     async def receive(self) -> str | bytes:
+        if self._receive_message is not None:
+            message = await self._receive_message()
+            if message is not None:
+                return message
         while True:
             event = await self._receive()
             kind = event["type"]
@@ -567,8 +577,14 @@ def register_provider_socket(app: Any, funduq_getter: Callable[[], Any]) -> None
             await quart_asgi(scope, receive, send)
             return
         with trio.CancelScope() as handler:
-            send_now = scope.get("extensions", {}).get(SEND_NOW_EXTENSION)
-            ws = AsgiWebsocket(receive, send, handler.cancel, send_now)
+            extensions = scope.get("extensions") or {}
+            ws = AsgiWebsocket(
+                receive,
+                send,
+                handler.cancel,
+                extensions.get(SEND_NOW_EXTENSION),
+                extensions.get(RECEIVE_MESSAGE_EXTENSION),
+            )
             try:
                 await serve_provider_link(ws, funduq_getter(), waiting)
             except Exception:  # noqa: BLE001 - logged by ProviderSocket.run; the server closes
