@@ -15,14 +15,17 @@ callers' side of a run"):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from unittest import mock
 
+import pytest
 import trio
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_front_plain import _PLAIN_POST, _cut, _request, _Scripted
 
+from funduq_trio.broker.quiet import Quiet
 from funduq_trio.front import http as front_http
 from funduq_trio.web import asgi_doors, sse
 
@@ -115,3 +118,153 @@ def test_a_body_at_hand_is_given_once_and_a_long_one_not_at_all() -> None:
 
 def test_the_front_and_the_doors_name_the_same_body_extension() -> None:
     assert front_http.BODY_NOW_EXTENSION == sse.BODY_NOW_EXTENSION
+
+
+# ------------------------------------------------ a wait that would end at once
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["head", "keepalive"])
+async def test_a_due_quiet_is_one_whose_wait_would_end_at_once(
+    autojump_clock: trio.testing.MockClock, first: bool
+) -> None:
+    """`Quiet.due` says True exactly when a wait entered in `waiting()`
+    would end at once without news (trio cancels a scope entered at or past
+    its deadline); False when it would wait."""
+    quiet = Quiet()
+    for ahead, gone in [(0, False), (-1, False), (1, False), (1, True)]:
+        now = trio.current_time()
+        quiet.deadline, quiet.gone = now + ahead, gone
+        due = quiet.due()
+        with quiet.waiting() as scope:
+            if first:
+                await trio.Event().wait()
+            else:
+                await trio.sleep(0.5)
+        ended_at_once = scope.cancelled_caught and trio.current_time() == now
+        assert due == ended_at_once, (ahead, gone)
+
+
+@st.composite
+def _timelines(draw: Any) -> Any:
+    """When a run's events are published (seconds after the stream
+    opens), its keepalive interval, and when (if ever) the caller goes."""
+    # No two things at one instant (a publish, a keepalive's deadline, the
+    # hang-up, the end at 40): which of two goes first is trio's to choose.
+    moments = [0, 0.5, 5.25, 14.125, 16.0625, 31.03]
+    times = sorted(draw(st.lists(st.sampled_from(moments), max_size=5)))
+    interval = draw(st.sampled_from([0, 15]))
+    gone = draw(st.sampled_from([None, 0.25, 15.375, 20.3]))
+    return times, interval, gone
+
+
+async def _stream_of_a_feed(timeline: Any, use_due: bool) -> list[tuple[float, bytes, bool]]:
+    """A stream (`SseStream` on a quiet, the front's hang-up extension)
+    of `Funduq.follow` over a live feed publishing at `timeline`'s times;
+    what it sent and when. `use_due` False is the general road: every
+    wait made."""
+    from funduq_trio.broker.funduq import Funduq
+    from funduq_trio.broker.lanes import Feed
+
+    times, interval, gone_at = timeline
+    feed = Feed(1)
+    lane = mock.Mock(feed=feed, status="completed")
+    facade = mock.Mock(lanes={"r": lane}, settings=mock.Mock(max_feed_events=None), watchers=None)
+    sent: list[tuple[float, bytes, bool]] = []
+    callback: list[Any] = []
+    start = trio.current_time()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(
+            (trio.current_time() - start, message.get("body", b""), message.get("more_body"))
+        )
+
+    def on_hangup(fn: Any) -> None:
+        callback[:] = [fn]
+
+    quiet = Quiet()
+
+    async def bursts() -> Any:
+        follow = Funduq.follow(facade, "r", quiet=quiet)
+        async with contextlib.aclosing(follow) as each:
+            async for burst in each:
+                yield [{"seq": seq} for seq, _ in burst]
+
+    async def publisher() -> None:
+        for seq, at in enumerate(times, 1):
+            await trio.sleep_until(start + at)
+            feed.publish(seq, {"type": "X"})
+        await trio.sleep_until(start + 40)
+        feed.close()
+
+    async def leaver() -> None:
+        await trio.sleep_until(start + gone_at)
+        if callback and callback[0] is not None:
+            callback[0]()
+
+    due = Quiet.due if use_due else (lambda self: False)
+    with mock.patch.object(Quiet, "due", due):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher)
+            if gone_at is not None:
+                nursery.start_soon(leaver)
+            scope = {"type": "http", "extensions": {sse.HANGUP_EXTENSION: on_hangup}}
+            await sse.SseStream(bursts(), interval).serve(None, send, quiet, scope)  # type: ignore[arg-type]
+            nursery.cancel_scope.cancel()
+    return sent
+
+
+@settings(max_examples=300, deadline=None)
+@given(_timelines())
+@example(([], 15, None))
+@example(([0], 15, None))
+@example(([0.5, 16.0625], 15, 20.3))
+def test_a_stream_of_a_feed_sends_the_same_with_waits_that_end_at_once_skipped(
+    timeline: Any,
+) -> None:
+    """The same chunks at the same times, head first, keepalives at their
+    interval, nothing after a hang-up: with `Quiet.due` asked, and with
+    every wait made (the general road)."""
+
+    def run(use_due: bool) -> Any:
+        return trio.run(
+            _stream_of_a_feed, timeline, use_due, clock=trio.testing.MockClock(autojump_threshold=0)
+        )
+
+    assert by_instant(run(True)) == by_instant(run(False))
+
+
+def by_instant(sent: list[tuple[float, bytes, bool]]) -> list[tuple[float, bytes, bool]]:
+    """What went out at each instant, and whether the stream went on: how
+    one instant's bytes are cut into writes is the scheduler's (a publisher
+    and the stream at the same instant interleave either way)."""
+    merged: list[tuple[float, bytes, bool]] = []
+    for at, body, more in sent:
+        if merged and merged[-1][0] == at:
+            merged[-1] = (at, merged[-1][1] + body, more)
+        else:
+            merged.append((at, body, more))
+    return merged
+
+
+async def test_a_streams_head_costs_no_wait(autojump_clock: trio.testing.MockClock) -> None:
+    """The first wait of a stream whose run has no event yet is not made
+    (its head goes at once); every later wait for news is, as before."""
+    real = Quiet.waiting
+
+    async def follows_waits(use_due: bool) -> Any:
+        entered: list[float] = []
+        start = trio.current_time()
+
+        def waiting(self: Quiet, deadline: float | None = None) -> trio.CancelScope:
+            if deadline is None:  # a wait for news (a write's is `waiting(inf)`)
+                entered.append(trio.current_time() - start)
+            return real(self, deadline)
+
+        with mock.patch.object(Quiet, "waiting", waiting):
+            sent = await _stream_of_a_feed(([5.25], 15, None), use_due)
+        return entered, [(t, body) for t, body, _ in sent]
+
+    entered, sent = await follows_waits(True)
+    assert sent[:2] == [(0, b""), (5.25, b'data: {"seq":1}\n\n')]
+    assert entered == [0, 5.25, 20.25, 35.25]
+    assert await follows_waits(False) == ([0, 0, 5.25, 20.25, 35.25], sent)

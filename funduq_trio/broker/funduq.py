@@ -1350,6 +1350,10 @@ class Funduq:
                     break
                 if quiet is None:
                     await feed.changed()
+                elif quiet.due():
+                    # The wait would end at once (`Quiet.due`; the feed is
+                    # open, so `changed` would park): its empty burst now.
+                    yield []
                 else:
                     with quiet.waiting() as scope:
                         await feed.changed()
