@@ -16,6 +16,8 @@ callers' side of a run"):
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -268,3 +270,78 @@ async def test_a_streams_head_costs_no_wait(autojump_clock: trio.testing.MockClo
     assert sent[:2] == [(0, b""), (5.25, b'data: {"seq":1}\n\n')]
     assert entered == [0, 5.25, 20.25, 35.25]
     assert await follows_waits(False) == ([0, 0, 5.25, 20.25, 35.25], sent)
+
+
+# ------------------------------------------ an A2A stream's record once followed
+
+
+def _endings(run_id: str, thread_id: str) -> dict[str, list[dict[str, Any]]]:
+    from broker_support import interrupt_finish, reply
+
+    started = {"type": "RUN_STARTED", "threadId": thread_id, "runId": run_id}
+    return {
+        "completed": reply(run_id, thread_id, "é\u2028 hi", deltas=3),
+        "failed": [started, {"type": "RUN_ERROR", "message": "boom"}],
+        "no end event": [started],
+        "paused": [started, interrupt_finish(run_id, thread_id, [{"id": "i1", "reason": "ok?"}])],
+    }
+
+
+@pytest.mark.parametrize(
+    "ending", ["completed", "failed", "no end event", "paused", "answered", "cancelled"]
+)
+@pytest.mark.parametrize("keep", [None, 2])
+async def test_the_record_after_a_follow_is_the_records(
+    tmp_path: Path, ending: str, keep: int | None
+) -> None:
+    """`Funduq.record_after` answers exactly what `get_run` reads, however
+    the run ended (settled, failed, cancelled, paused) and whether or not
+    its lane kept every event; from the lane itself only when the lane
+    settled the run and saw all of it."""
+    from broker_support import accepted, broker, quiet
+
+    overrides = {} if keep is None else {"max_feed_events": keep}
+    async with broker(tmp_path, **overrides) as funduq:
+        from broker_support import Provider as FakeProvider
+
+        p = await FakeProvider(funduq).attach()
+        ticket = await accepted(funduq, p)
+        lane = funduq.lane_of(ticket.run_id)
+        assert lane is not None
+        reads: list[str] = []
+        real = funduq.record.get_run
+
+        async def counted(run_id: str) -> Any:
+            reads.append(run_id)
+            return await real(run_id)
+
+        followed = []
+
+        async def follower() -> None:
+            async with contextlib.aclosing(funduq.follow(ticket.run_id)) as bursts:
+                async for burst in bursts:
+                    followed.extend(burst)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follower)
+            await quiet()
+            if ending == "cancelled":
+                await funduq.cancel_run(ticket.run_id)
+                p.session.finish(ticket.run_id)
+            else:
+                events = _endings(ticket.run_id, ticket.thread_id)
+                p.stream(ticket.run_id, *events["paused" if ending == "answered" else ending])
+            await quiet()
+        if ending == "answered":  # the pause is over before the record is asked for
+            from broker_support import resume_input
+
+            await funduq.answer_pause(ticket.run_id, resume_input("i1"))
+            await quiet()
+        with mock.patch.object(funduq.record, "get_run", counted):
+            after = await funduq.record_after(ticket.run_id, lane)
+        assert after == await funduq.get_run(ticket.run_id)
+        assert json.dumps(after) == json.dumps(await funduq.get_run(ticket.run_id))
+        from_lane = ending not in ("paused", "answered") and lane.feed.first_seq == 1
+        assert reads == ([] if from_lane else [ticket.run_id])
+        if ending == "completed":  # five events and more: a feed of two kept the last
+            assert from_lane == (keep is None)

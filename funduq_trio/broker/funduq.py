@@ -1457,6 +1457,31 @@ class Funduq:
         lane = self.lanes.get(run_id)
         return lane.snapshot() if lane is not None else None
 
+    def lane_of(self, run_id: str) -> Lane | None:
+        """The lane that holds the run here now (None: none): taken before a
+        follow, and handed back to `record_after` once it has ended."""
+        return self.lanes.get(run_id)
+
+    async def record_after(self, run_id: str, lane: Lane | None) -> dict[str, Any] | None:
+        """The run's record once a follow of it has ended (`get_run`'s
+        answer). When `lane` (`lane_of`'s, before the follow) has ended
+        having settled the run -- a terminal status, recorded (one terminal
+        status per run: nothing can change it now), and every event seen
+        -- that is the lane's own snapshot, as `wait_run` answers: no read
+        of the record, no trip to its thread. Otherwise (a pause, which an
+        answer may end at any moment; a lane that let go; a record that
+        failed its last write) the record's."""
+        if (
+            lane is not None
+            and lane.feed.closed
+            and lane.status in st.TERMINAL
+            and lane.recorded == lane.status
+        ):
+            run = lane.snapshot()
+            if run is not None:
+                return run
+        return await self.get_run(run_id)
+
     async def wait_run(self, run_id: str) -> dict[str, Any]:
         """Wait until the run settles or pauses; return its record."""
         lane = self.lanes.get(run_id)
