@@ -345,3 +345,81 @@ async def test_the_record_after_a_follow_is_the_records(
         assert reads == ([] if from_lane else [ticket.run_id])
         if ending == "completed":  # five events and more: a feed of two kept the last
             assert from_lane == (keep is None)
+
+
+# --------------------------------------------- a batch's commit, waited for
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from(["wait", "wait cancelled"]), st.integers(0, 3)),
+            st.tuples(st.just("cancel"), st.integers(0, 3)),
+            st.just(("set", 0)),
+        ),
+        max_size=10,
+    )
+)
+def test_a_commit_is_waited_for_as_an_event_is(script: list[tuple[str, int]]) -> None:
+    """`store.Committed` (a batch's commit) against `trio.Event`: the same
+    waiters woken, the same cancelled, whatever the order of waits, cancels
+    and the set; `wait_uncancellable` is never cancelled while it waits,
+    and its task's cancel comes at its next checkpoint."""
+    from funduq_trio.broker.store import Committed
+
+    def run(kind: Any, uncancellable: bool) -> Any:
+        async def main() -> Any:
+            done = kind()
+            outcome: dict[int, str] = {}
+            scopes: dict[int, trio.CancelScope] = {}
+
+            async def waiter(i: int, scope: trio.CancelScope) -> None:
+                with scope:
+                    if uncancellable:
+                        await done.wait_uncancellable()
+                        outcome[i] = "woken"
+                        await trio.lowlevel.checkpoint()
+                        outcome[i] = "not cancelled after"
+                    else:
+                        await done.wait()
+                        outcome[i] = "woken"
+                if scope.cancelled_caught:
+                    outcome[i] = outcome.get(i, "") + " cancelled"
+
+            async with trio.open_nursery() as nursery:
+                for what, i in script:
+                    if what.startswith("wait") and i not in scopes:
+                        scopes[i] = trio.CancelScope()
+                        if what == "wait cancelled":
+                            scopes[i].cancel()
+                        nursery.start_soon(waiter, i, scopes[i])
+                    elif what == "cancel" and i in scopes:
+                        scopes[i].cancel()
+                    elif what == "set":
+                        done.set()
+                    await trio.testing.wait_all_tasks_blocked()
+                done.set()
+            return outcome
+
+        return trio.run(main)
+
+    assert run(Committed, False) == run(trio.Event, False)
+    if any(what == "wait cancelled" for what, _ in script):
+        return  # (the uncancellable wait's own check, below, takes waits not yet cancelled)
+    shielded = run(Committed, True)
+    started: set[int] = set()
+    cancelled: set[int] = set()  # while it waited: before the set
+    is_set = False
+    for what, i in script:
+        if what == "wait":
+            started.add(i)
+        elif what == "cancel" and i in started and not is_set:
+            cancelled.add(i)
+        elif what == "set":
+            is_set = True
+    # Every waiter waits until the set; one cancelled meanwhile gets its
+    # cancel at its next checkpoint, not in the wait.
+    assert shielded == {
+        i: "woken cancelled" if i in cancelled else "not cancelled after" for i in started
+    }

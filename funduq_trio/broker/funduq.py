@@ -1096,20 +1096,23 @@ class Funduq:
         insert's error is raised once the lane is gone."""
         inserted = self.record.insert_run_soon(row, new_thread, messages)
         lane = self._start_lane(row, arriving=True, inserted=inserted)
-        # Shielded: the run is laned now, so a caller gone meanwhile must not
-        # leave the door's bookkeeping undone for a run that goes on (its
-        # cancel reaches it at its next checkpoint). The writer is woken by
-        # the lane (its first write, or its wait for the insert's verdict, or
-        # its end), not here: so the two share a commit. (Catching Cancelled
-        # to shield only once cancelled saves the scope, but a Cancelled
-        # caught and not re-raised is what trio asks code never to do.)
-        with trio.CancelScope(shield=True):
-            try:
-                await inserted.durable()
-                await inserted.result()
-            except BaseException:
+        # Not cancellable: the run is laned now, so a caller gone meanwhile
+        # must not leave the door's bookkeeping undone for a run that goes on
+        # (its cancel reaches it at its next checkpoint). The wait's own
+        # shield (`durable_uncancellable`), not a shielded scope: that cost
+        # as much as the wait (bench/README.md, "The callers' side of a
+        # run"). The writer is woken by the lane (its first write, or its
+        # wait for the insert's verdict, or its end), not here: so the two
+        # share a commit. (Catching Cancelled to shield only once cancelled
+        # would save the scope too, but a Cancelled caught and not re-raised
+        # is what trio asks code never to do.)
+        await inserted.durable_uncancellable()
+        try:
+            await inserted.result()  # committed: at hand, no checkpoint
+        except BaseException:
+            with trio.CancelScope(shield=True):
                 await lane.ended()
-                raise
+            raise
 
     async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
         """The URLs of the nodes a caller's request about this thread (None: a
