@@ -206,7 +206,9 @@ async def load(data_dir: Path, args: argparse.Namespace, counts: Counts | None) 
 
     from funduq_trio.front.websocket import WebSocket
 
-    settings = Settings(data_dir=data_dir)
+    # An offer's answer may take long under callgrind on a busy host: not
+    # withdrawn for that (the deadline's value costs nothing while it holds).
+    settings = Settings(data_dir=data_dir, deliver_timeout_seconds=600.0)
     async with Funduq(settings) as funduq:
         app = create_app(funduq).asgi_app
         wire = Wire()
