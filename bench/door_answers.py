@@ -104,6 +104,12 @@ class StubFunduq:
     async def get_run(self, run_id: str) -> dict[str, Any]:
         return self.record
 
+    def lane_of(self, run_id: str) -> Any:
+        return None
+
+    async def record_after(self, run_id: str, lane: Any) -> dict[str, Any]:
+        return self.record  # a stream's record once followed (as get_run's)
+
     def live_record(self, run_id: str) -> dict[str, Any]:
         """The run as it arrived (a stream's opening snapshot)."""
         return {**self.record, "status": "queued", "events": [], "completedAt": None}

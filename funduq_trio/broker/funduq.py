@@ -1112,20 +1112,23 @@ class Funduq:
         insert's error is raised once the lane is gone."""
         inserted = self.record.insert_run_soon(row, new_thread, messages)
         lane = self._start_lane(row, arriving=True, inserted=inserted)
-        # Shielded: the run is laned now, so a caller gone meanwhile must not
-        # leave the door's bookkeeping undone for a run that goes on (its
-        # cancel reaches it at its next checkpoint). The writer is woken by
-        # the lane (its first write, or its wait for the insert's verdict, or
-        # its end), not here: so the two share a commit. (Catching Cancelled
-        # to shield only once cancelled saves the scope, but a Cancelled
-        # caught and not re-raised is what trio asks code never to do.)
-        with trio.CancelScope(shield=True):
-            try:
-                await inserted.durable()
-                await inserted.result()
-            except BaseException:
+        # Not cancellable: the run is laned now, so a caller gone meanwhile
+        # must not leave the door's bookkeeping undone for a run that goes on
+        # (its cancel reaches it at its next checkpoint). The wait's own
+        # shield (`durable_uncancellable`), not a shielded scope: that cost
+        # as much as the wait (bench/README.md, "The callers' side of a
+        # run"). The writer is woken by the lane (its first write, or its
+        # wait for the insert's verdict, or its end), not here: so the two
+        # share a commit. (Catching Cancelled to shield only once cancelled
+        # would save the scope too, but a Cancelled caught and not re-raised
+        # is what trio asks code never to do.)
+        await inserted.durable_uncancellable()
+        try:
+            await inserted.result()  # committed: at hand, no checkpoint
+        except BaseException:
+            with trio.CancelScope(shield=True):
                 await lane.ended()
-                raise
+            raise
 
     async def _where_to(self, key: str, agent: str, thread_id: str | None) -> list[str]:
         """The URLs of the nodes a caller's request about this thread (None: a
@@ -1366,6 +1369,10 @@ class Funduq:
                     break
                 if quiet is None:
                     await feed.changed()
+                elif quiet.due():
+                    # The wait would end at once (`Quiet.due`; the feed is
+                    # open, so `changed` would park): its empty burst now.
+                    yield []
                 else:
                     with quiet.waiting() as scope:
                         await feed.changed()
@@ -1468,6 +1475,31 @@ class Funduq:
         from the run as it arrived. None when no lane has the whole record."""
         lane = self.lanes.get(run_id)
         return lane.snapshot() if lane is not None else None
+
+    def lane_of(self, run_id: str) -> Lane | None:
+        """The lane that holds the run here now (None: none): taken before a
+        follow, and handed back to `record_after` once it has ended."""
+        return self.lanes.get(run_id)
+
+    async def record_after(self, run_id: str, lane: Lane | None) -> dict[str, Any] | None:
+        """The run's record once a follow of it has ended (`get_run`'s
+        answer). When `lane` (`lane_of`'s, before the follow) has ended
+        having settled the run -- a terminal status, recorded (one terminal
+        status per run: nothing can change it now), and every event seen
+        -- that is the lane's own snapshot, as `wait_run` answers: no read
+        of the record, no trip to its thread. Otherwise (a pause, which an
+        answer may end at any moment; a lane that let go; a record that
+        failed its last write) the record's."""
+        if (
+            lane is not None
+            and lane.feed.closed
+            and lane.status in st.TERMINAL
+            and lane.recorded == lane.status
+        ):
+            run = lane.snapshot()
+            if run is not None:
+                return run
+        return await self.get_run(run_id)
 
     async def wait_run(self, run_id: str) -> dict[str, Any]:
         """Wait until the run settles or pauses; return its record."""

@@ -404,6 +404,11 @@ class Lane:
     def status(self) -> Status:
         return self.machine.status
 
+    @property
+    def recorded(self) -> Status:
+        """The status the record has from this lane (its last move written)."""
+        return self._recorded
+
     async def ended(self) -> None:
         """Wait until the lane has ended (the run settled or paused)."""
         await self.feed.wait_closed()

@@ -48,6 +48,16 @@ class Quiet:
         self._scope = scope
         return scope
 
+    def due(self) -> bool:
+        """A wait entered now would end at once without news: its deadline
+        has passed (as a stream's first wait's has, so that its head goes
+        out at once) or the caller has gone. A source whose wait always
+        parks (`Funduq.follow`'s on a live feed) asks this first and yields
+        its empty burst without the wait: the scope, the trip through the
+        scheduler and the `Cancelled` it would cost end the same way (trio
+        cancels a scope entered at or past its deadline)."""
+        return self.gone or trio.current_time() >= self.deadline
+
     def end(self) -> None:
         """The caller has gone: the wait in progress ends now."""
         self.gone = True

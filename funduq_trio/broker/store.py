@@ -199,12 +199,67 @@ def _chained(fn: Callable[[Any], T], first: _Write) -> Callable[[Any], T]:
     return apply
 
 
+class Committed:
+    """A batch's commit, said as a `trio.Event` says it (`is_set`, `set`,
+    `wait`: a checkpoint when already set, else a cancellable park), with
+    one wait more: `wait_uncancellable`, a park that a cancellation does not
+    end (trio's own shield for a single wait: its abort fails, and the
+    cancel is delivered at the task's next checkpoint). A door that must
+    see its run's insert through waits so without a shielded cancel scope,
+    which costs as much as the two task steps of the wait it guards
+    (bench/README.md, "The callers' side of a run")."""
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: list[trio.lowlevel.Task] | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        waiters, self._waiters = self._waiters, None
+        if waiters:
+            for task in waiters:
+                trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        if self._set:
+            await trio.lowlevel.checkpoint()
+            return
+        task = trio.lowlevel.current_task()
+        waiters = self._waiters
+        if waiters is None:
+            waiters = self._waiters = []
+        waiters.append(task)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            waiters.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def wait_uncancellable(self) -> None:
+        """Return once set, whatever cancels the task meanwhile (no
+        checkpoint when already set)."""
+        if self._set:
+            return
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(trio.lowlevel.current_task())
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+
 class PendingWrite:
     """A write queued with ``write_soon``: its result, once its batch committed."""
 
     __slots__ = ("_op", "_done", "_record")
 
-    def __init__(self, record: SqlStore, op: _Write, done: trio.Event) -> None:
+    def __init__(self, record: SqlStore, op: _Write, done: Committed) -> None:
         self._record, self._op, self._done = record, op, done
 
     @property
@@ -222,6 +277,11 @@ class PendingWrite:
         writer: ``result`` then has the verdict at hand."""
         if not self._done.is_set():
             await self._done.wait()
+
+    async def durable_uncancellable(self) -> None:
+        """`durable`, a cancellation meanwhile left for the task's next
+        checkpoint (as in a shielded scope, without one)."""
+        await self._done.wait_uncancellable()
 
     async def result(self) -> Any:
         """The write's result (or its error raised), once its batch committed.
@@ -619,7 +679,7 @@ class SqlStore:
         #: exist with funduq's schema already, else NoRecord (the admin command).
         self.create = create
         self._pending: list[_Write] = []
-        self._batch_done = trio.Event()
+        self._batch_done = Committed()
         self._wake = trio.Event()
         self._read_limiter = trio.CapacityLimiter(self.READERS)
         #: The last write failed for the medium's sake (see ``record_trouble``):
@@ -807,7 +867,7 @@ class SqlStore:
         ops, done = self._pending, self._batch_done
         if not ops:
             return
-        self._pending, self._batch_done = [], trio.Event()
+        self._pending, self._batch_done = [], Committed()
         try:
             await self._commit(ops)
         except Exception as exc:

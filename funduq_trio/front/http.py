@@ -59,6 +59,12 @@ HANGUP_EXTENSION = "funduq.hangup"
 #: `Exchange.send_now`. When it answers "owed", the app's next `send`
 #: must follow (an empty body with more to come will do).
 SEND_NOW_EXTENSION = "funduq.http.send_now"
+#: The ASGI extension by which the app takes a request's body when it is
+#: all at hand, without awaiting (`web/asgi_doors.py`'s run POSTs): its
+#: value is `Exchange.body_now`, taking the most bytes the app accepts.
+#: What it gives is what `receive` would have returned at once as the
+#: body's one message; None leaves the body to `receive`.
+BODY_NOW_EXTENSION = "funduq.http.body_now"
 #: What `Connection.write_now` did with the bytes it was given.
 SENT, OWED, BUSY = "sent", "owed", "busy"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -244,6 +250,7 @@ class Connection:
                     del request
                 extensions = scope["extensions"]
                 extensions[SEND_NOW_EXTENSION] = exchange.send_now
+                extensions[BODY_NOW_EXTENSION] = exchange.body_now
                 if self.hangups is not None:
                     extensions[HANGUP_EXTENSION] = exchange.on_hangup
                 del extensions
@@ -508,6 +515,28 @@ class Exchange:
             self._body_done = True
             return {"type": "http.request", "body": body, "more_body": False}
         return {"type": "http.request", "body": body, "more_body": True}
+
+    def body_now(self, limit: int) -> bytes | None:
+        """The `BODY_NOW_EXTENSION`: a plain request's whole body, when all
+        of it came with the head (or was read since) and it is at most
+        `limit` bytes, taken as `receive` takes it (the body read, the next
+        `receive` waits for the caller to go). None otherwise -- a body
+        still to come, h11's road, too long, already taken, or the caller
+        gone: `receive` reads it then, as it would have. A read that needs
+        no wait needs no deadline: the app's body timeout is for the rest."""
+        body = self._body
+        if (
+            body is None
+            or self.body_left
+            or len(body) > limit
+            or self._body_done
+            or self.ended
+            or self.conn.gone
+        ):
+            return None
+        self._body = None
+        self._body_done = True
+        return body
 
     def on_hangup(self, callback: Callable[[], None] | None) -> None:
         """The ASGI hang-up extension (`HANGUP_EXTENSION`): `callback` is

@@ -503,13 +503,16 @@ class A2ADoor:
                 while not await _reopened(funduq, run_id, projection.last_seq, quiet):
                     yield []
             while True:
+                lane = funduq.lane_of(run_id)
                 follow = funduq.follow(run_id, after_seq=projection.last_seq, quiet=quiet)
                 async with contextlib.aclosing(follow) as bursts:
                     async for burst in bursts:
                         frames = _frames(call, projection, burst, plain)
                         if frames or not burst:  # an empty burst: the quiet's wait ended
                             yield frames
-                record = await funduq.get_run(run_id)
+                # The lane's own record when it settled the run (no read).
+                record = await funduq.record_after(run_id, lane)
+                del lane
                 if record is None:
                     raise TaskNotFoundError(data={"taskId": run_id})
                 # What the record has beyond the follow (a run reopened while

@@ -47,7 +47,15 @@ from .a2a_door import A2ADoor, payload_too_large
 from .agui_door import run_post
 from .cors import allowed_origin, cors_headers
 from .exchange import Answer, AsgiRequest, Json, Streamed, error_answer
-from .sse import HANGUP_EXTENSION, SSE_CONTENT_TYPE, SSE_HEADERS, Receive, Send, SseStream
+from .sse import (
+    BODY_NOW_EXTENSION,
+    HANGUP_EXTENSION,
+    SSE_CONTENT_TYPE,
+    SSE_HEADERS,
+    Receive,
+    Send,
+    SseStream,
+)
 
 log = logging.getLogger("funduq_trio.web")
 
@@ -270,17 +278,28 @@ def serve_doors(app: Any, funduq: Any, dumps: Callable[[Any], str]) -> Any:
         end) is stopped when its caller disconnects meanwhile; one that does
         not is let finish."""
         try:
-            on_hangup = (scope.get("extensions") or {}).get(HANGUP_EXTENSION) if waits else None
+            extensions = scope.get("extensions") or {}
+            on_hangup = extensions.get(HANGUP_EXTENSION) if waits else None
+            # The body all at hand (funduq's front, the common POST): taken
+            # without a wait, so without the deadline's cancel scope.
+            body_now = extensions.get(BODY_NOW_EXTENSION)
+            body = None if body_now is None else body_now(limit)
             if on_hangup is not None:
-                # The body's timeout and the hang-up watch in one scope.
-                reply = await _read_until_hung_up(scope, receive, limit, timeout, on_hangup, door)
+                if body is not None:
+                    reply = await _until_hung_up(on_hangup, door, body)
+                else:
+                    # The body's timeout and the hang-up watch in one scope.
+                    reply = await _read_until_hung_up(
+                        scope, receive, limit, timeout, on_hangup, door
+                    )
             else:
-                body = await read_body(scope, receive, limit, timeout)
+                if body is None:
+                    body = await read_body(scope, receive, limit, timeout)
                 if not waits:
                     reply = await door(body)
                 else:
                     reply = await _until_gone(receive, door, body)
-                del body  # not held for as long as a stream lasts
+            del body  # not held for as long as a stream lasts
         except _Gone:
             return None
         except RequestEntityTooLarge as exc:

@@ -279,6 +279,12 @@ _FLUSH = {"type": "http.response.body", "body": b"", "more_body": True}
 SEND_NOW_EXTENSION = "funduq.http.send_now"
 SENT = "sent"
 
+#: The ASGI extension by which funduq's front hands over a request's body
+#: all at hand without awaiting (`front/http.py` `Exchange.body_now`):
+#: called with the most bytes taken, it gives the body or None (then the
+#: app reads it with `receive`, as on any server).
+BODY_NOW_EXTENSION = "funduq.http.body_now"
+
 Send = Callable[[Any], Awaitable[None]]
 Receive = Callable[[], Awaitable[Any]]
 
