@@ -59,12 +59,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
-from trio.lowlevel import Abort, RaiseCancelT
 
 from ..protocol import agui, carriable
 from ..protocol.statuses import Status
 from . import run_machine as rm
 from .inbox import Cancel, Finish, Gone, Inbox, Message, Report, Turn, Wake
+from .parking import park
 from .run_machine import Input, Phase, RunMachine, Verdict
 from .store import SKIPPED, NotLeader, PendingWrite, Store, iso, record_trouble
 
@@ -140,19 +140,6 @@ class LaneHost(Protocol):
         ...
 
 
-async def _park(waiters: list[trio.lowlevel.Task]) -> None:
-    """Wait in ``waiters`` until rescheduled (as ``Event.wait`` would:
-    cancellable while it waits, a cancel takes the task out of the list)."""
-    task = trio.lowlevel.current_task()
-    waiters.append(task)
-
-    def abort(_: RaiseCancelT) -> Abort:
-        waiters.remove(task)
-        return Abort.SUCCEEDED
-
-    await trio.lowlevel.wait_task_rescheduled(abort)
-
-
 class Feed:
     """A live run's events for its followers, in seq order. Events land here
     only after the record has them (persisted before relayed).
@@ -213,7 +200,7 @@ class Feed:
             return
         if self._followers is None:
             self._followers = []
-        await _park(self._followers)
+        await park(self._followers)
 
     async def wait_closed(self) -> None:
         """Wait for the close only: a waiter that reads no events is not woken
@@ -222,7 +209,7 @@ class Feed:
             return
         if self._closing is None:
             self._closing = []
-        await _park(self._closing)
+        await park(self._closing)
 
 
 class ThreadLanes:

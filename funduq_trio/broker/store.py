@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 import trio
 
 from ..protocol import statuses
+from .parking import park
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -231,17 +232,9 @@ class Committed:
         if self._set:
             await trio.lowlevel.checkpoint()
             return
-        task = trio.lowlevel.current_task()
-        waiters = self._waiters
-        if waiters is None:
-            waiters = self._waiters = []
-        waiters.append(task)
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            waiters.remove(task)
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        if self._waiters is None:
+            self._waiters = []
+        await park(self._waiters)
 
     async def wait_uncancellable(self) -> None:
         """Return once set, whatever cancels the task meanwhile (no
