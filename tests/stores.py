@@ -127,3 +127,16 @@ def record_connection(path: Path) -> Iterator[Any]:
 
     with psycopg.connect(database_url) as raw:  # commits at the end of the block
         yield PgConnection(raw)
+
+
+def lapse_leases(thread_ids: list[str]) -> None:
+    """The threads' leases run out (as a dead node's would), on the database's clock."""
+    import psycopg
+
+    assert database_url is not None
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
+            "WHERE thread_id = ANY(%s)",
+            (thread_ids,),
+        )

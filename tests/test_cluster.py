@@ -301,17 +301,6 @@ def _run_row(run_id: str, thread_id: str) -> dict[str, Any]:
     }
 
 
-def _lapse(thread_ids: list[str]) -> None:
-    """The leases' time runs out (as a dead node's would), on the database's clock."""
-    assert stores.database_url is not None
-    with psycopg.connect(stores.database_url, autocommit=True) as conn:
-        conn.execute(
-            "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
-            "WHERE thread_id = ANY(%s)",
-            (thread_ids,),
-        )
-
-
 async def test_two_nodes_claiming_lapsed_threads_never_both_win_and_the_loser_is_fenced(
     tmp_path, store
 ):
@@ -333,7 +322,7 @@ async def test_two_nodes_claiming_lapsed_threads_never_both_win_and_the_loser_is
             await b.insert_run(_run_row("run_intruder", threads[0]), None, [])
         assert await b.run_row("run_intruder") is None  # nothing recorded
 
-        _lapse(threads)
+        stores.lapse_leases(threads)
         won: dict[str, list[str]] = {}
 
         async def claim(name: str, store: PostgresStore) -> None:

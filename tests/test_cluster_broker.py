@@ -12,7 +12,6 @@ import json
 import time
 from typing import Any
 
-import psycopg
 import pytest
 import stores
 import trio
@@ -134,12 +133,7 @@ async def test_a_run_arriving_for_a_dead_nodes_thread_takes_it_over_first(tmp_pa
             assert await dead.move("run_held", "offering")
             assert await dead.move("run_held", "running")
             await dead.append_events("run_held", [(1, {"type": "RUN_STARTED"})])
-        with psycopg.connect(stores.database_url, autocommit=True) as conn:
-            conn.execute(
-                "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
-                "WHERE thread_id = %s",
-                (tid,),
-            )
+        stores.lapse_leases([tid])
 
         third = await b.start_run(pb.key, AGENT, user_input("third", "m3"), thread_id=tid)
         assert b.leases.leads(tid)
@@ -208,12 +202,7 @@ async def test_work_sent_while_a_thread_is_taken_over_waits_for_the_dead_leaders
             assert await dead.move("run_held", "running")
             for run_id in ("run_queued_1", "run_queued_2"):
                 await dead.insert_run(_row(run_id, tid, key), None, [])
-        with psycopg.connect(stores.database_url, autocommit=True) as conn:
-            conn.execute(
-                "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
-                "WHERE thread_id = %s",
-                (tid,),
-            )
+        stores.lapse_leases([tid])
 
         # The takeover's restore of the thread waits at the gate.
         at_gate, gate = trio.Event(), trio.Event()
@@ -363,12 +352,7 @@ async def test_a_run_sharing_a_commit_with_the_claim_of_its_thread_comes_after_i
             new = (tid, key, AGENT, None, time.time())
             await dead.insert_run(_row("run_queued_1", tid, key), new, [])
             await dead.insert_run(_row("run_queued_2", tid, key), None, [])
-        with psycopg.connect(stores.database_url, autocommit=True) as conn:
-            conn.execute(
-                "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
-                "WHERE thread_id = %s",
-                (tid,),
-            )
+        stores.lapse_leases([tid])
 
         # The lease task's renewal is held in its commit (the writer with it).
         at_gate, gate = trio.Event(), trio.Event()
@@ -435,16 +419,7 @@ async def test_a_run_taking_over_a_thread_it_thought_its_own_reads_its_history_a
         await take(a, pa, first.run_id)
         assert a.leases.leads(tid)
 
-        def lapse() -> None:
-            assert stores.database_url is not None
-            with psycopg.connect(stores.database_url, autocommit=True) as conn:
-                conn.execute(
-                    "UPDATE thread_leases SET expires_at = now() - interval '1 second' "
-                    "WHERE thread_id = %s",
-                    (tid,),
-                )
-
-        lapse()  # A renews no more (its next round is an hour on)
+        stores.lapse_leases([tid])  # A renews no more (its next round is an hour on)
         b._claim_now.set()
         await quiet()
         await committed(b)
@@ -452,7 +427,7 @@ async def test_a_run_taking_over_a_thread_it_thought_its_own_reads_its_history_a
         second = await b.start_run(pb.key, AGENT, user_input("two", "m2"), thread_id=tid)
         await take(b, pb, second.run_id)
         assert b.leases.leads(tid)
-        lapse()  # and B's lease lapses in turn
+        stores.lapse_leases([tid])  # and B's lease lapses in turn
         assert a.leases.leads(tid)  # as far as A knows
 
         third = await a.start_run(pa.key, AGENT, user_input("three", "m3"), thread_id=tid)
