@@ -28,6 +28,10 @@ from funduq_trio.front import FrontLimits, serve_asgi
 NET = 10.0  # a safety net against a hang, never a behaviour clock
 
 
+#: What /hold waits for before it answers (one per test that uses it).
+holding: list[trio.Event] = []
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Echoes what it was asked: method, path, query, body; fails on /fail;
     answers in two bursts on /stream; websockets echo until closed."""
@@ -64,6 +68,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             break
     if scope["path"] == "/fail":
         raise RuntimeError("the app failed on purpose")
+    if scope["path"] == "/hold":
+        await holding[0].wait()  # the test says when to answer
     if scope["path"] == "/fail-after-start":
         await send({"type": "http.response.start", "status": 200, "headers": []})
         raise RuntimeError("the app failed on purpose, its start sent")
@@ -287,6 +293,38 @@ async def test_an_idle_connection_is_closed_after_keep_alive(autojump_clock):
             began = trio.current_time()
             assert await stream.receive_some(1024) == b""
             assert 5 <= trio.current_time() - began < 6
+
+
+@pytest.mark.parametrize(
+    ("after", "paths"),
+    [
+        (b"", ["/hold"]),
+        (b"GET /x HTTP/1.1\r\nHost: t\r\n", ["/hold"]),
+        (b"GET /x", ["/hold"]),
+        (b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n", ["/hold", "/next"]),
+    ],
+)
+async def test_the_idle_bound_holds_for_bytes_already_there(autojump_clock, after, paths):
+    """The next request's bytes already in the socket as an answer ends are
+    read without the idle bound's scope (there is no wait to bound); a head
+    that is not all there is still bounded: closed after keep-alive, counted
+    from then. (A complete head read at once is served, then the idle bound
+    closes the connection as after any answer.)"""
+    holding[:] = [trio.Event()]
+    async with front(keep_alive_seconds=5) as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET /hold HTTP/1.1\r\nHost: t\r\n\r\n")
+            await stream.send_all(after)
+            await trio.testing.wait_all_tasks_blocked()  # the bytes wait in the socket
+            holding[0].set()
+            began = trio.current_time()
+            got = b""
+            with trio.fail_after(60):
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+            assert 5 <= trio.current_time() - began < 6
+    assert [json.loads(body)["path"] for _, body in answers(got)] == paths
 
 
 async def test_a_kept_connection_idle_after_its_answer_is_closed_quietly(autojump_clock, caplog):

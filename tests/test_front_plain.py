@@ -36,14 +36,25 @@ class _Scripted(front_http.Connection):
     """A connection whose reads are `pieces` in turn (then the caller's
     end) and whose writes are kept."""
 
-    def __init__(self, pieces: list[bytes], app: Any) -> None:
+    def __init__(self, pieces: list[bytes], app: Any, at_hand: list[bool] | None = None) -> None:
         super().__init__(_Unbound(), ("127.0.0.1", 1), app, FrontLimits())  # type: ignore[arg-type]
         self.pieces = list(pieces)
         self.out: list[bytes] = []
+        #: Whether each read's bytes are already here when the front looks
+        #: for the next request without waiting (`read_now`), in turn.
+        self.at_hand = list(at_hand or [])
 
     async def read(self) -> bytes:
         await trio.lowlevel.checkpoint()
         return self.pieces.pop(0) if self.pieces else b""
+
+    def read_now(self) -> bytes | None:
+        if self.at_hand and self.at_hand.pop(0):
+            return self.pieces.pop(0) if self.pieces else b""
+        return None
+
+    async def read_when_ready(self) -> bytes:
+        return await self.read()
 
     async def write(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -54,9 +65,16 @@ class _Scripted(front_http.Connection):
         pass
 
 
-def _serve(pieces: list[bytes], answers: list[dict[str, Any]], plain: bool) -> Any:
+def _serve(
+    pieces: list[bytes],
+    answers: list[dict[str, Any]],
+    plain: bool,
+    at_hand: list[bool] | None = None,
+) -> Any:
     """Serve `pieces` with an app answering request i as `answers[i]`; what
-    the app saw, the bytes written, whether the connection was gone."""
+    the app saw, the bytes written, whether the connection was gone.
+    `at_hand`: which of the reads for a next request find their bytes
+    already there (read without a wait, so outside the idle bound's scope)."""
     seen: list[Any] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -97,7 +115,7 @@ def _serve(pieces: list[bytes], answers: list[dict[str, Any]], plain: bool) -> A
             raise RuntimeError("the app fails after answering")
 
     async def main() -> Any:
-        conn = _Scripted(pieces, app)
+        conn = _Scripted(pieces, app, at_hand)
         await conn.serve()
         return conn
 
@@ -288,14 +306,32 @@ _SSE = {
     answers=st.lists(_answer(), min_size=1, max_size=3),
     how=st.sampled_from(["whole", "per request", "head and body", "cut"]),
     cuts=st.lists(st.integers(0, 400), max_size=4),
+    at_hand=st.lists(st.booleans(), max_size=6),
 )
-@example(requests=[_PLAIN_POST, _PLAIN_POST], answers=[_SSE], how="whole", cuts=[])
-@example(requests=[_PLAIN_POST, _PLAIN_POST], answers=[_SSE], how="cut", cuts=[60, 120])
+@example(requests=[_PLAIN_POST, _PLAIN_POST], answers=[_SSE], how="whole", cuts=[], at_hand=[])
+@example(requests=[_PLAIN_POST, _PLAIN_POST], answers=[_SSE], how="cut", cuts=[60, 120], at_hand=[])
+@example(
+    requests=[_PLAIN_POST, _PLAIN_POST],
+    answers=[_SSE],
+    how="cut",
+    cuts=[20, 60, 120],
+    at_hand=[True, True, True],
+)
 def test_plain_road_equals_h11(
-    requests: list[bytes], answers: list[dict[str, Any]], how: str, cuts: list[int]
+    requests: list[bytes],
+    answers: list[dict[str, Any]],
+    how: str,
+    cuts: list[int],
+    at_hand: list[bool],
 ) -> None:
+    """The plain road serves what h11's does; and a next request's bytes
+    read at once (no wait, so no idle bound's scope) serve what the same
+    bytes read after a wait do, on either road."""
     pieces = _cut(requests, how, cuts)
-    assert _serve(pieces, answers, plain=True) == _serve(pieces, answers, plain=False)
+    reference = _serve(pieces, answers, plain=False)
+    assert _serve(pieces, answers, plain=True) == reference
+    assert _serve(pieces, answers, plain=True, at_hand=at_hand) == reference
+    assert _serve(pieces, answers, plain=False, at_hand=at_hand) == reference
 
 
 def test_the_common_request_takes_the_plain_road() -> None:
@@ -318,12 +354,15 @@ def test_the_common_request_takes_the_plain_road() -> None:
         mock.patch.object(h11.Connection, "send", send),
     ):
         cut = _PLAIN_POST.index(b"\r\n\r\n") + 4
-        seen, out, gone = _serve([_PLAIN_POST, _PLAIN_POST[:cut], _PLAIN_POST[cut:]], [_SSE], True)
-    assert [r["body"] for r in seen] == [b"{}", b"{}"]
-    assert out.count(b"HTTP/1.1 200 \r\n") == 2
-    assert out.endswith(b"a\r\ndata: {}\n\n\r\n0\r\n\r\n")
-    # Only the caller's end, after the two requests, is h11's to read.
-    assert called == ["next_event"]
+        pieces = [_PLAIN_POST, _PLAIN_POST[:cut], _PLAIN_POST[cut:]]
+        for at_hand in ([], [True, True, True, True]):
+            called.clear()
+            seen, out, gone = _serve(pieces, [_SSE], True, at_hand)
+            assert [r["body"] for r in seen] == [b"{}", b"{}"]
+            assert out.count(b"HTTP/1.1 200 \r\n") == 2
+            assert out.endswith(b"a\r\ndata: {}\n\n\r\n0\r\n\r\n")
+            # Only the caller's end, after the two requests, is h11's to read.
+            assert called == ["next_event"]
 
 
 def test_plain_answer_bytes() -> None:

@@ -131,6 +131,15 @@ class Connection:
         """The next bytes from the caller, b"" at its end (or a reset)."""
         return await sockets.read(self.sock)
 
+    def read_now(self) -> bytes | None:
+        """`read`'s bytes if the caller's are here already, without its
+        checkpoints; None when they are yet to come."""
+        return sockets.read_now(self.sock)
+
+    async def read_when_ready(self) -> bytes:
+        """`read` once `read_now` found nothing: the next bytes, waited for."""
+        return await sockets.read_when_ready(self.sock)
+
     async def write(self, data: bytes) -> None:
         """Write `data` whole, or mark the caller gone. Writes never
         interleave; a write cut half way (cancelled) leaves the connection
@@ -212,15 +221,23 @@ class Connection:
             while True:
                 request: Any = None  # stays None when the connection sits idle too long
                 parsed: tuple[Any, ...] | None = None
-                with trio.move_on_after(self.limits.keep_alive_seconds):
-                    try:
-                        if own_road:
-                            parsed = await self._next_plain_request()
-                        if parsed is None:
-                            request = await self.next_event()
-                    except h11.RemoteProtocolError as exc:
-                        await self._refuse_unreadable(exc)
-                        return
+                # The next request's bytes already here (the common keep-alive
+                # caller, at load) are read without the idle bound's cancel
+                # scope: it bounds a wait, and there is none. Any wait for the
+                # rest (bytes yet to come, a head in parts) is bounded.
+                at_hand = await self._bytes_at_hand() if own_road else None
+                if at_hand is not None:
+                    parsed = self._plain_request(at_hand)
+                if parsed is None:
+                    with trio.move_on_after(self.limits.keep_alive_seconds):
+                        try:
+                            if own_road and at_hand is None:
+                                parsed = await self._next_plain_request()
+                            if parsed is None:
+                                request = await self.next_event()
+                        except h11.RemoteProtocolError as exc:
+                            await self._refuse_unreadable(exc)
+                            return
                 if parsed is not None:
                     method, target, headers, body, body_left = parsed
                     del parsed
@@ -293,13 +310,28 @@ class Connection:
                 if self.released is not None:
                     self.released()
 
-    async def _next_plain_request(self) -> tuple[Any, ...] | None:
-        """The next request, if it is a plain one whose head is all in the
-        bytes at hand (`parse_request`); else None, with every byte read
-        handed to h11, which reads the request instead."""
+    async def _bytes_at_hand(self) -> bytes | None:
+        """The next request's bytes if they are here without a wait (kept
+        from the last read, or in the socket now), taken as `read` takes
+        them (its checkpoints); None when they are yet to come."""
         data = self.buffered
-        if not data:
-            data = await self.read()
+        if data:
+            return data
+        await trio.lowlevel.checkpoint_if_cancelled()
+        data = self.read_now()
+        if data is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return data
+
+    async def _next_plain_request(self) -> tuple[Any, ...] | None:
+        """The next request once its first bytes come (`_bytes_at_hand`
+        found none): `_plain_request` of them."""
+        return self._plain_request(await self.read_when_ready())
+
+    def _plain_request(self, data: bytes) -> tuple[Any, ...] | None:
+        """The request in `data` (the next bytes of the connection), if it
+        is a plain one whose head is all there (`parse_request`); else None,
+        with every byte handed to h11, which reads the request instead."""
         self.buffered = b""
         parsed = parse_request(data, self.limits.max_header_bytes >> 1) if data else None
         if parsed is None:

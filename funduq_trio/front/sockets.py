@@ -40,22 +40,32 @@ OUT_OF_RESOURCES_PAUSE = 0.1
 async def read(sock: socket.socket) -> bytes:
     """The next bytes `sock` has, b"" at its end (or when it is reset)."""
     await checkpoint_if_cancelled()
-    waited = False
+    data = read_now(sock)
+    if data is not None:
+        await cancel_shielded_checkpoint()
+        return data
+    return await read_when_ready(sock)
+
+
+def read_now(sock: socket.socket) -> bytes | None:
+    """The bytes `sock` has now, b"" at its end (or when it is reset); None
+    when it has none yet. No checkpoint: `read` is this and trio's."""
+    try:
+        return sock.recv(READ_BYTES)
+    except BlockingIOError:
+        return None  # out of the except at once: no traceback held by a wait
+    except OSError:
+        return b""
+
+
+async def read_when_ready(sock: socket.socket) -> bytes:
+    """`read` once `read_now` found nothing: wait for the next bytes (the
+    wait is the checkpoint)."""
     while True:
-        try:
-            return_now = True
-            data = sock.recv(READ_BYTES)
-        except BlockingIOError:
-            return_now = False  # waited for below: not inside the except, whose
-            # exception would be held (with its traceback) as long as the wait
-        except OSError:
-            data = b""
-        if return_now:
-            if not waited:
-                await cancel_shielded_checkpoint()
+        await wait_readable(sock)
+        data = read_now(sock)
+        if data is not None:
             return data
-        await wait_readable(sock)  # a checkpoint of its own
-        waited = True
 
 
 async def write_all(sock: socket.socket, data: bytes) -> bool:
