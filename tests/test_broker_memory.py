@@ -122,3 +122,28 @@ async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_o
         assert p.link.offers == []
         assert ticket.run_id not in funduq.lanes
         assert thread.lanes == 0 and lane.feed.closed
+
+
+async def test_a_threads_first_lane_runs_on_the_threads_task_and_ends_with_it(tmp_path, mock_clock):
+    """A thread's first lane runs on the thread's own task, in its nursery's
+    body: a conversation's run costs one task, not two. It is still one of
+    the thread's lanes like any other: a run queued behind it gets a task of
+    its own in the nursery, and deposing the thread ends both (no lane, an
+    ended feed, no task of the thread left)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        first = await accepted(funduq, p, text="on the thread's task")
+        tid = first.thread_id
+        names = [t.name for t in all_tasks()]
+        assert names.count(f"thread {tid}") == 1
+        assert not [n for n in names if n.endswith("Lane.run")]
+        behind = await start(funduq, p, thread_id=tid, text="queued behind it")
+        assert [n for n in (t.name for t in all_tasks()) if n.endswith("Lane.run")] == [
+            "funduq_trio.broker.lanes.Lane.run"
+        ]
+        lanes = [funduq.lanes[first.run_id], funduq.lanes[behind.run_id]]
+        funduq.threads.pop(tid).depose()
+        await quiet()
+        assert first.run_id not in funduq.lanes and behind.run_id not in funduq.lanes
+        assert all(lane.feed.closed for lane in lanes)
+        assert not [t for t in all_tasks() if t.name == f"thread {tid}" or "Lane.run" in t.name]

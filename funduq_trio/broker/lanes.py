@@ -233,15 +233,22 @@ class ThreadLanes:
         """The thread's task: its lanes run in this nursery; it ends once the
         last of them has ended (the nursery's own exit waits for them). No
         lane starts here after that: the thread is forgotten by then (see
-        ``ended``), and a later run of it gets a new ThreadLanes."""
+        ``ended``), and a later run of it gets a new ThreadLanes.
+
+        The first lane runs on this task itself, in the nursery's body (so
+        in its cancel scope, as a child would be): a thread with one run at
+        a time -- a conversation's runs one after another -- costs one task
+        a run, not two (bench/README.md, "The callers' side of a run, the
+        run's start")."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if self.deposed:
                 nursery.cancel_scope.cancel()
-            assert self._starting is not None
-            for lane in self._starting:
+            starting, self._starting = self._starting, None
+            assert starting
+            for lane in starting[1:]:
                 nursery.start_soon(lane.run, name=_LANE_TASK)
-            self._starting = None
+            await starting[0].run()
 
     def depose(self) -> None:
         """Another node leads the thread now: end every lane of it here."""
