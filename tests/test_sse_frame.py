@@ -42,3 +42,22 @@ def test_sse_frame_is_what_json_dumps_wrote(data: Any, event_id: int | None) -> 
     assert sse.sse_frame(data, event_id) == _old_frame(data, event_id)
     burst = [data, sse.Identified(event_id or 1, data)]
     assert sse.burst_chunk(burst) == _old_frame(data, None) + _old_frame(data, event_id or 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=_values)
+def test_the_encoders_write_what_json_dumps_writes_with_and_without_c_speedups(
+    data: Any,
+) -> None:
+    """The C encoder made once (and the plain `JSONEncoder` where json has no
+    C speedups) write each value as `json.dumps` with the same options."""
+    for ensure_ascii in (False, True):
+        want = json.dumps(data, separators=(",", ":"), ensure_ascii=ensure_ascii)
+        assert sse._encoder(ensure_ascii)(data) == want
+        real = json.encoder.c_make_encoder  # type: ignore[attr-defined]
+        json.encoder.c_make_encoder = None  # type: ignore[attr-defined]
+        try:
+            plain = sse._encoder(ensure_ascii)
+        finally:
+            json.encoder.c_make_encoder = real  # type: ignore[attr-defined]
+        assert plain(data) == want
