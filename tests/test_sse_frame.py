@@ -45,19 +45,24 @@ def test_sse_frame_is_what_json_dumps_wrote(data: Any, event_id: int | None) -> 
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=_values)
+@given(data=_values, sort_keys=st.booleans())
 def test_the_encoders_write_what_json_dumps_writes_with_and_without_c_speedups(
-    data: Any,
+    data: Any, sort_keys: bool
 ) -> None:
     """The C encoder made once (and the plain `JSONEncoder` where json has no
-    C speedups) write each value as `json.dumps` with the same options."""
+    C speedups) write each value as `json.dumps` with the same options
+    (`web/app.py`'s `compact_dumps` gives it the app's `default`, held equal
+    in tests/test_asgi_doors.py)."""
     for ensure_ascii in (False, True):
-        want = json.dumps(data, separators=(",", ":"), ensure_ascii=ensure_ascii)
-        assert sse._encoder(ensure_ascii)(data) == want
+        want = json.dumps(
+            data, separators=(",", ":"), ensure_ascii=ensure_ascii, sort_keys=sort_keys
+        )
+        options = {"ensure_ascii": ensure_ascii, "sort_keys": sort_keys}
+        assert sse.compact_encoder(**options)(data) == want
         real = json.encoder.c_make_encoder  # type: ignore[attr-defined]
         json.encoder.c_make_encoder = None  # type: ignore[attr-defined]
         try:
-            plain = sse._encoder(ensure_ascii)
+            plain = sse.compact_encoder(**options)
         finally:
             json.encoder.c_make_encoder = real  # type: ignore[attr-defined]
         assert plain(data) == want

@@ -17,7 +17,6 @@ page. The body is ``{"error": {"status", "code", "message"[, "details"]}}``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ from .kyok import mount_kyok
 from .operator import mount_operator_page
 from .provider_socket import mount_provider_socket
 from .reads import mount_reads
-from .sse import serve_streams
+from .sse import compact_encoder, serve_streams
 
 
 def json_error(status: int, code: str, message: str, details: Any = None) -> Response:
@@ -149,9 +148,8 @@ def compact_dumps(app: Any) -> Callable[[Any], str]:
     once: `json.dumps` with any option builds a `JSONEncoder` for each call,
     and every door answer is one (tests/test_asgi_doors.py holds them equal)."""
     provider = app.json
-    return json.JSONEncoder(
-        separators=(",", ":"),
+    return compact_encoder(
         default=provider.default,
         ensure_ascii=provider.ensure_ascii,
         sort_keys=provider.sort_keys,
-    ).encode
+    )

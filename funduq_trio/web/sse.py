@@ -109,27 +109,35 @@ class Identified:
 _LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
-def _encoder(ensure_ascii: bool) -> Callable[[Any], str]:
-    """`json.dumps(data, separators=(",", ":"), ensure_ascii=...)` with the
-    encoder made once. `json.dumps` with any option builds a `JSONEncoder`
-    for each call, and `JSONEncoder.encode` builds json's C encoder (and a
-    closure) for each call too: every event a caller is sent is one
-    (bench/README.md, "The callers' side of a run, the run's start"). The C
-    encoder is made here once, with what `encode` would give it, but
-    without json's check for a cycle (as `broker/store.py`'s): what is sent
-    is parsed JSON or built by funduq, and a cycle would be a bug (it fails
-    as RecursionError, as `json.dumps(..., check_circular=False)` does)."""
+def compact_encoder(
+    *,
+    ensure_ascii: bool,
+    default: Callable[[Any], Any] | None = None,
+    sort_keys: bool = False,
+) -> Callable[[Any], str]:
+    """`json.dumps(data, separators=(",", ":"), ensure_ascii=..., default=...,
+    sort_keys=...)` with the encoder made once. `json.dumps` with any option
+    builds a `JSONEncoder` for each call, and `JSONEncoder.encode` builds
+    json's C encoder (and a closure) for each call too: every event a caller
+    is sent is one, every door's JSON answer too (bench/README.md, "The
+    callers' side of a run, the run's start"). The C encoder is made here
+    once, with what `encode` would give it, but without json's check for a
+    cycle (as `broker/store.py`'s): what is sent is parsed JSON or built by
+    funduq, and a cycle would be a bug (it fails as RecursionError, as
+    `json.dumps(..., check_circular=False)` does)."""
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:  # a Python without json's C speedups
-        return json.JSONEncoder(separators=(",", ":"), ensure_ascii=ensure_ascii).encode
+        return json.JSONEncoder(
+            separators=(",", ":"), ensure_ascii=ensure_ascii, default=default, sort_keys=sort_keys
+        ).encode
     encode = make(
         None,  # no cycle check
-        json.JSONEncoder().default,
+        json.JSONEncoder().default if default is None else default,
         json.encoder.encode_basestring_ascii if ensure_ascii else json.encoder.encode_basestring,
         None,  # no indent
         ":",
         ",",
-        False,  # sort_keys
+        sort_keys,
         False,  # skipkeys
         True,  # allow_nan
     )
@@ -140,8 +148,8 @@ def _encoder(ensure_ascii: bool) -> Callable[[Any], str]:
     return dumps
 
 
-_compact = _encoder(ensure_ascii=False)
-_compact_ascii = _encoder(ensure_ascii=True)
+_compact = compact_encoder(ensure_ascii=False)
+_compact_ascii = compact_encoder(ensure_ascii=True)
 
 
 def sse_frame(data: Any, event_id: int | None = None) -> bytes:
