@@ -73,6 +73,25 @@ OUTSIDE_FUNDUQ: list[tuple[str, str]] = [
 ]
 _FUNDUQ_WEB = re.compile(r"\(/funduq_trio/(web|broker|protocol)/")
 
+#: Inclusive stages less the samples with a frame of another below them:
+#: `serve_doors` and `serve_streams` are outer ASGI layers of every
+#: connection, the provider links' websockets included, so "door POSTs served
+#: on ASGI" and "SSE stream writes" above count the provider link too (13% of
+#: a raw run's server CPU: bench/README.md, "The callers' side of a run, the
+#: run's start"). These are the callers' side alone.
+LESS: list[tuple[str, str, str]] = [
+    (
+        "callers' requests and streams on ASGI (web/asgi_doors.py and below, no provider link)",
+        r"\(.*funduq_trio/web/asgi_doors\.py",
+        r"\(.*funduq_trio/web/provider_socket\.py",
+    ),
+    (
+        "SSE streams to callers (web/sse.py and below, no provider link)",
+        r"\(.*funduq_trio/web/sse\.py",
+        r"\(.*funduq_trio/web/provider_socket\.py",
+    ),
+]
+
 _FRAME = re.compile(r"^(.*) \((.*):(\d+)\)$")
 
 
@@ -116,6 +135,9 @@ def shares(raw: Path) -> tuple[int, dict[str, int], dict[str, int]]:
                 stages[stage] = stages.get(stage, 0) + count
         for stage, pattern in OUTSIDE_FUNDUQ:
             if re.search(pattern, text) and not _FUNDUQ_WEB.search(text):
+                stages[stage] = stages.get(stage, 0) + count
+        for stage, pattern, less in LESS:
+            if re.search(pattern, text) and not re.search(less, text):
                 stages[stage] = stages.get(stage, 0) + count
     return total, layers, stages
 
