@@ -312,7 +312,7 @@ def test_the_split_itself_holds_only_a_header_and_owes_the_rest():
     assert isinstance(out[0], ForWsproto) and out[0].data == ping[7:] and out[1] == "hello"
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 125, 2047, 2048, 2049, 70_001])
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 125, 287, 288, 289, 1025, 2048, 70_001])
 def test_unmask_is_wsprotos_unmask(n):
     payload, key = os.urandom(n), os.urandom(4)
     assert unmask(payload, key) == bytes(XorMaskerSimple(key).process(bytearray(payload)))
