@@ -1502,7 +1502,21 @@ class Funduq:
         return await self.get_run(run_id)
 
     async def wait_run(self, run_id: str) -> dict[str, Any]:
-        """Wait until the run settles or pauses; return its record."""
+        """Wait until the run settles or pauses; return its record.
+
+        Once the run's lane here has ended, its own snapshot is the answer
+        -- no read of the record -- only for what the record holds from it:
+        the lane's status is the one its last write recorded (``recorded``:
+        a terminal status, or the pause's ``input-required``, each written
+        by the move that ended the lane) and the lane saw every event.
+        Otherwise the record's: a lane whose last write failed and whose
+        fault could not be settled either ended with its machine past the
+        record (a blocking answer would show a status the record never
+        had), and a lane that let go of its run (another node leads its
+        thread now) left it to be settled there. On a shared record such a
+        run is waited for through the record (its thread's next leader
+        settles it); on one only this process writes, nothing more will
+        change it before a restart, so the record is read at once."""
         lane = self.lanes.get(run_id)
         while True:
             if lane is None and self.watchers is not None:
@@ -1510,14 +1524,17 @@ class Funduq:
             if lane is None:
                 break
             await lane.ended()
-            if self.watchers is not None and lane.status not in st.TERMINAL | {st.INPUT_REQUIRED}:
-                # The lane let go of the run unsettled (another node leads
-                # its thread now): wait for it there.
+            status = lane.status
+            if status == lane.recorded and (status in st.TERMINAL or status is st.INPUT_REQUIRED):
+                run = lane.snapshot()
+                if run is not None:
+                    return run
+                break
+            if self.watchers is not None:
+                # Unsettled here (let go, or a fault that could not be
+                # recorded): wait for the record to settle or pause it.
                 lane = None
                 continue
-            run = lane.snapshot()
-            if run is not None:
-                return run
             break
         run = await self.get_run(run_id)
         if run is None:
