@@ -177,6 +177,15 @@ class Funduq:
         #: the threads it leads (docs/cluster.md; unused on SQLite).
         self.node = new_node_id(settings.node_name)
         self.leases = Leases(self.node, settings.lease_seconds)
+        #: On a shared record, an offer leaves only while this node's own
+        #: clock says its leases cannot have lapsed (``lease_sure``): that is
+        #: the trio time the last renewal the record took was sent (or the
+        #: node started: every lease of this node id was taken after it)
+        #: plus the lease. False on a record only this process writes.
+        self.leased = False
+        self._renewal_sent_at = 0.0
+        #: Offers held back until a renewal lands (made by the first).
+        self._renewal_landed: trio.Event | None = None
         self._claim_now = trio.Event()
         #: Claims of thread leases and the restores of what they won, in
         #: flight: new work of those threads waits for them (_lane_in_order).
@@ -245,6 +254,8 @@ class Funduq:
     # -- life ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Funduq:
+        # Before any write of this node id: every lease it takes is later.
+        self._renewal_sent_at = trio.current_time()
         await self._stack.__aenter__()
         try:
             # The secrets first: a corrupt key file stops the start before the
@@ -259,6 +270,7 @@ class Funduq:
                 open_store(self.settings, node=self.node)
             )
             if self.record.shared:
+                self.leased = True
                 self.cluster_secret = await self.record.cluster_secret()
                 if not self.settings.kyok_secret:
                     # Every node mints and reads the same tokens, so a
@@ -598,12 +610,18 @@ class Funduq:
             )
         self._served_told = served
         snapshot = self.leases.snapshot()
+        # Read before the statement is queued: the record's now() that the
+        # renewal extends every lease of this node from is later still.
+        sent_at = trio.current_time()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
         self.metrics.lease_renewals += 1
         for tid in renewal.lost:
             self._lost_lead(tid)
         for tid in renewal.strays:
             self.record.release_lease(tid)
+        # After the threads lost are let go: an offer held for one of them
+        # was dropped with its lane, never woken to leave.
+        self._renewal_landed_at(sent_at)
         agents = self._served_agents()
         if agents:
             # Lapsed leases, and threads nobody leads though they have runs
@@ -717,6 +735,45 @@ class Funduq:
             self.record.release_lease(thread_id)
             # Whoever leads it next may add messages this cache would not know.
             self._thread_info.pop(thread_id, None)
+
+    def _renewal_landed_at(self, sent_at: float) -> None:
+        """A renewal sent at ``sent_at`` (trio time) was taken: every lease
+        of this node that it found is sure until ``sent_at`` plus the lease
+        (and those taken since, later still). Offers held wake."""
+        if sent_at > self._renewal_sent_at:
+            self._renewal_sent_at = sent_at
+        landed, self._renewal_landed = self._renewal_landed, None
+        if landed is not None:
+            landed.set()
+
+    async def lease_sure(self, thread_id: str) -> None:
+        """Before an offer of the thread leaves (a shared record): return
+        once this node's own clock says its lease on the thread cannot have
+        lapsed -- less than a lease since the last renewal the record took
+        was sent (the record's clock started the lease no earlier) -- at
+        once on the common road. A node stalled past that (starved of CPU,
+        its renewals unanswered) holds the offer until a renewal lands;
+        should the renewal find the thread another node's, the lane
+        waiting here is ended with the thread's (``_lost_lead``) and the
+        offer never leaves: the new leader settles the run, and offers the
+        thread's next runs, alone (docs/cluster.md, "An offer leaves within
+        the lease"). The renewal's verdict, not ``Leases.held``, decides:
+        a thread taken by a run's insert may be laned (and offered) a step
+        before the door notes the lease it took."""
+        held = False
+        while trio.current_time() >= self._renewal_sent_at + self.leases.seconds:
+            if not held:
+                held = True
+                self.metrics.offers_held += 1
+                log.warning(
+                    "thread %s: this node's lease may have lapsed (no renewal taken for "
+                    "%.1fs); its offer waits for the next renewal",
+                    thread_id,
+                    trio.current_time() - self._renewal_sent_at,
+                )
+            if self._renewal_landed is None:
+                self._renewal_landed = trio.Event()
+            await self._renewal_landed.wait()
 
     async def _take_over(self, thread_id: str) -> bool:
         """A write found the thread's lease another node's: take it over if
