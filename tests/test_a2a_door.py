@@ -528,6 +528,53 @@ async def test_pause_is_answered_by_a_message_naming_the_task_and_cannot_be_canc
             assert resumed["runInput"]["messages"][-1]["id"] == "caller-answer-1"
 
 
+@pytest.mark.parametrize("agent", ["echo", "asker"])
+async def test_a_blocking_answer_is_the_records_when_the_last_write_and_its_settle_fail(
+    tmp_path, store, agent
+) -> None:
+    """The write that ends the run (its completion, or its pause) fails, and
+    so does the fault's settle (a failure, with a RUN_ERROR): the record
+    still says `running`. The blocking SendMessage's answer must be what
+    the record says (GET /runs/{id}, and GetTask), not the `failed` the
+    lane's machine reached without recording it. On SQLite nothing settles
+    the run before a restart: the answer is `working`. On PostgreSQL the
+    thread, idle here, is claimed again by the lease round (its run needs
+    a leader) and the run settles `orphaned_by_restart`: the answer waits
+    for that, through the record."""
+    # A lease round a second (PostgreSQL): the claim comes soon.
+    async with broker_with_agents(tmp_path, lease_seconds=3) as (info, agents):
+        record = info.funduq.record
+        real_move = record.move
+        refused: list[str] = []
+
+        async def failing_move(run_id: str, to: str, **changes: Any) -> Any:
+            if len(refused) < 2 and to in ("completed", "failed", "cancelled", "input-required"):
+                refused.append(str(to))
+                raise RuntimeError("the record's write failed (a bug, not the medium)")
+            return await real_move(run_id, to, **changes)
+
+        record.move = failing_move  # type: ignore[method-assign]
+        fp = agents.provider.fingerprint
+        async with a2a_client(info, fp, agent, streaming=False) as client:
+            answer = await send_blocking(client, send_request("deploy please"))
+            recorded = await run_record(info, answer.id)
+            # The run's last write and the fault's settle were both tried.
+            ending = "completed" if agent == "echo" else "input-required"
+            assert refused == [ending, "failed"]
+            if store == "sqlite":
+                assert recorded["status"] == "running"
+                assert "failureReason" not in recorded["metadata"]
+                assert answer.status.state == S.TASK_STATE_WORKING
+            else:
+                assert recorded["status"] == "failed"
+                assert recorded["metadata"]["failureReason"] == "orphaned_by_restart"
+                assert answer.status.state == S.TASK_STATE_FAILED
+            reason = json.dumps(metadata_of(answer))
+            assert ("funduq_error" in reason) is False
+            got = await client.get_task(pb.GetTaskRequest(id=answer.id))
+            assert MessageToDict(answer) == MessageToDict(got)
+
+
 async def test_a_bound_threads_cancel_needs_authority_and_says_nothing_of_state(
     tmp_path,
 ) -> None:

@@ -608,3 +608,49 @@ async def test_a_push_connects_to_the_address_that_was_checked(tmp_path, monkeyp
             assert vetted.bodies() == expected
             assert {h["host"] for h, _ in vetted.received} == {f"rebind.example:{inside.port}"}
             assert resolver.calls > 2
+
+
+@pytest.mark.sqlite_only
+async def test_a_task_a_fault_left_unsettled_is_pushed_once_a_restart_settles_it(
+    tmp_path,
+) -> None:
+    """The run's last write fails, and so does the fault's settle: the record
+    says `running`, and on SQLite nothing changes that before a restart.
+    The deliverer pushes what the record holds and stops (rather than read
+    the record in a loop); the restart settles the run `orphaned_by_restart`
+    and the deliverer resumes from its cursor: the receiver gets every update
+    of the task once, in order, ending with `failed` -- never a status the
+    record did not hold."""
+    async with push_receiver() as receiver:
+        async with broker_with_agents(tmp_path, push_allow_private=True) as (info, agents):
+            record = info.funduq.record
+            real_move = record.move
+            refused: list[str] = []
+
+            async def failing_move(run_id: str, to: str, **changes: Any) -> Any:
+                if len(refused) < 2 and to in ("completed", "failed"):
+                    refused.append(str(to))
+                    raise RuntimeError("the record's write failed (a bug, not the medium)")
+                return await real_move(run_id, to, **changes)
+
+            record.move = failing_move  # type: ignore[method-assign]
+            task = await send_with_push(info, agents.provider.fingerprint, receiver.url)
+            assert refused == ["completed", "failed"]
+            assert task["status"]["state"] == "TASK_STATE_WORKING"  # the record's
+            await delivered_all(info)  # the deliverer stopped
+            states = [
+                b["statusUpdate"]["status"]["state"]
+                for b in receiver.bodies()
+                if "statusUpdate" in b
+            ]
+            assert not any(s in ("TASK_STATE_COMPLETED", "TASK_STATE_FAILED") for s in states)
+        async with running_server(tmp_path, push_allow_private=True) as info:
+            await receiver.wait_for(len(receiver.received) + 1)
+            await delivered_all(info)
+            async with http_client(info) as http:
+                run = (await http.get(f"/runs/{task['id']}")).json()
+            assert run["status"] == "failed"
+            assert run["metadata"]["failureReason"] == "orphaned_by_restart"
+            expected = await expected_updates(info, task["id"])
+            assert receiver.bodies() == expected
+            assert expected[-1]["statusUpdate"]["status"]["state"] == "TASK_STATE_FAILED"

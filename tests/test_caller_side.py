@@ -347,6 +347,71 @@ async def test_the_record_after_a_follow_is_the_records(
             assert from_lane == (keep is None)
 
 
+@pytest.mark.parametrize(
+    "ending", ["completed", "failed", "no end event", "paused", "cancelled", "unrecorded"]
+)
+async def test_a_blocking_answer_is_the_lanes_only_for_what_it_recorded(
+    tmp_path: Path, store: str, ending: str
+) -> None:
+    """`Funduq.wait_run` answers exactly what `get_run` then reads. From the
+    lane itself -- no read of the record -- whenever the lane recorded the
+    status it ended at (settled, failed, cancelled, paused); from the
+    record when it did not ("unrecorded": the completion's write failed,
+    and so did the fault's settle, so the lane's machine says `failed`
+    while the record says `running` -- on PostgreSQL until the next lease
+    round claims the idle thread and settles it `orphaned_by_restart`)."""
+    from broker_support import Provider as FakeProvider
+    from broker_support import accepted, broker, quiet
+
+    async with broker(tmp_path, lease_seconds=3) as funduq:
+        p = await FakeProvider(funduq).attach()
+        ticket = await accepted(funduq, p)
+        reads: list[str] = []
+        real_get, real_move = funduq.record.get_run, funduq.record.move
+
+        async def counted(run_id: str) -> Any:
+            reads.append(run_id)
+            return await real_get(run_id)
+
+        refused: list[str] = []
+
+        async def failing_move(run_id: str, to: str, **changes: Any) -> Any:
+            if ending == "unrecorded" and len(refused) < 2 and to in ("completed", "failed"):
+                refused.append(str(to))
+                raise RuntimeError("the record's write failed (a bug, not the medium)")
+            return await real_move(run_id, to, **changes)
+
+        with (
+            mock.patch.object(funduq.record, "get_run", counted),
+            mock.patch.object(funduq.record, "move", failing_move),
+        ):
+            async with trio.open_nursery() as nursery:
+                answers: list[dict[str, Any]] = []
+
+                async def wait() -> None:
+                    answers.append(await funduq.wait_run(ticket.run_id))
+
+                nursery.start_soon(wait)
+                await quiet()
+                if ending == "cancelled":
+                    await funduq.cancel_run(ticket.run_id)
+                    p.session.finish(ticket.run_id)
+                else:
+                    events = _endings(ticket.run_id, ticket.thread_id)
+                    p.stream(
+                        ticket.run_id, *events["completed" if ending == "unrecorded" else ending]
+                    )
+        (answer,) = answers
+        assert answer == await funduq.get_run(ticket.run_id)
+        if ending == "unrecorded":
+            assert refused == ["completed", "failed"]
+            assert reads == [ticket.run_id]
+            settled = "running" if store == "sqlite" else "failed"
+            assert answer["status"] == settled
+        else:
+            assert reads == []
+
+
 # --------------------------------------------- a batch's commit, waited for
 
 

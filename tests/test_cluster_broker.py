@@ -443,6 +443,95 @@ async def test_a_run_taking_over_a_thread_it_thought_its_own_reads_its_history_a
         assert [m["id"] for m in thread["messages"]] == ["m1", "m2", "m3"]
 
 
+@pytest.mark.parametrize("then", ["a renewal lands", "another node takes the thread"])
+async def test_a_node_whose_renewals_stall_past_its_lease_holds_its_offer(
+    tmp_path, store, mock_clock, then
+):
+    """Node A leads a thread: one run held by its provider (one place), two
+    queued. A's lease renewal is sent and stalls, unanswered, while A's own
+    clock passes the lease. The held run finishes and the next one's
+    `offering` write commits (the record's lease is still A's) -- but by
+    A's clock its lease may have lapsed, so the offer is held back, not
+    handed to the link. Then either A's renewal lands (the offer leaves,
+    and the thread goes on in order), or first the lease lapses and node B,
+    whose link serves the same provider's agent, takes the thread: B settles
+    the offered run `orphaned_by_restart` and offers the next one; A's
+    renewal, landing later, finds the thread B's, and A's held offer is
+    dropped with its lane -- the provider never sees it, and sees the runs
+    offered in the thread's order (docs/cluster.md, "An offer leaves within
+    the lease")."""
+    identity = Identity.generate()
+    lease = 10.0
+    async with (
+        broker(tmp_path / "a", lease_seconds=lease) as a,
+        broker(tmp_path / "b", lease_seconds=lease) as b,
+    ):
+        pa = await Provider(a, identity=identity, max_concurrent=1).attach()
+        pb = await Provider(b, identity=identity).attach()
+        await quiet()
+        first = await a.start_run(pa.key, AGENT, user_input("one", "m1"))
+        tid = first.thread_id
+        second = await a.start_run(pa.key, AGENT, user_input("two", "m2"), thread_id=tid)
+        third = await a.start_run(pa.key, AGENT, user_input("three", "m3"), thread_id=tid)
+        await take(a, pa, first.run_id)
+        assert offered_runs(pa.link) == [first.run_id]  # the others wait for its place
+
+        # A's next renewal is sent and goes unanswered until the gate opens.
+        gate, stalled = trio.Event(), trio.Event()
+        renew = a.record.renew_leases
+
+        async def stalled_renewal() -> Any:
+            stalled.set()
+            await gate.wait()
+            return await renew()
+
+        a.record.renew_leases = stalled_renewal  # type: ignore[method-assign]
+        mock_clock.jump(lease + 1)  # past the lease, by A's clock
+        await stalled.wait()
+        await quiet()
+
+        # The held run ends; the next one's offering write commits, and its
+        # offer waits for a renewal.
+        pa.stream(first.run_id, *reply(first.run_id, tid))
+        await quiet()
+        assert (await a.get_run(first.run_id))["status"] == "completed"
+        assert (await a.get_run(second.run_id))["status"] == "offering"
+        assert offered_runs(pa.link) == [first.run_id]
+        assert a.metrics.offers_held == 1
+
+        if then == "a renewal lands":
+            gate.set()
+            await quiet()
+            assert offered_runs(pa.link) == [first.run_id, second.run_id]
+            await finish_offers_in_turn_after(a, pa, 1, 2, tid)
+            await quiet()
+            assert offered_runs(pa.link) == [first.run_id, second.run_id, third.run_id]
+            assert offered_runs(pb.link) == []
+            for run in (second, third):
+                assert (await a.get_run(run.run_id))["status"] == "completed"
+            return
+
+        stores.lapse_leases([tid])
+        b._wake_lease_task()  # B's lease round: the lapsed thread is claimed
+        await quiet()
+        assert b.leases.leads(tid)
+        orphan = await b.get_run(second.run_id)
+        assert orphan is not None and orphan["status"] == "failed"
+        assert orphan["metadata"]["failureReason"] == "orphaned_by_restart"
+        assert offered_runs(pb.link) == [third.run_id]
+        gate.set()  # A's renewal lands: the thread is B's
+        await quiet()
+        assert not a.leases.leads(tid)
+        assert offered_runs(pa.link) == [first.run_id]  # never the held offer
+        await finish_offers_in_turn(b, pb, 1, tid)
+        await quiet()
+        assert offered_runs(pa.link) + offered_runs(pb.link) == [first.run_id, third.run_id]
+        orphan = await b.get_run(second.run_id)
+        assert orphan is not None and orphan["status"] == "failed"
+        assert [e["event"]["type"] for e in orphan["events"]] == ["RUN_ERROR"]
+        assert (await b.get_run(third.run_id))["status"] == "completed"
+
+
 async def finish_offers_in_turn(funduq: Any, provider: Any, most: int, thread_id: str) -> None:
     """The provider takes each offer as it comes, one at a time, and
     finishes it; up to `most` offers, fewer when nothing more is offered."""

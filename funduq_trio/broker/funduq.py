@@ -167,6 +167,11 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{time.time_ns() // 1_000_000 & 0xFFFFFFFF:08x}{chunk.hex()}"
 
 
+#: The statuses a lane ends at (settled, or paused): what ``wait_run`` may
+#: answer from the lane's snapshot, when the lane recorded it itself.
+_ENDED_AS = st.TERMINAL | {st.INPUT_REQUIRED}
+
+
 class Funduq:
     """The broker. ``async with Funduq(settings) as funduq: ...``"""
 
@@ -177,6 +182,15 @@ class Funduq:
         #: the threads it leads (docs/cluster.md; unused on SQLite).
         self.node = new_node_id(settings.node_name)
         self.leases = Leases(self.node, settings.lease_seconds)
+        #: On a shared record, an offer leaves only while this node's own
+        #: clock says its leases cannot have lapsed (``lease_sure``): that is
+        #: the trio time the last renewal the record took was sent (or the
+        #: node started: every lease of this node id was taken after it)
+        #: plus the lease. False on a record only this process writes.
+        self.leased = False
+        self._renewal_sent_at = 0.0
+        #: Offers held back until a renewal lands (made by the first).
+        self._renewal_landed: trio.Event | None = None
         self._claim_now = trio.Event()
         #: Claims of thread leases and the restores of what they won, in
         #: flight: new work of those threads waits for them (_lane_in_order).
@@ -245,6 +259,8 @@ class Funduq:
     # -- life ----------------------------------------------------------------------
 
     async def __aenter__(self) -> Funduq:
+        # Before any write of this node id: every lease it takes is later.
+        self._renewal_sent_at = trio.current_time()
         await self._stack.__aenter__()
         try:
             # The secrets first: a corrupt key file stops the start before the
@@ -259,6 +275,7 @@ class Funduq:
                 open_store(self.settings, node=self.node)
             )
             if self.record.shared:
+                self.leased = True
                 self.cluster_secret = await self.record.cluster_secret()
                 if not self.settings.kyok_secret:
                     # Every node mints and reads the same tokens, so a
@@ -598,12 +615,18 @@ class Funduq:
             )
         self._served_told = served
         snapshot = self.leases.snapshot()
+        # Read before the statement is queued: the record's now() that the
+        # renewal extends every lease of this node from is later still.
+        sent_at = trio.current_time()
         renewal = self.leases.renewed(snapshot, await self.record.renew_leases())
         self.metrics.lease_renewals += 1
         for tid in renewal.lost:
             self._lost_lead(tid)
         for tid in renewal.strays:
             self.record.release_lease(tid)
+        # After the threads lost are let go: an offer held for one of them
+        # was dropped with its lane, never woken to leave.
+        self._renewal_landed_at(sent_at)
         agents = self._served_agents()
         if agents:
             # Lapsed leases, and threads nobody leads though they have runs
@@ -717,6 +740,45 @@ class Funduq:
             self.record.release_lease(thread_id)
             # Whoever leads it next may add messages this cache would not know.
             self._thread_info.pop(thread_id, None)
+
+    def _renewal_landed_at(self, sent_at: float) -> None:
+        """A renewal sent at ``sent_at`` (trio time) was taken: every lease
+        of this node that it found is sure until ``sent_at`` plus the lease
+        (and those taken since, later still). Offers held wake."""
+        if sent_at > self._renewal_sent_at:
+            self._renewal_sent_at = sent_at
+        landed, self._renewal_landed = self._renewal_landed, None
+        if landed is not None:
+            landed.set()
+
+    async def lease_sure(self, thread_id: str) -> None:
+        """Before an offer of the thread leaves (a shared record): return
+        once this node's own clock says its lease on the thread cannot have
+        lapsed -- less than a lease since the last renewal the record took
+        was sent (the record's clock started the lease no earlier) -- at
+        once on the common road. A node stalled past that (starved of CPU,
+        its renewals unanswered) holds the offer until a renewal lands;
+        should the renewal find the thread another node's, the lane
+        waiting here is ended with the thread's (``_lost_lead``) and the
+        offer never leaves: the new leader settles the run, and offers the
+        thread's next runs, alone (docs/cluster.md, "An offer leaves within
+        the lease"). The renewal's verdict, not ``Leases.held``, decides:
+        a thread taken by a run's insert may be laned (and offered) a step
+        before the door notes the lease it took."""
+        held = False
+        while trio.current_time() >= self._renewal_sent_at + self.leases.seconds:
+            if not held:
+                held = True
+                self.metrics.offers_held += 1
+                log.warning(
+                    "thread %s: this node's lease may have lapsed (no renewal taken for "
+                    "%.1fs); its offer waits for the next renewal",
+                    thread_id,
+                    trio.current_time() - self._renewal_sent_at,
+                )
+            if self._renewal_landed is None:
+                self._renewal_landed = trio.Event()
+            await self._renewal_landed.wait()
 
     async def _take_over(self, thread_id: str) -> bool:
         """A write found the thread's lease another node's: take it over if
@@ -1502,7 +1564,21 @@ class Funduq:
         return await self.get_run(run_id)
 
     async def wait_run(self, run_id: str) -> dict[str, Any]:
-        """Wait until the run settles or pauses; return its record."""
+        """Wait until the run settles or pauses; return its record.
+
+        Once the run's lane here has ended, its own snapshot is the answer
+        -- no read of the record -- only for what the record holds from it:
+        the lane's status is the one its last write recorded (``recorded``:
+        a terminal status, or the pause's ``input-required``, each written
+        by the move that ended the lane) and the lane saw every event.
+        Otherwise the record's: a lane whose last write failed and whose
+        fault could not be settled either ended with its machine past the
+        record (a blocking answer would show a status the record never
+        had), and a lane that let go of its run (another node leads its
+        thread now) left it to be settled there. On a shared record such a
+        run is waited for through the record (its thread's next leader
+        settles it); on one only this process writes, nothing more will
+        change it before a restart, so the record is read at once."""
         lane = self.lanes.get(run_id)
         while True:
             if lane is None and self.watchers is not None:
@@ -1510,14 +1586,19 @@ class Funduq:
             if lane is None:
                 break
             await lane.ended()
-            if self.watchers is not None and lane.status not in st.TERMINAL | {st.INPUT_REQUIRED}:
-                # The lane let go of the run unsettled (another node leads
-                # its thread now): wait for it there.
+            # The machine's status and the set read directly: the property
+            # and the union were most of the check's cost (bench/README.md).
+            status = lane.machine.status
+            if status is lane.recorded and status in _ENDED_AS:
+                run = lane.snapshot()
+                if run is not None:
+                    return run
+                break
+            if self.watchers is not None:
+                # Unsettled here (let go, or a fault that could not be
+                # recorded): wait for the record to settle or pause it.
                 lane = None
                 continue
-            run = lane.snapshot()
-            if run is not None:
-                return run
             break
         run = await self.get_run(run_id)
         if run is None:

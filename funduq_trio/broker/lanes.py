@@ -139,6 +139,14 @@ class LaneHost(Protocol):
         """A write of the thread was fenced off: another node leads it now."""
         ...
 
+    #: A shared record: an offer leaves only within the lease (``lease_sure``).
+    leased: bool
+
+    async def lease_sure(self, thread_id: str) -> None:
+        """Until this node's own clock says its lease on the thread cannot
+        have lapsed (a lane whose thread another node took is ended meanwhile)."""
+        ...
+
 
 class Feed:
     """A live run's events for its followers, in seq order. Events land here
@@ -854,6 +862,12 @@ class Lane:
     async def _send_offer(self) -> None:
         session, offer = self._place, self._offer
         assert session is not None and offer is not None
+        if self.f.leased:
+            # Several nodes: not past this node's lease as its own clock
+            # tells it (a stalled node's late offer would reach the provider
+            # after the thread's new leader's). No await between this and
+            # the send below.
+            await self.f.lease_sure(self.thread_id)
         try:
             payload = self.f.offer_payload(self)
             # What the link cannot carry (the doors refuse such input now; an

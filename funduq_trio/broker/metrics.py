@@ -83,6 +83,7 @@ class Metrics:
         self.threads_taken_over = 0
         self.threads_let_go = 0
         self.threads_handed_over = 0
+        self.offers_held = 0
         self.calls_forwarded = 0
         self.calls_taken = 0
         #: The front's (funduq_trio/front/serving.py counts them).
@@ -193,6 +194,14 @@ class Metrics:
                 "Threads this node let go because no link here serves their agent any "
                 "more while another node's do (their queued runs go on there).",
                 [("", self.threads_handed_over)],
+            )
+            family(
+                "funduq_offers_held_total",
+                "counter",
+                "Offers held back because this node's own clock said its thread's lease "
+                "may have lapsed (no renewal taken for a lease); sent once one was, or "
+                "dropped when another node took the thread.",
+                [("", self.offers_held)],
             )
             family(
                 "funduq_calls_forwarded_total",

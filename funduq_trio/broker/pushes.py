@@ -579,6 +579,26 @@ class Pushes:
                             await self._send(config, (seq, index), update)
             resumed = self._resumed.setdefault(task_id, trio.Event())
             record = await self.funduq.wait_run(task_id)
+            if (
+                record.get("status") not in statuses.TERMINAL
+                and record.get("status") != statuses.INPUT_REQUIRED
+                and self.funduq.watchers is None
+                and task_id not in self.funduq.lanes
+            ):
+                # Neither settled nor paused, and no lane has it: its lane's
+                # last write failed and so did settling the fault. On a
+                # record only this process writes nothing changes that
+                # before a restart, which settles the run and resumes this
+                # config from its cursor; following it again now would only
+                # read the record in a loop.
+                log.warning(
+                    "push config %s/%s: task %s left %s by a fault; delivered after a restart",
+                    config.task_id,
+                    config.id,
+                    task_id,
+                    record.get("status"),
+                )
+                return
             recorded = max((e["seq"] for e in record.get("events") or ()), default=0)
             if recorded > projection.last_seq:
                 # A pause was answered before this read it (wait_run waited
