@@ -287,6 +287,17 @@ def _endings(run_id: str, thread_id: str) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+async def _end_run(funduq: Any, p: Any, ticket: Any, ending: str, events: str) -> None:
+    """End the run as a test's ``ending`` asks: cancelled by the caller (the
+    provider then finishes it), or the provider streams ``_endings``'
+    ``events``."""
+    if ending == "cancelled":
+        await funduq.cancel_run(ticket.run_id)
+        p.session.finish(ticket.run_id)
+    else:
+        p.stream(ticket.run_id, *_endings(ticket.run_id, ticket.thread_id)[events])
+
+
 @pytest.mark.parametrize(
     "ending", ["completed", "failed", "no end event", "paused", "answered", "cancelled"]
 )
@@ -325,12 +336,7 @@ async def test_the_record_after_a_follow_is_the_records(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(follower)
             await quiet()
-            if ending == "cancelled":
-                await funduq.cancel_run(ticket.run_id)
-                p.session.finish(ticket.run_id)
-            else:
-                events = _endings(ticket.run_id, ticket.thread_id)
-                p.stream(ticket.run_id, *events["paused" if ending == "answered" else ending])
+            await _end_run(funduq, p, ticket, ending, "paused" if ending == "answered" else ending)
             await quiet()
         if ending == "answered":  # the pause is over before the record is asked for
             from broker_support import resume_input
@@ -393,14 +399,9 @@ async def test_a_blocking_answer_is_the_lanes_only_for_what_it_recorded(
 
                 nursery.start_soon(wait)
                 await quiet()
-                if ending == "cancelled":
-                    await funduq.cancel_run(ticket.run_id)
-                    p.session.finish(ticket.run_id)
-                else:
-                    events = _endings(ticket.run_id, ticket.thread_id)
-                    p.stream(
-                        ticket.run_id, *events["completed" if ending == "unrecorded" else ending]
-                    )
+                await _end_run(
+                    funduq, p, ticket, ending, "completed" if ending == "unrecorded" else ending
+                )
         (answer,) = answers
         assert answer == await funduq.get_run(ticket.run_id)
         if ending == "unrecorded":
