@@ -327,6 +327,7 @@ class Lane:
         "_unconfirmed",
         "_inserting",
         "_undelivered_at",
+        "_declined_news",
         "unread_reports",
         "_room",
         "_inbox_reports",
@@ -397,6 +398,8 @@ class Lane:
         self._unconfirmed: PendingWrite | None = inserted
         self._inserting = inserted is not None
         self._undelivered_at = math.inf
+        #: The provider's news count when it last declined this run.
+        self._declined_news = 0
         #: Reports told and not yet taken up for recording (see ``full``).
         self.unread_reports = 0
         self._room: trio.Event | None = None
@@ -706,6 +709,12 @@ class Lane:
                 return None
         elif self.machine.declined or not session.has_room():
             self._pass_baton()
+            if self.machine.declined and providers.news(self.key) != self._declined_news:
+                # Something changed on the provider after it said "full" --
+                # a place freed, it re-published -- while this lane was
+                # still recording the decline: that wake-up found no head
+                # waiting. It was this head's; look again.
+                return Wake()
             providers.wait(self.key, self, for_room=True)
             message = await self._inbox.receive()
         else:
@@ -774,6 +783,7 @@ class Lane:
         finally:
             self.awaiting_answer = self.cancel_pending = False
         if offer.verdict is not None:
+            self._declined_news = offer.news
             await self._do(m.handle(_ANSWER[offer.verdict], reason=offer.reason or "refused"))
             if m.phase in _HOLDING:
                 self._undelivered_at = (

@@ -83,7 +83,17 @@ class Offer:
     waits on it. ``wait`` behaves as ``Event.wait`` (a checkpoint, at once
     when answered; cancellable while it waits)."""
 
-    __slots__ = ("id", "lane", "session", "verdict", "reason", "answered", "sent_at", "_waiter")
+    __slots__ = (
+        "id",
+        "lane",
+        "session",
+        "verdict",
+        "reason",
+        "answered",
+        "sent_at",
+        "news",
+        "_waiter",
+    )
 
     def __init__(self, id: str, lane: Lane, session: ProviderSession) -> None:  # noqa: A002
         self.id = id
@@ -94,6 +104,8 @@ class Offer:
         #: Resolved: answered, or the link went away (``verdict`` None).
         self.answered = False
         self.sent_at = 0.0  # trio clock: when it was handed to the link
+        #: The provider's news count (``Providers.news``) when it answered.
+        self.news = 0
         self._waiter: trio.lowlevel.Task | None = None
 
     def resolve(self, verdict: str | None, reason: str | None = None) -> None:
@@ -270,6 +282,7 @@ class ProviderSession:
             # Held from the answer on: its events queue behind the answer in
             # the lane's inbox, and the lane claims the run when it reads it.
             self.held[offer.lane.run_id] = offer.lane
+        offer.news = self.registry.news(self.key)
         offer.resolve(verdict, reason)
 
     def _stop_stale_take(self, run_id: str) -> None:
@@ -358,6 +371,8 @@ class Providers:
         # for their agent to be served at all. Insertion order is wait order.
         self.room_waiters: dict[str, dict[int, Lane]] = {}
         self.serve_waiters: dict[str, dict[int, Lane]] = {}
+        #: How many wake-ups each provider key has sent (``news``).
+        self._news: dict[str, int] = {}
         self.started_at = 0.0
 
     async def load(self) -> None:
@@ -509,9 +524,18 @@ class Providers:
             if lanes is not None and lanes.pop(id(lane), None) is not None and not lanes:
                 del waiting[key]
 
+    def news(self, key: str) -> int:
+        """How many times heads waiting on this provider were woken (or would
+        have been, had one waited). A declined head compares it with the
+        count at the decline before it waits: a place freed, or a re-publish,
+        between the decline and its wait woke nobody, so it looks again
+        instead (Lane._pending_wait)."""
+        return self._news.get(key, 0)
+
     def wake(self, key: str) -> None:
         """Something changed on this provider (it came, went or republished):
         every head waiting on it looks again."""
+        self._news[key] = self._news.get(key, 0) + 1
         for waiting in (self.room_waiters, self.serve_waiters):
             for lane in waiting.pop(key, {}).values():
                 lane.tell(Wake())
@@ -519,6 +543,7 @@ class Providers:
     def wake_for_room(self, key: str) -> None:
         """A place freed: the longest-waiting head gets it, as a baton it
         passes on if it does not use the place (see Lane._pass_baton)."""
+        self._news[key] = self._news.get(key, 0) + 1
         waiting = self.room_waiters.get(key)
         if waiting:
             lane = waiting.pop(next(iter(waiting)))
