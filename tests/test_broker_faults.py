@@ -203,8 +203,11 @@ async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed
         run = await record_of(funduq, a.run_id)
         assert run["status"] == "completed"
         assert [e["type"] for e in events_of(run)][-1] == "RUN_FINISHED"
-        # The declined run went back to the queue and is offered again.
-        assert await status_of(funduq, b.run_id) == "queued"
+        # The declined run went back to the queue, and a's place freed after
+        # the decline (once a's completion was written): it is offered again
+        # (DESIGN §2), though it was still recording its decline then.
+        assert offered_runs(p.link).count(b.run_id) == 2
+        assert await status_of(funduq, b.run_id) == "offering"
         # Nobody-owned runs: none. Every active run in the record has a lane.
         for run in await funduq.list_runs():
             if run["status"] in ("queued", "offering", "running", "cancelling"):
