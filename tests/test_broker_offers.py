@@ -325,14 +325,15 @@ async def recording_the_decline(funduq, run_id):
         await quiet()
 
 
-@pytest.mark.parametrize("change", ["a place frees", "the provider republishes"])
+@pytest.mark.parametrize("change", ["a place frees", "the provider republishes", "nothing"])
 async def test_a_change_while_a_decline_is_recorded_reoffers_the_run(tmp_path, mock_clock, change):
     """The provider said "full" while it held x; x ends (or the provider
     publishes again) while the declined run's lane is still recording the
     decline, before it waits for room. The wake-up that went out then found
     no head waiting; the run is offered again all the same, not left queued
     behind an idle provider (found by tests/test_provider_faults.py's
-    scenario hanging one run in ten on PostgreSQL)."""
+    scenario hanging one run in ten on PostgreSQL). With nothing changing
+    meanwhile it waits: a decline by itself wakes nothing (DESIGN §2)."""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         x = await accepted(funduq, p)
@@ -343,30 +344,19 @@ async def test_a_change_while_a_decline_is_recorded_reoffers_the_run(tmp_path, m
             assert held.is_set()
             if change == "a place frees":
                 p.stream(x.run_id, *reply(x.run_id, x.thread_id))
-            else:
+            elif change == "the provider republishes":
                 await p.session.register(
                     [{"name": AGENT, "description": "", "card": {}, "metadata": {}}]
                 )
             await quiet()
             assert offered_runs(p.link) == [x.run_id, a.run_id]  # not yet: still recording
-        assert offered_runs(p.link) == [x.run_id, a.run_id, a.run_id]
-        assert await status_of(funduq, a.run_id) == "offering"
-
-
-async def test_a_declined_run_recorded_with_nothing_changed_waits(tmp_path, mock_clock):
-    """The same decline, recorded with nothing changing meanwhile: no offer
-    (a decline by itself wakes nothing, DESIGN §2)."""
-    async with broker(tmp_path) as funduq:
-        p = await Provider(funduq).attach()
-        x = await accepted(funduq, p)
-        a = await start(funduq, p)
-        async with recording_the_decline(funduq, a.run_id) as held:
-            p.session.answer(last_offer_for(p.link, a.run_id), "declined")
-            await quiet()
-            assert held.is_set()
-        await advance(mock_clock, 60)
-        assert offered_runs(p.link) == [x.run_id, a.run_id]
-        assert await status_of(funduq, a.run_id) == "queued"
+        if change == "nothing":
+            await advance(mock_clock, 60)
+            assert offered_runs(p.link) == [x.run_id, a.run_id]
+            assert await status_of(funduq, a.run_id) == "queued"
+        else:
+            assert offered_runs(p.link) == [x.run_id, a.run_id, a.run_id]
+            assert await status_of(funduq, a.run_id) == "offering"
 
 
 async def test_declined_run_is_reoffered_when_the_provider_republishes(tmp_path, mock_clock):
