@@ -532,10 +532,13 @@ class Providers:
         instead (Lane._pending_wait)."""
         return self._news.get(key, 0)
 
+    def _told(self, key: str) -> None:
+        self._news[key] = self._news.get(key, 0) + 1
+
     def wake(self, key: str) -> None:
         """Something changed on this provider (it came, went or republished):
         every head waiting on it looks again."""
-        self._news[key] = self._news.get(key, 0) + 1
+        self._told(key)
         for waiting in (self.room_waiters, self.serve_waiters):
             for lane in waiting.pop(key, {}).values():
                 lane.tell(Wake())
@@ -543,7 +546,7 @@ class Providers:
     def wake_for_room(self, key: str) -> None:
         """A place freed: the longest-waiting head gets it, as a baton it
         passes on if it does not use the place (see Lane._pass_baton)."""
-        self._news[key] = self._news.get(key, 0) + 1
+        self._told(key)
         waiting = self.room_waiters.get(key)
         if waiting:
             lane = waiting.pop(next(iter(waiting)))
