@@ -609,9 +609,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--server-gc",
-        choices=["on", "off"],
         default="on",
-        help="diagnostic: off turns the server's cyclic GC off once it has started",
+        help="diagnostic: off turns the server's cyclic GC off once it has started; "
+        "a number sets its young pass's threshold (CPython's default 700; the server's "
+        "own: server.YOUNG_PASS_THRESHOLD)",
     )
     parser.add_argument(
         "--checkpoint-seconds",
@@ -657,7 +658,7 @@ def main() -> None:
             sched_stats=args.sched_stats,
             trace=args.trace,
             env={
-                **({"FUNDUQ_BENCH_GC": "off"} if args.server_gc == "off" else {}),
+                **({"FUNDUQ_BENCH_GC": args.server_gc} if args.server_gc != "on" else {}),
                 **(
                     {"FUNDUQ_BENCH_CHECKPOINT_SECONDS": str(args.checkpoint_seconds)}
                     if args.checkpoint_seconds is not None

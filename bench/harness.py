@@ -188,7 +188,8 @@ def _wait_in_log(
 
 
 #: Diagnostics `serve-instrumented` applies when set in the server's environment:
-#: FUNDUQ_BENCH_GC=off turns the cyclic GC off once the server has started;
+#: FUNDUQ_BENCH_GC=off turns the cyclic GC off once the server has started, a
+#: number sets its young pass's threshold instead of the server's own;
 #: FUNDUQ_BENCH_CHECKPOINT_SECONDS sets the SQLite record's checkpoint period.
 DIAGNOSTIC_ENV = ("FUNDUQ_BENCH_GC", "FUNDUQ_BENCH_CHECKPOINT_SECONDS")
 
@@ -1379,18 +1380,22 @@ def serve_instrumented_main(argv: list[str]) -> int:
         from funduq_trio.broker import record
 
         record.CHECKPOINT_SECONDS = float(os.environ["FUNDUQ_BENCH_CHECKPOINT_SECONDS"])
-    if os.environ.get("FUNDUQ_BENCH_GC") == "off":
+    if os.environ.get("FUNDUQ_BENCH_GC", "on") != "on":
         import gc
 
         from funduq_trio import server
 
-        freeze = server.freeze_startup_objects
+        tune = server.tune_collector
+        setting = os.environ["FUNDUQ_BENCH_GC"]
 
-        def freeze_and_stop_gc() -> None:
-            freeze()
-            gc.disable()
+        def tune_then_override() -> None:
+            tune()
+            if setting == "off":
+                gc.disable()
+            else:
+                gc.set_threshold(int(setting), *gc.get_threshold()[1:])
 
-        server.freeze_startup_objects = freeze_and_stop_gc
+        server.tune_collector = tune_then_override
     instruments: list[Any] = []
     if trace_path:
         trace = ServerTrace()
