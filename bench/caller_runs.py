@@ -15,7 +15,8 @@ asking one door each:
 `--count` installs a trio Instrument and a few counting patches, and prints
 per run: task steps by task (the callers' own tasks apart), cancel scopes
 entered (by the function that entered them), contextlib context managers
-entered (by generator), `trio.Event`s made, and the net change in
+entered (by generator), `trio.Event`s made, the record's reads (each a
+worker thread's job) by caller, OS threads started, and the net change in
 GC-tracked objects per step. Without it, the CPU a run (noisy on a shared
 host). For instructions that do not move with the host, run it under
 callgrind at two sizes and subtract (the callers' own work is in the
@@ -37,6 +38,7 @@ import json
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,10 @@ class Counts(trio.abc.Instrument):
         self.scopes: collections.Counter[str] = collections.Counter()
         self.cms: collections.Counter[str] = collections.Counter()
         self.events: collections.Counter[str] = collections.Counter()
+        #: OS threads started (trio's worker threads: a record read or the
+        #: checkpoint found no idle one), and the record's reads by caller.
+        self.threads: collections.Counter[str] = collections.Counter()
+        self.reads: collections.Counter[str] = collections.Counter()
         self.on = False
         self.parks: collections.Counter[str] | None = collections.Counter()
 
@@ -199,6 +205,26 @@ def patch(counts: Counts) -> None:
         event_init(self, *a, **k)
 
     trio.Event.__init__ = event  # type: ignore[method-assign]
+
+    thread_start = threading.Thread.start
+
+    def start(self: Any) -> None:
+        if counts.on:
+            counts.threads[self.name.rstrip("0123456789")] += 1
+        thread_start(self)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+
+    from funduq_trio.broker.store import SqlStore
+
+    store_read = SqlStore.read
+
+    async def read(self: Any, fn: Any) -> Any:
+        if counts.on:
+            counts.reads[_where()] += 1
+        return await store_read(self, fn)
+
+    SqlStore.read = read  # type: ignore[method-assign]
 
 
 async def load(data_dir: Path, args: argparse.Namespace, counts: Counts | None) -> dict[str, Any]:
@@ -311,8 +337,8 @@ def main() -> None:
     if counts is not None:
 
         def show(title: str, counter: collections.Counter[str]) -> None:
-            total = sum(counter.values()) / runs
-            print(f"  {title}: {total:.2f} a run")
+            total = sum(counter.values())
+            print(f"  {title}: {total / runs:.2f} a run ({total} in all)")
             for k, v in counter.most_common(14):
                 print(f"      {v / runs:6.2f}  {k}")
 
@@ -320,6 +346,8 @@ def main() -> None:
         show("cancel scopes entered", counts.scopes)
         show("contextlib CMs entered", counts.cms)
         show("trio.Events made", counts.events)
+        show("record reads (`SqlStore.read`, each through a worker thread)", counts.reads)
+        show("OS threads started", counts.threads)
         assert counts.parks is not None
         show("the connection task parked at", counts.parks)
 
