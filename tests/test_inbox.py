@@ -122,3 +122,69 @@ def _receive_or_none(inbox: Inbox[int]) -> int | None:
         return inbox.receive_nowait()
     except trio.WouldBlock:
         return None
+
+
+async def test_a_held_reader_is_woken_by_its_release_not_by_a_send() -> None:
+    inbox: Inbox[str] = Inbox()
+    got: list[str] = []
+
+    async def read() -> None:
+        got.append(await inbox.receive_held())
+        got.append(await inbox.receive())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        inbox.send_nowait("report")
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # held: the send did not wake it
+        inbox.release("wrote")  # a message waits: woken with the release's word
+        await trio.testing.wait_all_tasks_blocked()
+    assert got == ["wrote", "report"]
+
+
+async def test_a_released_reader_with_nothing_waiting_waits_on_for_a_send() -> None:
+    inbox: Inbox[str] = Inbox()
+    got: list[str] = []
+
+    async def read() -> None:
+        got.append(await inbox.receive_held())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        inbox.release("wrote")  # nothing waits: not woken
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []
+        inbox.send_nowait("report")
+    assert got == ["report"]
+
+
+async def test_a_held_reader_released_anyway_and_one_cancelled_or_closed_on() -> None:
+    inbox: Inbox[str] = Inbox()
+    got: list[str] = []
+
+    async def read() -> None:
+        got.append(await inbox.receive_held())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        inbox.release("failed", anyway=True)
+    assert got == ["failed"]
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await inbox.receive_held()
+    assert scope.cancelled_caught
+    inbox.release("nobody")  # no reader: nothing happens
+    inbox.send_nowait("kept")
+    assert await inbox.receive() == "kept"
+
+    async def closed() -> None:
+        with pytest.raises(trio.ClosedResourceError):
+            await inbox.receive_held()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(closed)
+        await trio.testing.wait_all_tasks_blocked()
+        inbox.close()

@@ -103,6 +103,8 @@ _ANSWER = {verdict.value: Input(verdict.value) for verdict in Verdict}
 _ENDS = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED})
 #: What wakes a lane whose burst's write failed (``Lane._wrote``): no message.
 _WROTE: Message = Wake()
+#: No burst in flight (shared, never added to: an empty list a lane is 56 bytes).
+_NO_EVENTS: list[tuple[int, dict[str, Any]]] = []
 
 
 class Unrecorded(Exception):
@@ -412,7 +414,7 @@ class Lane:
         # events, numbered: published by ``_wrote`` once durable, the
         # lane not woken for it (see ``_receive_writing``).
         self._writing: PendingWrite | None = None
-        self._writing_events: list[tuple[int, dict[str, Any]]] = []
+        self._writing_events = _NO_EVENTS
 
     @property
     def status(self) -> Status:
@@ -695,7 +697,7 @@ class Lane:
                 self._writing = None
                 if not self.feed.closed:  # else the lane ended (cancelled) meanwhile
                     self._published(self._writing_events)
-                self._writing_events = []
+                self._writing_events = _NO_EVENTS
         finally:
             self._inbox.release(_WROTE, anyway=self._writing is not None)
 
@@ -709,7 +711,7 @@ class Lane:
         if self._writing is None:
             return  # went through, and published
         self._writing = None
-        numbered, self._writing_events = self._writing_events, []
+        numbered, self._writing_events = self._writing_events, _NO_EVENTS
         record, run_id = self.f.record, self.run_id
         try:
             await pending.result()
