@@ -1,8 +1,9 @@
-"""A held run's bursts on the road that does not wait for its own commit
-(``Lane._append`` queues the write, the writer publishes it once durable,
-the lane reads its verdict before its next step): persisted before relayed,
-and whatever arrives meanwhile read after it. The real Funduq on each store,
-under MockClock, the writer's commits held by the test."""
+"""A held run's bursts while the record's commit is held: persisted before
+relayed, and whatever arrives meanwhile read once the burst is durable; a
+lane whose last commit found its inbox empty reads its next report as any.
+The real Funduq on each store, under MockClock, the writer's commits held by
+the test. (Written for a lane not woken for its own commit, measured and not
+taken: bench/README.md, "A lane not woken for its own commit".)"""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ async def test_a_burst_is_relayed_once_its_commit_is_done_and_the_lane_reads_on(
                 gate.set()
                 await quiet()
                 assert seqs(follower) == [1, 2]
-            # The commit found the lane's inbox empty: the lane was not woken
-            # for it, and the next report wakes it as any would.
+            # The commit found the lane's inbox empty: the next report is
+            # read as any would be.
             p.stream(a.run_id, events[2], finish=False)
             await quiet()
             assert seqs(follower) == [1, 2, 3]
@@ -98,7 +99,7 @@ async def test_what_arrives_while_a_burst_is_written_is_read_once_it_is_durable(
                 p.stream(a.run_id, events[1], finish=False)
                 await quiet()
                 # The rest of the stream and its finish, while the burst's
-                # write waits: the lane is not woken by them.
+                # write waits: read once it is durable, not before.
                 p.stream(a.run_id, *events[2:])
                 await quiet()
                 assert seqs(follower) == [1]

@@ -221,9 +221,8 @@ async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed
 async def test_a_burst_whose_write_failed_is_written_again_before_it_is_relayed(
     tmp_path, mock_clock, disk_full
 ):
-    """A burst's write the lane did not wait for (Lane._append) fails: the
-    lane is woken for it, retries it until the record takes it, and only
-    then relays it -- with no other message needed to wake it."""
+    """A burst's write fails: the lane retries it until the record takes it,
+    and only then relays it -- with no other message needed to wake it."""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
         a = await accepted(funduq, p)

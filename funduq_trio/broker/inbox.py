@@ -97,15 +97,13 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
     channel, which a broker holding ten thousand waiting runs pays ten
     thousand times (bench/README.md, "What an open stream holds")."""
 
-    __slots__ = ("_items", "_head", "_reader", "_held", "_closed")
+    __slots__ = ("_items", "_head", "_reader", "_closed")
 
     def __init__(self) -> None:
         # A list read from ``_head`` on: popping its front would move the rest.
         self._items: list[T] = []
         self._head = 0
         self._reader: trio.lowlevel.Task | None = None
-        # The reader parked by ``receive_held``: not woken by a send.
-        self._held: trio.lowlevel.Task | None = None
         self._closed = False
 
     def send_nowait(self, value: T) -> None:
@@ -170,36 +168,12 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
         self._reader = trio.lowlevel.current_task()
         return await trio.lowlevel.wait_task_rescheduled(self._abort)  # type: ignore[no-any-return]
 
-    async def receive_held(self) -> T:
-        """Wait, as ``receive`` does, but not woken by a send: only once
-        ``release`` is called (with what waits by then, or its ``wake``), or
-        the inbox closes. Cancellable while it waits (it always waits)."""
-        if self._reader is not None or self._held is not None:
-            raise trio.BusyResourceError("an inbox has one reader")
-        self._held = trio.lowlevel.current_task()
-        return await trio.lowlevel.wait_task_rescheduled(self._abort)  # type: ignore[no-any-return]
-
-    def release(self, wake: T, *, anyway: bool = False) -> None:
-        """End a ``receive_held``: its reader gets ``wake`` if a message waits
-        by now (or ``anyway``), else it waits on as ``receive`` does -- woken
-        by the next send."""
-        reader = self._held
-        if reader is None:
-            return
-        self._held = None
-        if anyway or self._head < len(self._items):
-            trio.lowlevel.reschedule(reader, outcome.Value(wake))
-        else:
-            self._reader = reader
-
     def _abort(self, _: RaiseCancelT) -> Abort:
-        self._reader = self._held = None
+        self._reader = None
         return Abort.SUCCEEDED
 
     def statistics(self) -> InboxStatistics:
-        return InboxStatistics(
-            len(self._items) - self._head, int(self._reader is not None or self._held is not None)
-        )
+        return InboxStatistics(len(self._items) - self._head, int(self._reader is not None))
 
     def close(self) -> None:
         """The reader is done: what is unread is dropped, and a send now
@@ -207,8 +181,7 @@ class Inbox(trio.abc.SendChannel[T], trio.abc.ReceiveChannel[T], Generic[T]):
         self._closed = True
         self._items = []
         self._head = 0
-        reader = self._reader or self._held
-        self._reader = self._held = None
+        reader, self._reader = self._reader, None
         if reader is not None:
             trio.lowlevel.reschedule(reader, outcome.Error(trio.ClosedResourceError()))
 

@@ -101,10 +101,6 @@ _TEXT_KINDS = frozenset({"TEXT_MESSAGE_START", "TEXT_MESSAGE_CONTENT", "TEXT_MES
 _ANSWER = {verdict.value: Input(verdict.value) for verdict in Verdict}
 #: The statuses that end a lane (a run settled or paused), for the metrics.
 _ENDS = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.INPUT_REQUIRED})
-#: What wakes a lane whose burst's write failed (``Lane._wrote``): no message.
-_WROTE: Message = Wake()
-#: No burst in flight (shared, never added to: an empty list a lane is 56 bytes).
-_NO_EVENTS: list[tuple[int, dict[str, Any]]] = []
 
 
 class Unrecorded(Exception):
@@ -337,8 +333,6 @@ class Lane:
         "_inbox_reports",
         "_recorded",
         "_faulted",
-        "_writing",
-        "_writing_events",
     )
 
     def __init__(
@@ -410,11 +404,6 @@ class Lane:
         self.unread_reports = 0
         self._room: trio.Event | None = None
         self._inbox_reports = host.settings.lane_inbox_reports
-        # A burst's append queued without waiting (``_append``) and its
-        # events, numbered: published by ``_wrote`` once durable, the
-        # lane not woken for it (see ``_receive_writing``).
-        self._writing: PendingWrite | None = None
-        self._writing_events = _NO_EVENTS
 
     @property
     def status(self) -> Status:
@@ -607,11 +596,7 @@ class Lane:
                     continue
             elif phase in _HOLDING:
                 # ``_receive``, inline: the held run's every message comes here.
-                if self._writing is not None:
-                    message = await self._receive_writing()
-                    if message is _WROTE:
-                        continue
-                elif self._backlog:
+                if self._backlog:
                     message = self._backlog.pop(0)
                 elif self._undelivered_at == math.inf:
                     message = await self._inbox.receive()
@@ -661,68 +646,6 @@ class Lane:
             await self._do(m.handle(_CANCEL))
         elif kind is Gone:
             await self._do(m.handle(_LINK_GONE))
-
-    async def _receive_writing(self) -> Message | None:
-        """The held run's next message while its burst's write is in flight
-        (None: the undelivered window ran out). The lane waits for the
-        commit *and* a message, woken once (``Inbox.receive_held``): the
-        writer publishes the burst as it commits (``_wrote``) and hands the
-        lane what its inbox holds by then; an inbox still empty leaves the
-        lane waiting for the next message, not woken for its commit. A
-        failed write wakes it to retry. Either way the write's verdict is
-        read before anything else the lane does (``_written``): the lane
-        is where it would be had it awaited the write."""
-        if self._backlog or self._writing.done:  # type: ignore[union-attr]
-            await self._written()
-            return _WROTE
-        deadline = self._undelivered_at
-        if deadline == math.inf:
-            message: Message | None = await self._inbox.receive_held()
-        else:
-            message = None
-            with trio.move_on_at(deadline):
-                message = await self._inbox.receive_held()
-        if self._writing is not None:
-            await self._written()
-        return message
-
-    def _wrote(self) -> None:
-        """The writer's call once the burst's write committed (or failed):
-        publish it if it went through; let the lane on (``_receive_writing``)."""
-        pending = self._writing
-        if pending is None:
-            return
-        try:
-            if pending.went_through():
-                self._writing = None
-                if not self.feed.closed:  # else the lane ended (cancelled) meanwhile
-                    self._published(self._writing_events)
-                self._writing_events = _NO_EVENTS
-        finally:
-            self._inbox.release(_WROTE, anyway=self._writing is not None)
-
-    async def _written(self) -> None:
-        """The verdict of the burst's write in flight, before the lane's next
-        step: published once it went through (``_wrote`` did); a failed write
-        retried as any write is (the medium's trouble) or the lane's fault."""
-        pending = self._writing
-        assert pending is not None
-        await pending.durable()  # waits only for the backlog's sake: rarely
-        if self._writing is None:
-            return  # went through, and published
-        self._writing = None
-        numbered, self._writing_events = self._writing_events, _NO_EVENTS
-        record, run_id = self.f.record, self.run_id
-        try:
-            await pending.result()
-        except Exception as exc:  # noqa: BLE001 -- _retrying re-raises what is not the medium's
-            await self._retrying(lambda: record.append_events(run_id, numbered), exc)
-        self._published(numbered)
-
-    def _published(self, numbered: list[tuple[int, dict[str, Any]]]) -> None:
-        self.next_seq += len(numbered)
-        self.f.metrics.events_recorded += len(numbered)
-        self.feed.publish_all(numbered)
 
     async def _report(self, raws: list[Any]) -> None:
         """Validate a burst; the machine relays it (persist, then publish) or,
@@ -1068,26 +991,27 @@ class Lane:
     async def _append(self, events: list[dict[str, Any]]) -> None:
         if not events:
             return
-        if self._writing is not None:
-            await self._written()
         numbered = list(enumerate(events, start=self.next_seq))
         record = self.f.record
         run_id = self.run_id
         if self._unconfirmed is None:
-            # The common road: queued, not awaited. The writer publishes it
-            # once durable (``_wrote``); the lane reads its verdict before
-            # its next step (``_receive_writing``).
-            self._writing_events = numbered
-            self._writing = record.append_events_soon(run_id, numbered, self._wrote)
-            return
+            # The common road: nothing to chain behind, so ``_after_move``'s
+            # and ``_retrying``'s frames only for a failed first try.
+            try:
+                await record.append_events(run_id, numbered)
+            except Exception as exc:  # noqa: BLE001 -- _retrying re-raises what is not the medium's
+                await self._retrying(lambda: record.append_events(run_id, numbered), exc)
+        else:
 
-        def append(after: PendingWrite | None) -> Awaitable[Any]:
-            if after is None:
-                return record.append_events(run_id, numbered)
-            return record.append_events(run_id, numbered, after=after)
+            def append(after: PendingWrite | None) -> Awaitable[Any]:
+                if after is None:
+                    return record.append_events(run_id, numbered)
+                return record.append_events(run_id, numbered, after=after)
 
-        await self._after_move(append)
-        self._published(numbered)
+            await self._after_move(append)
+        self.next_seq += len(events)
+        self.f.metrics.events_recorded += len(numbered)
+        self.feed.publish_all(numbered)
 
     async def _move(
         self,
@@ -1100,8 +1024,6 @@ class Lane:
     ) -> None:
         """Write the move, with ``events`` (after any carried ones) numbered
         from ``next_seq`` and published once it is durable."""
-        if self._writing is not None:
-            await self._written()
         numbered = list(enumerate([*self._carried, *(events or ())], start=self.next_seq))
         soon = soon and not numbered
         if soon and self._unconfirmed is not None:

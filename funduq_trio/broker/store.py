@@ -276,12 +276,6 @@ class PendingWrite:
         checkpoint (as in a shielded scope, without one)."""
         await self._done.wait_uncancellable()
 
-    def went_through(self) -> bool:
-        """Once ``done``: whether the write went through (no error), as its
-        ``result`` would have said it -- noted for ``Store.failing`` the same way."""
-        self._record._note(self._op)
-        return self._op.error is None
-
     async def result(self) -> Any:
         """The write's result (or its error raised), once its batch committed.
         A batch already committed costs no schedule point: the caller (a lane
@@ -442,13 +436,6 @@ class Store(Protocol):
         after: PendingWrite | None = None,
     ) -> Any:
         """``after`` as for ``move``: ``SKIPPED`` unless that move moved."""
-        ...
-
-    def append_events_soon(
-        self, run_id: str, events: list[tuple[int, dict[str, Any]]], then: Callable[[], None]
-    ) -> PendingWrite:
-        """``append_events`` queued without waiting (``write_soon``); ``then``
-        is called on the trio thread once its batch committed or failed."""
         ...
 
     async def record_agents(
@@ -685,9 +672,6 @@ class SqlStore:
         #: exist with funduq's schema already, else NoRecord (the admin command).
         self.create = create
         self._pending: list[_Write] = []
-        # What ``write_soon``'s ``then`` asked to be called once the pending
-        # batch is done, in queue order.
-        self._then: list[Callable[[], None]] = []
         self._batch_done = Committed()
         self._wake = trio.Event()
         self._read_limiter = trio.CapacityLimiter(self.READERS)
@@ -833,27 +817,16 @@ class SqlStore:
         elif record_trouble(op.error):
             self.failing = True
 
-    def write_soon(
-        self,
-        fn: Callable[[Any], Any],
-        *,
-        wake: bool = True,
-        then: Callable[[], None] | None = None,
-    ) -> PendingWrite:
+    def write_soon(self, fn: Callable[[Any], Any], *, wake: bool = True) -> PendingWrite:
         """Queue ``fn`` for the next group commit without waiting for it. The
         writer is first-in first-out, so anything written (and awaited) after
         it is durable only once this is too. Its result (or error) is the
         returned handle's, once that commit is done. ``wake=False``: the
         writer is not woken for it; the next write, or the handle's
         ``result`` or ``hurry``, does -- so a write its queuer knows is
-        coming right behind it shares its commit. ``then``: called by the
-        writer, on the trio thread, once the batch committed (or failed) --
-        before any task waiting on it runs -- so the queuer need not wake
-        for the commit (a lane publishes its burst so: ``Lane._wrote``)."""
+        coming right behind it shares its commit."""
         op = _Write(fn)
         self._pending.append(op)
-        if then is not None:
-            self._then.append(then)
         if wake:
             self._wake.set()
         return PendingWrite(self, op, self._batch_done)
@@ -888,9 +861,6 @@ class SqlStore:
         if not ops:
             return
         self._pending, self._batch_done = [], Committed()
-        then = self._then
-        if then:
-            self._then = []
         try:
             await self._commit(ops)
         except Exception as exc:
@@ -913,11 +883,6 @@ class SqlStore:
             self.commits += 1
             self.writes += len(ops)
             done.set()
-            for call in then:
-                try:
-                    call()
-                except Exception:  # noqa: BLE001 -- a bug of its queuer's: the writer lives on
-                    log.exception("a write's follow-up failed")
 
     # -- reading ------------------------------------------------------------------------
 
@@ -1113,17 +1078,6 @@ class SqlStore:
     ) -> Any:
         """A run's events by seq; ``after``: see ``write`` (``SKIPPED`` when
         that move did not move, and nothing written)."""
-        return await self.write(self._append_write(run_id, events), after=after)
-
-    def append_events_soon(
-        self, run_id: str, events: list[tuple[int, dict[str, Any]]], then: Callable[[], None]
-    ) -> PendingWrite:
-        """``append_events`` queued with ``write_soon`` (``then`` as there)."""
-        return self.write_soon(self._append_write(run_id, events), then=then)
-
-    def _append_write(
-        self, run_id: str, events: list[tuple[int, dict[str, Any]]]
-    ) -> Callable[[Any], None]:
         inserts, last_seq = _event_statements(run_id, events)
         changed = self._changed
         if changed is None and self.node is None:
@@ -1132,7 +1086,7 @@ class SqlStore:
                 for statement, values in inserts:
                     conn.execute(statement, values)
 
-            return insert
+            return await self.write(insert, after=after)
 
         def apply(conn: Any) -> None:
             self._fence(conn, run_id)
@@ -1141,7 +1095,7 @@ class SqlStore:
             if inserts and changed is not None:
                 changed(conn, run_id, last_seq, False)
 
-        return apply
+        return await self.write(apply, after=after)
 
     async def record_agents(
         self,
