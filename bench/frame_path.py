@@ -12,6 +12,9 @@ encoded as a stream would, then `wait_run`).
 its own socket read, as from a provider that does not batch when the
 server keeps up with it. `--shape read`: a run's frames after the `ok` come
 in one socket read. `--shape batch`: one `batch` frame, as the SDK sends.
+`--gap N` (raw): the provider waits N scheduler passes after each frame, so
+frames come slower than the record commits (a provider starved of a core,
+as on a loaded host: bench/README.md, "A lane not woken for its own commit").
 
 Prints, per run: process CPU (the record's writer thread included; best of
 `--rounds`, no instrument), then from two more rounds trio task steps (by
@@ -20,7 +23,7 @@ deterministic). The provider's own work is in the CPU figure too; compare
 trees, not absolute values. For a count that does not move with the host,
 run it under callgrind at two `--runs` and subtract (bench/README.md).
 
-    python bench/frame_path.py [--runs 600] [--threads 20] [--shape raw] [--rounds 3]
+    python bench/frame_path.py [--runs 600] [--threads 20] [--shape raw] [--gap 0] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -116,7 +119,9 @@ class Steps(trio.abc.Instrument):
         ] += 1
 
 
-async def provider(wire: Wire, shape: str, deltas: int, funduq_identity: Identity) -> None:
+async def provider(
+    wire: Wire, shape: str, deltas: int, funduq_identity: Identity, gap: int = 0
+) -> None:
     me = Identity.generate()
     hello = json.loads(await wire.from_server.receive())
     nonce = "p" * 32
@@ -139,6 +144,8 @@ async def provider(wire: Wire, shape: str, deltas: int, funduq_identity: Identit
         if shape == "raw":
             for t in texts:
                 await wire.to_server.send(masked(t))
+                for _ in range(gap):
+                    await trio.lowlevel.checkpoint()
         elif shape == "read":
             await wire.to_server.send(b"".join(masked(t) for t in texts))
         else:
@@ -147,7 +154,13 @@ async def provider(wire: Wire, shape: str, deltas: int, funduq_identity: Identit
 
 
 async def load(
-    data_dir: Path, runs: int, threads: int, shape: str, deltas: int, count_steps: bool
+    data_dir: Path,
+    runs: int,
+    threads: int,
+    shape: str,
+    deltas: int,
+    count_steps: bool,
+    gap: int = 0,
 ) -> dict[str, Any]:
     from wsproto.connection import Connection, ConnectionType
 
@@ -207,7 +220,7 @@ async def load(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(link.run)
-            nursery.start_soon(provider, wire, shape, deltas, funduq.identity)
+            nursery.start_soon(provider, wire, shape, deltas, funduq.identity, gap)
             await wire.ready.wait()  # type: ignore[attr-defined]
             writes0, commits0 = funduq.record.writes, funduq.record.commits
             if count_steps:  # not while timed: an instrument costs every step
@@ -242,6 +255,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=20)
     parser.add_argument("--deltas", type=int, default=8)
     parser.add_argument("--shape", choices=("raw", "read", "batch"), default="raw")
+    parser.add_argument("--gap", type=int, default=0, help="raw: scheduler passes between frames")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     import funduq_trio
@@ -251,7 +265,14 @@ def main() -> None:
     def once(count_steps: bool) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             return trio.run(
-                load, Path(tmp), args.runs, args.threads, args.shape, args.deltas, count_steps
+                load,
+                Path(tmp),
+                args.runs,
+                args.threads,
+                args.shape,
+                args.deltas,
+                count_steps,
+                args.gap,
             )
 
     results = [once(False) for _ in range(args.rounds)]
@@ -260,6 +281,7 @@ def main() -> None:
     print(
         f"shape {args.shape}: {args.runs} runs over {args.threads} threads, "
         f"{args.deltas + 6} frames a run"
+        + (f", {args.gap} passes between frames" if args.gap else "")
     )
     print(
         f"  CPU a run {best['cpu_us_run']:7.1f} us (best of {args.rounds}; all: "

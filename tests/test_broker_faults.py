@@ -11,6 +11,7 @@ import pytest
 import trio
 from broker_support import (
     AGENT,
+    Follower,
     Provider,
     accepted,
     advance,
@@ -215,6 +216,38 @@ async def test_failed_writes_are_retried_and_every_run_settles_once_they_succeed
         c = await funduq.start_run(p.key, AGENT, user_input())  # taken again
         await quiet()
         assert c.run_id in offered_runs(p.link)
+
+
+async def test_a_burst_whose_write_failed_is_written_again_before_it_is_relayed(
+    tmp_path, mock_clock, disk_full
+):
+    """A burst's write fails: the lane retries it until the record takes it,
+    and only then relays it -- with no other message needed to wake it."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq).attach()
+        a = await accepted(funduq, p)
+        events = reply(a.run_id, a.thread_id, deltas=3)
+        async with trio.open_nursery() as nursery:
+            follower = Follower(funduq, a.run_id)
+            nursery.start_soon(follower.run)
+            p.stream(a.run_id, events[0], finish=False)  # rides behind `running`
+            await quiet()
+            disk_full["full"] = True
+            p.stream(a.run_id, events[1], finish=False)
+            await advance(mock_clock, 3)  # failed, and failed again on retry
+            assert not await funduq.ready()
+            assert [seq for seq, _ in follower.items] == [1]
+            disk_full["full"] = False
+            await advance(mock_clock, 10)
+            assert [seq for seq, _ in follower.items] == [1, 2]
+            assert [e["seq"] for e in (await record_of(funduq, a.run_id))["events"]] == [1, 2]
+            p.stream(a.run_id, *events[2:])
+            await quiet()
+        assert follower.not_yet_durable == []
+        assert [e for _, e in follower.items] == events
+        run = await record_of(funduq, a.run_id)
+        assert run["status"] == "completed"
+        assert events_of(run) == events
 
 
 async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(
