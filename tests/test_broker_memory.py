@@ -11,6 +11,7 @@ from broker_support import (
     Provider,
     accepted,
     broker,
+    offered_runs,
     quiet,
     reply,
     start,
@@ -95,9 +96,9 @@ async def test_nothing_of_a_run_is_kept_once_it_ends(tmp_path, mock_clock):
 async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_offer(
     tmp_path, mock_clock
 ):
-    """A thread's lanes run in the thread's nursery, which ``depose``
-    cancels. A thread deposed before its task opened that nursery still
-    ends its lanes at their first checkpoint: no offer leaves, and nothing
+    """A thread's lanes run in cancel scopes that ``depose`` cancels. A
+    thread deposed before its task entered its scope still ends its lanes
+    at their first checkpoint: no offer leaves, and nothing
     of the lane is left. (What it queued before that checkpoint, its
     `offering` move, a shared record fences.)"""
     async with broker(tmp_path) as funduq:
@@ -125,11 +126,11 @@ async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_o
 
 
 async def test_a_threads_first_lane_runs_on_the_threads_task_and_ends_with_it(tmp_path, mock_clock):
-    """A thread's first lane runs on the thread's own task, in its nursery's
-    body: a conversation's run costs one task, not two. It is still one of
+    """A thread's first lane runs on the thread's own task, in a cancel
+    scope: a conversation's run costs one task, not two. It is still one of
     the thread's lanes like any other: a run queued behind it gets a task of
-    its own in the nursery, and deposing the thread ends both (no lane, an
-    ended feed, no task of the thread left)."""
+    its own beside it, and deposing the thread ends both (no lane, an ended
+    feed, no task of the thread left)."""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq, max_concurrent=1).attach()
         first = await accepted(funduq, p, text="on the thread's task")
@@ -147,3 +148,55 @@ async def test_a_threads_first_lane_runs_on_the_threads_task_and_ends_with_it(tm
         assert first.run_id not in funduq.lanes and behind.run_id not in funduq.lanes
         assert all(lane.feed.closed for lane in lanes)
         assert not [t for t in all_tasks() if t.name == f"thread {tid}" or "Lane.run" in t.name]
+
+
+async def test_a_run_laned_beside_a_deposed_thread_ends_before_any_offer(tmp_path, mock_clock):
+    """A run laned while another of its thread goes runs beside it, on a task
+    of its own, in a cancel scope of its own that ``depose`` cancels too --
+    also when the thread is deposed before that task ran: no offer leaves
+    for it, though the provider has room and the run is its thread's head."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=2).attach()
+        first = await accepted(funduq, p, text="held")
+        tid = first.thread_id
+        start_lane = funduq._start_lane
+        laned = []
+
+        def start_then_depose(row, **kw):
+            lane = start_lane(row, **kw)
+            funduq.threads.pop(lane.thread_id).depose()
+            laned.append(lane)
+            return lane
+
+        funduq._start_lane = start_then_depose
+        behind = await funduq.start_run(
+            p.key, AGENT, user_input("laned, then deposed at once"), thread_id=tid
+        )
+        funduq._start_lane = start_lane
+        (lane,) = laned
+        await quiet()
+        assert behind.run_id not in offered_runs(p.link)
+        assert funduq.lanes == {} and lane.feed.closed and lane.thread.lanes == 0
+        assert not [t for t in all_tasks() if t.name == f"thread {tid}" or "Lane.run" in t.name]
+
+
+async def test_a_thread_keeps_no_scope_of_a_lane_that_ended_beside_its_first(tmp_path, mock_clock):
+    """Runs that come and go beside a thread's long run leave nothing behind
+    while the thread goes on: a conversation with a run held for hours and
+    many short ones beside it does not grow (each ended lane's cancel scope
+    is let go of)."""
+    async with broker(tmp_path) as funduq:
+        p = await Provider(funduq, max_concurrent=1).attach()
+        first = await accepted(funduq, p, text="held all along")
+        await quiet()
+        gc.collect()
+        before = sum(1 for o in gc.get_objects() if type(o) is trio.CancelScope)
+        for n in range(20):
+            behind = await start(funduq, p, thread_id=first.thread_id, text=f"beside {n}")
+            await quiet()
+            await funduq.cancel_run(behind.run_id)
+            await quiet()
+        assert list(funduq.lanes) == [first.run_id]
+        gc.collect()
+        after = sum(1 for o in gc.get_objects() if type(o) is trio.CancelScope)
+        assert after <= before

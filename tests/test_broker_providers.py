@@ -374,7 +374,7 @@ async def test_provider_leaving_between_arrival_and_the_lanes_first_step(tmp_pat
 async def test_provider_leaving_before_a_second_runs_lane_first_step(tmp_path, mock_clock):
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
-        a = await accepted(funduq, p)  # the thread's nursery exists already
+        a = await accepted(funduq, p)  # the thread's task exists already
         p.stream(a.run_id, *reply(a.run_id, a.thread_id), finish=False)
         start_lane = funduq._start_lane
 

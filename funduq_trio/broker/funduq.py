@@ -822,11 +822,10 @@ class Funduq:
         thread = self.threads.get(lane.thread_id)
         if thread is None:
             thread = self.threads[lane.thread_id] = ThreadLanes(lane.thread_id)
-            assert self._nursery is not None
-            self._nursery.start_soon(thread.hold, name=f"thread {lane.thread_id}")
         lane.thread = thread
         thread.enqueue(lane)
-        thread.start(lane)
+        assert self._nursery is not None
+        thread.start(lane, self._nursery)
         reopen = self._reopen.pop(lane.run_id, None)
         if reopen is not None:
             reopen[0].set()

@@ -1,4 +1,4 @@
-"""A run's lane -- the one task that owns a run -- and a thread's nursery.
+"""A run's lane -- the one task that owns a run -- and a thread's lanes.
 
 Theory of operation
 -------------------
@@ -34,8 +34,10 @@ new runs; anything else that goes wrong in a lane is the machine's ``FAULT``:
 the run fails alone (``funduq_error``, one RUN_ERROR), its provider is asked
 to stop, its place comes back and its thread moves on.
 
-A thread's lanes live in the thread's own nursery, held open by one task
-while the thread has active runs. Only the head of a thread's pending queue
+A thread's first lane runs on the thread's own task, in a cancel scope;
+a lane laned while another of the thread goes gets a task of its own in
+the broker's nursery, in a cancel scope too; deposing the thread cancels
+them all. Only the head of a thread's pending queue
 is offered; the next becomes head the moment the head *leaves the queue*
 (accepted or settled), not when its turn finishes.
 
@@ -221,9 +223,9 @@ class Feed:
 
 
 class ThreadLanes:
-    """A thread with active runs: its nursery and its pending queue."""
+    """A thread with active runs: its lanes' cancel scopes and its pending queue."""
 
-    __slots__ = ("id", "pending", "lanes", "_nursery", "_starting", "deposed")
+    __slots__ = ("id", "pending", "lanes", "_scope", "_beside", "deposed")
 
     def __init__(self, thread_id: str) -> None:
         self.id = thread_id
@@ -234,43 +236,59 @@ class ThreadLanes:
         # deque costs a waiting run most of a kilobyte.
         self.pending: list[Lane] = []
         self.lanes = 0
-        self._nursery: trio.Nursery | None = None
-        self._starting: list[Lane] | None = []
+        # The cancel scope of the lane on the thread's task (``hold``), and
+        # those of the lanes beside it on tasks of their own (``_run_beside``;
+        # the list made by the first of them): what ``depose`` cancels.
+        self._scope: trio.CancelScope | None = None
+        self._beside: list[trio.CancelScope] | None = None
 
-    async def hold(self) -> None:
-        """The thread's task: its lanes run in this nursery; it ends once the
-        last of them has ended (the nursery's own exit waits for them). No
-        lane starts here after that: the thread is forgotten by then (see
-        ``ended``), and a later run of it gets a new ThreadLanes.
+    def start(self, lane: Lane, nursery: trio.Nursery) -> None:
+        """Start the lane's task in ``nursery`` (the broker's). The thread's
+        first lane runs on the thread's task (``hold``); one laned while
+        another is going gets a task of its own beside it."""
+        self.lanes += 1
+        if self.lanes == 1:
+            nursery.start_soon(self.hold, lane, name=f"thread {self.id}")
+        else:
+            nursery.start_soon(self._run_beside, lane, name=_LANE_TASK)
 
-        The first lane runs on this task itself, in the nursery's body (so
-        in its cancel scope, as a child would be): a thread with one run at
-        a time -- a conversation's runs one after another -- costs one task
-        a run, not two (bench/README.md, "The callers' side of a run, the
-        run's start")."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+    async def hold(self, lane: Lane) -> None:
+        """The thread's task: its first lane, in a cancel scope of its own
+        that ``depose`` cancels. A plain cancel scope, not a nursery (about
+        half the instructions): most threads never have two lanes at once,
+        and a lane laned while this one goes runs beside it, in a scope of
+        its own (bench/README.md, "A thread's lanes in cancel scopes, not a
+        nursery"). A thread deposed before this task ran ends the lane at
+        its first checkpoint."""
+        with trio.CancelScope() as scope:
+            self._scope = scope
             if self.deposed:
-                nursery.cancel_scope.cancel()
-            starting, self._starting = self._starting, None
-            assert starting
-            for lane in starting[1:]:
-                nursery.start_soon(lane.run, name=_LANE_TASK)
-            await starting[0].run()
+                scope.cancel()
+            await lane.run()
+
+    async def _run_beside(self, lane: Lane) -> None:
+        """A lane laned while another of the thread goes, on a task of its
+        own (in the broker's nursery), in a cancel scope ``depose`` cancels."""
+        with trio.CancelScope() as scope:
+            beside = self._beside
+            if beside is None:
+                beside = self._beside = []
+            beside.append(scope)
+            if self.deposed:
+                scope.cancel()
+            try:
+                await lane.run()
+            finally:
+                beside.remove(scope)
 
     def depose(self) -> None:
         """Another node leads the thread now: end every lane of it here."""
         self.deposed = True
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-
-    def start(self, lane: Lane) -> None:
-        self.lanes += 1
-        if self._nursery is None:
-            assert self._starting is not None
-            self._starting.append(lane)
-        else:
-            self._nursery.start_soon(lane.run, name=_LANE_TASK)
+        if self._scope is not None:
+            self._scope.cancel()
+        if self._beside:
+            for scope in self._beside:
+                scope.cancel()
 
     def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
