@@ -347,3 +347,38 @@ async def accepted(
     p.session.answer(last_offer_for(p.link, ticket.run_id), "accepted")
     await quiet()
     return ticket
+
+
+@dataclass
+class FollowedRun:
+    """A held run whose first report is durable and relayed, and its follower."""
+
+    provider: Provider
+    ticket: Any
+    events: list[dict[str, Any]]
+    follower: Follower
+
+
+@contextlib.asynccontextmanager
+async def a_followed_run(funduq: Funduq, deltas: int = 3) -> AsyncIterator[FollowedRun]:
+    """Accept a run, follow it, and stream its first report (which rides
+    behind the `running` move); the follower's task ends with the block."""
+    p = await Provider(funduq).attach()
+    a = await accepted(funduq, p)
+    events = reply(a.run_id, a.thread_id, deltas=deltas)
+    async with trio.open_nursery() as nursery:
+        follower = Follower(funduq, a.run_id)
+        nursery.start_soon(follower.run)
+        p.stream(a.run_id, events[0], finish=False)
+        await quiet()
+        yield FollowedRun(p, a, events, follower)
+
+
+async def relayed_and_recorded(funduq: Funduq, run: FollowedRun) -> None:
+    """Every event relayed once durable, in order, and the run recorded
+    `completed` with exactly those events."""
+    assert run.follower.not_yet_durable == []
+    assert [e for _, e in run.follower.items] == run.events
+    recorded = await record_of(funduq, run.ticket.run_id)
+    assert recorded["status"] == "completed"
+    assert events_of(recorded) == run.events

@@ -11,16 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import trio
-from broker_support import (
-    Follower,
-    Provider,
-    accepted,
-    broker,
-    events_of,
-    quiet,
-    record_of,
-    reply,
-)
+from broker_support import Follower, a_followed_run, broker, quiet, relayed_and_recorded
 
 from funduq_trio.broker.funduq import Funduq
 
@@ -51,15 +42,9 @@ async def test_a_burst_is_relayed_once_its_commit_is_done_and_the_lane_reads_on(
     tmp_path, mock_clock
 ):
     async with broker(tmp_path) as funduq:
-        p = await Provider(funduq).attach()
-        a = await accepted(funduq, p)
-        events = reply(a.run_id, a.thread_id, deltas=3)
-        async with trio.open_nursery() as nursery:
-            follower = Follower(funduq, a.run_id)
-            nursery.start_soon(follower.run)
-            # The first burst rides behind the `running` move (awaited).
-            p.stream(a.run_id, events[0], finish=False)
-            await quiet()
+        async with a_followed_run(funduq) as run:
+            p, a, events, follower = run.provider, run.ticket, run.events, run.follower
+            # The first burst rode behind the `running` move (awaited).
             assert seqs(follower) == [1]
             with held_commits(funduq) as gate:
                 p.stream(a.run_id, events[1], finish=False)
@@ -76,25 +61,15 @@ async def test_a_burst_is_relayed_once_its_commit_is_done_and_the_lane_reads_on(
             p.stream(a.run_id, *events[3:])
             await quiet()
             assert follower.ended.is_set()
-        assert follower.not_yet_durable == []
-        assert [e for _, e in follower.items] == events
-        run = await record_of(funduq, a.run_id)
-        assert run["status"] == "completed"
-        assert events_of(run) == events
+        await relayed_and_recorded(funduq, run)
 
 
 async def test_what_arrives_while_a_burst_is_written_is_read_once_it_is_durable(
     tmp_path, mock_clock
 ):
     async with broker(tmp_path) as funduq:
-        p = await Provider(funduq).attach()
-        a = await accepted(funduq, p)
-        events = reply(a.run_id, a.thread_id, deltas=3)
-        async with trio.open_nursery() as nursery:
-            follower = Follower(funduq, a.run_id)
-            nursery.start_soon(follower.run)
-            p.stream(a.run_id, events[0], finish=False)
-            await quiet()
+        async with a_followed_run(funduq) as run:
+            p, a, events, follower = run.provider, run.ticket, run.events, run.follower
             with held_commits(funduq) as gate:
                 p.stream(a.run_id, events[1], finish=False)
                 await quiet()
@@ -108,7 +83,4 @@ async def test_what_arrives_while_a_burst_is_written_is_read_once_it_is_durable(
                 await quiet()
             assert follower.ended.is_set()
         assert follower.bursts == [[1], [2], list(range(3, len(events) + 1))]
-        assert follower.not_yet_durable == []
-        run = await record_of(funduq, a.run_id)
-        assert run["status"] == "completed"
-        assert events_of(run) == events
+        await relayed_and_recorded(funduq, run)

@@ -11,8 +11,8 @@ import pytest
 import trio
 from broker_support import (
     AGENT,
-    Follower,
     Provider,
+    a_followed_run,
     accepted,
     advance,
     broker,
@@ -23,6 +23,7 @@ from broker_support import (
     offered_runs,
     quiet,
     record_of,
+    relayed_and_recorded,
     reply,
     resume_input,
     start,
@@ -224,14 +225,8 @@ async def test_a_burst_whose_write_failed_is_written_again_before_it_is_relayed(
     """A burst's write fails: the lane retries it until the record takes it,
     and only then relays it -- with no other message needed to wake it."""
     async with broker(tmp_path) as funduq:
-        p = await Provider(funduq).attach()
-        a = await accepted(funduq, p)
-        events = reply(a.run_id, a.thread_id, deltas=3)
-        async with trio.open_nursery() as nursery:
-            follower = Follower(funduq, a.run_id)
-            nursery.start_soon(follower.run)
-            p.stream(a.run_id, events[0], finish=False)  # rides behind `running`
-            await quiet()
+        async with a_followed_run(funduq) as run:
+            p, a, events, follower = run.provider, run.ticket, run.events, run.follower
             disk_full["full"] = True
             p.stream(a.run_id, events[1], finish=False)
             await advance(mock_clock, 3)  # failed, and failed again on retry
@@ -243,11 +238,7 @@ async def test_a_burst_whose_write_failed_is_written_again_before_it_is_relayed(
             assert [e["seq"] for e in (await record_of(funduq, a.run_id))["events"]] == [1, 2]
             p.stream(a.run_id, *events[2:])
             await quiet()
-        assert follower.not_yet_durable == []
-        assert [e for _, e in follower.items] == events
-        run = await record_of(funduq, a.run_id)
-        assert run["status"] == "completed"
-        assert events_of(run) == events
+        await relayed_and_recorded(funduq, run)
 
 
 async def test_a_run_the_record_could_not_take_leaves_its_thread_as_it_was(

@@ -1,8 +1,10 @@
 """What a waiting run holds on to: a broker holding ten thousand of them holds
 ten thousand of each (bench/scale.py measures the whole)."""
 
+import contextlib
 import contextvars
 import gc
+from collections.abc import Iterator
 
 import trio
 from broker_support import (
@@ -18,6 +20,7 @@ from broker_support import (
     user_input,
 )
 
+from funduq_trio.broker.funduq import Funduq
 from funduq_trio.broker.inbox import Inbox
 from funduq_trio.broker.lanes import Feed, Lane, ThreadLanes
 
@@ -93,6 +96,27 @@ async def test_nothing_of_a_run_is_kept_once_it_ends(tmp_path, mock_clock):
         assert kept == []
 
 
+@contextlib.contextmanager
+def deposed_as_laned(funduq: Funduq) -> Iterator[list[Lane]]:
+    """Depose each run's thread the moment its lane is made: the door lanes
+    the run as its insert is queued (_insert_laned), so the thread is
+    deposed before the lane's task ran. Yields the lanes so made."""
+    start_lane = funduq._start_lane
+    laned: list[Lane] = []
+
+    def start_then_depose(row, **kw):
+        lane = start_lane(row, **kw)
+        funduq.threads.pop(lane.thread_id).depose()
+        laned.append(lane)
+        return lane
+
+    funduq._start_lane = start_then_depose  # type: ignore[method-assign]
+    try:
+        yield laned
+    finally:
+        funduq._start_lane = start_lane  # type: ignore[method-assign]
+
+
 async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_offer(
     tmp_path, mock_clock
 ):
@@ -103,20 +127,8 @@ async def test_a_thread_deposed_before_its_lane_began_ends_the_lane_before_any_o
     `offering` move, a shared record fences.)"""
     async with broker(tmp_path) as funduq:
         p = await Provider(funduq).attach()
-        start_lane = funduq._start_lane
-        laned = []
-
-        def start_then_depose(row, **kw):
-            # The door lanes the run as its insert is queued (_insert_laned):
-            # deposed right there, before the lane's task ran.
-            lane = start_lane(row, **kw)
-            funduq.threads.pop(lane.thread_id).depose()
-            laned.append(lane)
-            return lane
-
-        funduq._start_lane = start_then_depose
-        ticket = await funduq.start_run(p.key, AGENT, user_input("deposed at once"))
-        funduq._start_lane = start_lane
+        with deposed_as_laned(funduq) as laned:
+            ticket = await funduq.start_run(p.key, AGENT, user_input("deposed at once"))
         (lane,) = laned
         thread = lane.thread
         await quiet()
@@ -159,20 +171,10 @@ async def test_a_run_laned_beside_a_deposed_thread_ends_before_any_offer(tmp_pat
         p = await Provider(funduq, max_concurrent=2).attach()
         first = await accepted(funduq, p, text="held")
         tid = first.thread_id
-        start_lane = funduq._start_lane
-        laned = []
-
-        def start_then_depose(row, **kw):
-            lane = start_lane(row, **kw)
-            funduq.threads.pop(lane.thread_id).depose()
-            laned.append(lane)
-            return lane
-
-        funduq._start_lane = start_then_depose
-        behind = await funduq.start_run(
-            p.key, AGENT, user_input("laned, then deposed at once"), thread_id=tid
-        )
-        funduq._start_lane = start_lane
+        with deposed_as_laned(funduq) as laned:
+            behind = await funduq.start_run(
+                p.key, AGENT, user_input("laned, then deposed at once"), thread_id=tid
+            )
         (lane,) = laned
         await quiet()
         assert behind.run_id not in offered_runs(p.link)
