@@ -225,7 +225,7 @@ class Feed:
 class ThreadLanes:
     """A thread with active runs: its lanes' cancel scopes and its pending queue."""
 
-    __slots__ = ("id", "pending", "lanes", "_scope", "_beside", "deposed")
+    __slots__ = ("id", "pending", "lanes", "_scopes", "deposed")
 
     def __init__(self, thread_id: str) -> None:
         self.id = thread_id
@@ -236,59 +236,37 @@ class ThreadLanes:
         # deque costs a waiting run most of a kilobyte.
         self.pending: list[Lane] = []
         self.lanes = 0
-        # The cancel scope of the lane on the thread's task (``hold``), and
-        # those of the lanes beside it on tasks of their own (``_run_beside``;
-        # the list made by the first of them): what ``depose`` cancels.
-        self._scope: trio.CancelScope | None = None
-        self._beside: list[trio.CancelScope] | None = None
+        # The cancel scope of each lane still going: what ``depose`` cancels.
+        self._scopes: list[trio.CancelScope] = []
 
     def start(self, lane: Lane, nursery: trio.Nursery) -> None:
-        """Start the lane's task in ``nursery`` (the broker's). The thread's
-        first lane runs on the thread's task (``hold``); one laned while
-        another is going gets a task of its own beside it."""
+        """Start the lane's task in ``nursery`` (the broker's), in a cancel
+        scope of its own that ``depose`` cancels. A plain cancel scope, not a
+        nursery of the thread's (about half the instructions, bench/README.md,
+        "A thread's lanes in cancel scopes, not a nursery"): most threads never
+        have two lanes at once. The first lane's task is the thread's, and
+        named so."""
         self.lanes += 1
-        if self.lanes == 1:
-            nursery.start_soon(self.hold, lane, name=f"thread {self.id}")
-        else:
-            nursery.start_soon(self._run_beside, lane, name=_LANE_TASK)
+        name = f"thread {self.id}" if self.lanes == 1 else _LANE_TASK
+        nursery.start_soon(self._run, lane, name=name)
 
-    async def hold(self, lane: Lane) -> None:
-        """The thread's task: its first lane, in a cancel scope of its own
-        that ``depose`` cancels. A plain cancel scope, not a nursery (about
-        half the instructions): most threads never have two lanes at once,
-        and a lane laned while this one goes runs beside it, in a scope of
-        its own (bench/README.md, "A thread's lanes in cancel scopes, not a
-        nursery"). A thread deposed before this task ran ends the lane at
-        its first checkpoint."""
+    async def _run(self, lane: Lane) -> None:
+        """A lane's task. A thread deposed before this task ran ends the lane
+        at its first checkpoint."""
         with trio.CancelScope() as scope:
-            self._scope = scope
             if self.deposed:
                 scope.cancel()
-            await lane.run()
-
-    async def _run_beside(self, lane: Lane) -> None:
-        """A lane laned while another of the thread goes, on a task of its
-        own (in the broker's nursery), in a cancel scope ``depose`` cancels."""
-        with trio.CancelScope() as scope:
-            beside = self._beside
-            if beside is None:
-                beside = self._beside = []
-            beside.append(scope)
-            if self.deposed:
-                scope.cancel()
+            self._scopes.append(scope)
             try:
                 await lane.run()
             finally:
-                beside.remove(scope)
+                self._scopes.remove(scope)
 
     def depose(self) -> None:
         """Another node leads the thread now: end every lane of it here."""
         self.deposed = True
-        if self._scope is not None:
-            self._scope.cancel()
-        if self._beside:
-            for scope in self._beside:
-                scope.cancel()
+        for scope in self._scopes:
+            scope.cancel()
 
     def ended(self, lane: Lane) -> bool:
         """A lane ended. True when it was the thread's last."""
