@@ -533,6 +533,13 @@ def rate_arg(text: str) -> float | str:
     return text if text == "half" else float(text)
 
 
+def server_gc_setting(value: str) -> str:
+    """`--server-gc`: on, off, or a positive young-pass threshold."""
+    if value in ("on", "off") or (value.isdigit() and int(value) > 0):
+        return value
+    raise argparse.ArgumentTypeError(f"on, off or a positive number, not {value!r}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
@@ -609,6 +616,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--server-gc",
+        type=server_gc_setting,
         default="on",
         help="diagnostic: off turns the server's cyclic GC off once it has started; "
         "a number sets its young pass's threshold (CPython's default 700; the server's "
