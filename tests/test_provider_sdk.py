@@ -56,6 +56,7 @@ class FakeConnection:
         self.outgoing = outgoing
         self.incoming = incoming
         self.gate: trio.Event | None = None  # while unset, the socket is busy
+        self.sent: list[str] = []  # every message written, in order
 
     async def send(self, text: str) -> None:
         if self.gate is not None:
@@ -64,6 +65,7 @@ class FakeConnection:
             await self.outgoing.send(text)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise LinkLost("fake link closed") from None
+        self.sent.append(text)
 
     async def receive(self) -> str:
         try:
@@ -268,6 +270,63 @@ async def test_an_agent_that_blocks_forever_does_not_delay_the_next_answer(autoj
         nursery.cancel_scope.cancel()
 
 
+async def test_a_verdict_is_written_before_its_run_starts(autojump_clock):
+    """Each run's agent starts only once funduq holds the verdict, and the
+    verdict leaves alone: it does not wait for the run's first events."""
+    verdicts_held: list[bool] = []
+    sockets: list[FakeConnection] = []
+
+    async def looks(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        offer_id = "o" + run_input.run_id[1:]
+        verdict = f.encode_frame(f.Ok(id=offer_id, verdict="accepted"))
+        verdicts_held.append(verdict in sockets[0].sent)
+        async for event in make_echo(deltas=8)(run_input):
+            yield event
+
+    async with serving({"looks": looks}, extensions=["batch"]) as (fake, _, link):
+        sockets.append(fake.connections[-1])
+        for n in range(10):
+            await link.offer(f"o{n}", f"r{n}", agent="looks", thread=f"t{n}")
+            messages = await frames_until_finished(link, {f"r{n}"})
+            assert messages[0] == [f.Ok(id=f"o{n}", verdict="accepted")]
+            assert all(not isinstance(i, f.Ok) for m in messages[1:] for i in m)
+    assert verdicts_held == [True] * 10
+
+
+async def test_with_the_socket_busy_a_verdict_queues_in_order_and_its_run_starts(
+    autojump_clock,
+):
+    """While the writer is stuck on a stalled socket, an offer is still read
+    and answered at once: the verdict queues behind the frames already
+    waiting, the run starts without waiting for it, and funduq gets the
+    verdict before any of the run's frames."""
+
+    async def paced(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        async for event in make_echo(deltas=8)(run_input):
+            await trio.sleep(1)
+            yield event
+
+    async with serving({"paced": paced, "echo": make_echo(deltas=8)}, extensions=["batch"]) as (
+        fake,
+        provider,
+        link,
+    ):
+        await link.offer("o1", "r1", agent="paced")
+        assert await link.recv() == f.Ok(id="o1", verdict="accepted")
+        fake.connections[-1].gate = gate = trio.Event()
+        await trio.sleep(1.5)  # r1's first event is in the writer, at the stalled socket
+        await link.offer("o2", "r2", agent="echo", thread="t2")
+        await trio.sleep(0.1)
+        assert provider.held_runs == {"r1"}  # r2 ran to its end meanwhile
+        gate.set()
+        messages = await frames_until_finished(link, {"r1", "r2"})
+    items = [i for m in messages for i in m]
+    ok = items.index(f.Ok(id="o2", verdict="accepted"))
+    r2 = [k for k, i in enumerate(items) if getattr(i, "run_id", None) == "r2"]
+    assert len(r2) == 13 and ok < r2[0]
+    assert [items[k].seq for k in r2[:-1]] == list(range(1, 13))
+
+
 async def test_a_run_reports_seq_numbered_events_then_finishes(autojump_clock):
     fake = FakeFunduq()
     provider = provider_for(fake)
@@ -298,16 +357,20 @@ async def test_a_run_reports_seq_numbered_events_then_finishes(autojump_clock):
 
 
 async def messages_while_the_socket_was_busy(extensions: list[str] | None) -> list[Any]:
-    """Offer an 8-delta echo run while the provider's socket is busy, let the
-    agent queue everything, free the socket: the messages that arrive."""
-    async with serving({"echo": make_echo(deltas=8)}, extensions=extensions) as (
-        fake,
-        provider,
-        link,
-    ):
+    """Offer an 8-delta echo run whose events come a second apart, stall the
+    provider's socket once the verdict is out, let the agent finish, free the
+    socket: the messages that arrive after the verdict."""
+
+    async def paced(run_input: RunAgentInput) -> AsyncIterator[Any]:
+        async for event in make_echo(deltas=8)(run_input):
+            await trio.sleep(1)
+            yield event
+
+    async with serving({"paced": paced}, extensions=extensions) as (fake, provider, link):
+        await link.offer("o1", "r1", agent="paced", text="hello, world!")
+        assert await link.recv() == f.Ok(id="o1", verdict="accepted")
         fake.connections[-1].gate = gate = trio.Event()
-        await link.offer("o1", "r1", text="hello, world!")
-        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(60)
         assert provider.held_runs == frozenset()  # the run is over, its frames queued
         gate.set()
         messages = [await link.recv()]
@@ -317,21 +380,21 @@ async def messages_while_the_socket_was_busy(extensions: list[str] | None) -> li
 
 
 async def test_frames_queued_while_the_socket_is_busy_go_out_as_one_batch(autojump_clock):
-    *first, last = await messages_while_the_socket_was_busy(["batch"])
-    # The writer may have taken the `ok` before the socket stalled (then it
-    # goes alone); everything queued behind it leaves as one batch.
-    assert first in ([], [f.Ok(id="o1", verdict="accepted")])
+    messages = await messages_while_the_socket_was_busy(["batch"])
+    # The first event found the socket free and waits in it alone; everything
+    # queued behind it leaves as one batch.
+    first, last = messages
+    assert isinstance(first, f.Report) and first.seq == 1
     assert isinstance(last, f.Batch)
-    items = [*first, *items_of(last)]
-    assert items[0] == f.Ok(id="o1", verdict="accepted")
-    assert [i.seq for i in items[1:-1]] == list(range(1, 13))
-    assert all(isinstance(i, f.Report) and i.run_id == "r1" for i in items[1:-1])
+    items = items_of(last)
+    assert [i.seq for i in items[:-1]] == list(range(2, 13))
+    assert all(isinstance(i, f.Report) and i.run_id == "r1" for i in items[:-1])
     assert items[-1] == f.Finish(run_id="r1")
 
 
 async def test_without_the_extension_every_frame_goes_alone(autojump_clock):
     messages = await messages_while_the_socket_was_busy(None)
-    assert [type(x) for x in messages] == [f.Ok, *[f.Report] * 12, f.Finish]
+    assert [type(x) for x in messages] == [*[f.Report] * 12, f.Finish]
 
 
 async def test_a_batch_stays_under_the_batch_size(autojump_clock):

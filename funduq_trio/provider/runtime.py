@@ -16,6 +16,11 @@ key against a pinned one, publishes its agents and then:
   agent: `refused` for an agent it does not serve or an input that does not
   validate as RunAgentInput, `declined` when it already holds
   `max_concurrent_runs` runs, otherwise `accepted`;
+* writes those answers from the step that read the offer when its writer is
+  idle, and starts an accepted run's task once its answer is written, so the
+  answer waits neither for the writer's turn nor for the agent's first
+  events (otherwise the answers queue behind what waits and the runs start
+  at once);
 * runs each accepted run in its own task, reporting each event with a 1-based
   per-run `seq`, and always sending `finish` at the end, whether the agent
   returned, raised (a RUN_ERROR is reported first) or was cancelled;
@@ -46,6 +51,7 @@ cryptography, `funduq_trio.protocol` (frames, carriable, provider_link) and
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import itertools
 import logging
@@ -256,10 +262,16 @@ class _Link:
         self.batch = batch
         self.out_send, self.out_receive = trio.open_memory_channel[tuple[str, bool]](math.inf)
         self.credits = trio.Semaphore(report_window)
+        #: Held while a message is written: the writer's and the reader's
+        #: (`reply`) messages leave in the order they took it.
+        self.sending = trio.StrictFIFOLock()
         self._unyielded = 0  # reports queued since this link last yielded
         self.runs: dict[str, _Run] = {}
         self.completions: dict[str, trio.CancelScope] = {}  # KYOK, by completion id
         self.pending: dict[str, _Pending] = {}
+        #: Tasks of the runs accepted in the message being answered: started
+        #: by `reply` once their verdicts are written.
+        self.starting: list[Callable[[], None]] = []
         self.end_reason: str | None = None
         self.fatal: BaseException | None = None
 
@@ -280,6 +292,47 @@ class _Link:
                 self.out_send.send_nowait((action.text, False))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
+
+    async def reply(self, actions: list[P.Action]) -> None:
+        """The reader's replies to one message from funduq (an offer's verdict
+        above all), then the tasks of the runs it accepted. When the writer
+        is idle, nothing is queued before the replies, so they are written
+        from the reader's own step; the runs start once they are written. A
+        trip through the writer task, or a run's first step (often its
+        whole agent) before the write, would hold an offer's answer for a
+        scheduler round of other work (bench/README.md, "An offer answered
+        before its run starts"). Otherwise they queue behind what waits, in
+        order, and the runs start at once."""
+        starting, self.starting = self.starting, []
+        try:
+            if not actions or self.out_receive.statistics().tasks_waiting_receive == 0:
+                self.queue(actions)  # the writer is busy, or something is queued
+                return
+            out = f.Outgoing()
+            taken = 0
+            for action in actions:
+                assert isinstance(action, P.Send) and not action.flow, action
+                if (taken and not self.batch) or not out.add(action.text):
+                    break
+                taken += 1
+            self.queue(actions[taken:])  # what one message cannot take: the writer's
+            await self.send(out.message())
+        finally:
+            for start in starting:  # even when the write failed: each run's end is kept
+                start()
+
+    async def send(self, message: str) -> None:
+        """Write one message. The lock is taken in the calling step when it
+        is free (`Lock.acquire` would yield first), so a report of a run
+        accepted in this step leaves after its verdict."""
+        try:
+            self.sending.acquire_nowait()
+        except trio.WouldBlock:
+            await self.sending.acquire()
+        try:
+            await self.conn.send(message)
+        finally:
+            self.sending.release()
 
     async def _send_flow(self, actions: list[P.Action]) -> None:
         """Queue a report or chunk under a credit (none when the link is gone)."""
@@ -557,30 +610,32 @@ class Provider:
                         held = item
                         break
                     reports += item[1]
-                await link.conn.send(out.message())
+                await link.send(out.message())
                 for _ in range(reports):
                     link.credits.release()
         except LinkLost as exc:
-            self._perform(link, link.machine.connection_lost(str(exc)), None)
+            link.queue(self._perform(link, link.machine.connection_lost(str(exc)), None))
 
     async def _reader(self, link: _Link, on_registered: Callable[[], None] | None) -> None:
         try:
             while True:
                 text = await link.conn.receive()
-                self._perform(link, link.machine.receive(text), on_registered)
+                await link.reply(self._perform(link, link.machine.receive(text), on_registered))
         except LinkLost as exc:
-            self._perform(link, link.machine.connection_lost(str(exc)), on_registered)
+            link.queue(self._perform(link, link.machine.connection_lost(str(exc)), on_registered))
 
     def _perform(
         self, link: _Link, actions: list[P.Action], on_registered: Callable[[], None] | None
-    ) -> None:
-        """Carry out the machine's actions for one message from funduq, in order."""
+    ) -> list[P.Action]:
+        """Carry out the machine's actions for one message from funduq, in
+        order; answer the frames to send back (`_Link.reply`)."""
+        replies: list[P.Action] = []
         for action in actions:
             if isinstance(action, P.Send):
-                link.queue([action])
+                replies.append(action)
             elif isinstance(action, P.OfferArrived):
                 verdict, reason = self._answer(link, action.offer)
-                link.queue(link.machine.answer(action.offer.id, verdict, reason))
+                replies += link.machine.answer(action.offer.id, verdict, reason)
             elif isinstance(action, P.CancelArrived):
                 run = link.runs.get(action.run_id)
                 if run is not None:
@@ -606,6 +661,7 @@ class Provider:
                 link.end(action.reason, fatal)
             else:  # pragma: no cover - Attached comes only during the handshake
                 raise AssertionError(f"unexpected {action!r} on an attached link")
+        return replies
 
     def _on_registered(self, on_registered: Callable[[], None] | None) -> None:
         self.registrations += 1
@@ -648,7 +704,11 @@ class Provider:
         admit = getattr(entry.fn, "admit", None)
         if callable(admit):
             admit(ctx)
-        link.nursery.start_soon(self._run_task, link, held, name=f"run {run.run_id}")
+        link.starting.append(
+            functools.partial(
+                link.nursery.start_soon, self._run_task, link, held, name=f"run {run.run_id}"
+            )
+        )
         return "accepted", None
 
     def _complete(self, link: _Link, frame: f.Complete) -> None:
