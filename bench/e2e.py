@@ -540,6 +540,13 @@ def server_gc_setting(value: str) -> str:
     raise argparse.ArgumentTypeError(f"on, off or a positive number, not {value!r}")
 
 
+def idle_line(value: str) -> int:
+    """`--idle-line`: 0 or a positive count."""
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"0 or a positive number, not {value!r}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
@@ -620,7 +627,7 @@ def main() -> None:
         default="on",
         help="diagnostic: off turns the server's cyclic GC off once it has started; "
         "a number sets its young pass's threshold (CPython's default 700; the server's "
-        "own: server.YOUNG_PASS_THRESHOLD)",
+        "own: collector.YOUNG_PASS_THRESHOLD)",
     )
     parser.add_argument(
         "--checkpoint-seconds",
@@ -628,6 +635,14 @@ def main() -> None:
         default=None,
         help="diagnostic: the SQLite record's checkpoint period (a large value: none "
         "during the load)",
+    )
+    parser.add_argument(
+        "--idle-line",
+        type=idle_line,
+        default=None,
+        metavar="N",
+        help="diagnostic: the server's idle young passes start at N counted containers "
+        "(0: no idle passes; the server's own: collector.IDLE_PASS_LINE)",
     )
     parser.add_argument(
         "--server-switch-interval",
@@ -670,6 +685,11 @@ def main() -> None:
                 **(
                     {"FUNDUQ_BENCH_CHECKPOINT_SECONDS": str(args.checkpoint_seconds)}
                     if args.checkpoint_seconds is not None
+                    else {}
+                ),
+                **(
+                    {"FUNDUQ_BENCH_IDLE_LINE": str(args.idle_line)}
+                    if args.idle_line is not None
                     else {}
                 ),
             },

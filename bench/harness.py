@@ -190,8 +190,9 @@ def _wait_in_log(
 #: Diagnostics `serve-instrumented` applies when set in the server's environment:
 #: FUNDUQ_BENCH_GC=off turns the cyclic GC off once the server has started, a
 #: number sets its young pass's threshold instead of the server's own;
-#: FUNDUQ_BENCH_CHECKPOINT_SECONDS sets the SQLite record's checkpoint period.
-DIAGNOSTIC_ENV = ("FUNDUQ_BENCH_GC", "FUNDUQ_BENCH_CHECKPOINT_SECONDS")
+#: FUNDUQ_BENCH_CHECKPOINT_SECONDS sets the SQLite record's checkpoint period;
+#: FUNDUQ_BENCH_IDLE_LINE sets the line of the collector's idle passes (0: none).
+DIAGNOSTIC_ENV = ("FUNDUQ_BENCH_GC", "FUNDUQ_BENCH_CHECKPOINT_SECONDS", "FUNDUQ_BENCH_IDLE_LINE")
 
 
 class Server:
@@ -1383,9 +1384,9 @@ def serve_instrumented_main(argv: list[str]) -> int:
     if os.environ.get("FUNDUQ_BENCH_GC", "on") != "on":
         import gc
 
-        from funduq_trio import server
+        from funduq_trio import collector
 
-        tune = server.tune_collector
+        tune = collector.tune
         setting = os.environ["FUNDUQ_BENCH_GC"]
 
         def tune_then_override() -> None:
@@ -1395,7 +1396,20 @@ def serve_instrumented_main(argv: list[str]) -> int:
             else:
                 gc.set_threshold(int(setting), *gc.get_threshold()[1:])
 
-        server.tune_collector = tune_then_override
+        collector.tune = tune_then_override
+    if "FUNDUQ_BENCH_IDLE_LINE" in os.environ:
+        import functools
+
+        import trio
+
+        from funduq_trio import collector
+
+        line = int(os.environ["FUNDUQ_BENCH_IDLE_LINE"])
+        collector.pass_when_idle = (  # type: ignore[assignment]
+            functools.partial(collector.pass_when_idle, line=line)
+            if line > 0
+            else trio.sleep_forever
+        )
     instruments: list[Any] = []
     if trace_path:
         trace = ServerTrace()

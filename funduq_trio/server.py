@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import gc
 import logging
 import signal
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import trio
 
+from . import collector
 from .broker.funduq import Funduq
 from .broker.schema import SchemaTooNew
 from .broker.store import RecordUnreachable, record_name
@@ -204,31 +204,6 @@ def open_files_for(settings: Settings) -> str | None:
     return None
 
 
-#: Container objects allocated (net of those freed) before the cyclic
-#: collector's young pass; CPython's default is 700. A serving process's count
-#: is a random walk, not a climb: a hundred runs in flight allocate and free
-#: in bursts and nearly nothing they leave is a cycle (19 objects collected in
-#: 3,000 runs). At 700 that walk crossed the line 639 times in 3,000 runs
-#: (bench/e2e.py --trace, raw providers), each young pass walking the runs in
-#: flight and promoting them, so 58 middle and 5 full passes followed: 230 ms
-#: of CPU, 7-8% of the server's. At 10,000, 5 young passes and nothing else,
-#: 28 ms. Cyclic garbage still meets a pass: it counts toward the same line.
-YOUNG_PASS_THRESHOLD = 10_000
-
-
-def tune_collector() -> None:
-    """Leave what start-up made (modules, pydantic and protobuf schemas, the
-    app: ~90,000 objects) out of the cyclic collector's full passes, and run
-    its young pass less often (`YOUNG_PASS_THRESHOLD`). Each full pass walked
-    the start-up objects with the loop stopped: 64 ms, measured with
-    gc.callbacks under bench/e2e.py at 150 runs/s; frozen, 11 ms. Only for
-    the process the CLI owns: an embedding process (the tests) starts many
-    servers and would keep each one's leftovers, and its collector is its own."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_PASS_THRESHOLD, *gc.get_threshold()[1:])
-
-
 #: Settings the banner never prints, only whether they are set.
 SECRET_SETTINGS = ("identity_key", "operator_token")
 
@@ -292,7 +267,11 @@ def run_server(settings: Settings, listener: socket.socket | None = None, versio
             async with trio.open_nursery() as nursery:
                 info: ServerInfo = await nursery.start(partial(serve, settings, listener=listener))
                 started = True
-                tune_collector()
+                # The collector's settings and its idle passes are this
+                # process's own: an embedding process (the tests) starts many
+                # servers, and its collector is its own (collector.py).
+                collector.tune()
+                nursery.start_soon(collector.pass_when_idle, name="collector")
                 for line in banner(info, version):
                     log.info("%s", line)
                 if short_of_files is not None:
