@@ -322,9 +322,10 @@ class _Link:
                 start()
 
     async def send(self, message: str) -> None:
-        """Write one message. The lock is taken in the calling step when it
-        is free (`Lock.acquire` would yield first), so a report of a run
-        accepted in this step leaves after its verdict."""
+        """Write one message; messages leave in the order their callers took
+        the lock, which is taken in the calling step when it is free
+        (`Lock.acquire` would yield first): a verdict the reader is writing
+        goes before any report the writer takes up meanwhile."""
         try:
             self.sending.acquire_nowait()
         except trio.WouldBlock:
