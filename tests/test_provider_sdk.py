@@ -270,9 +270,10 @@ async def test_an_agent_that_blocks_forever_does_not_delay_the_next_answer(autoj
         nursery.cancel_scope.cancel()
 
 
-async def test_a_verdict_is_written_before_its_run_starts(autojump_clock):
-    """Each run's agent starts only once funduq holds the verdict, and the
-    verdict leaves alone: it does not wait for the run's first events."""
+async def test_a_verdict_is_written_before_its_agent_starts(autojump_clock):
+    """With the writer idle, each accepted run's agent starts only once funduq
+    has been sent the verdict, and the verdict leaves alone: it does not wait
+    behind the run's first events."""
     verdicts_held: list[bool] = []
     sockets: list[FakeConnection] = []
 
@@ -298,8 +299,8 @@ async def test_with_the_socket_busy_a_verdict_queues_in_order_and_its_run_starts
 ):
     """While the writer is stuck on a stalled socket, an offer is still read
     and answered at once: the verdict queues behind the frames already
-    waiting, the run starts without waiting for it, and funduq gets the
-    verdict before any of the run's frames."""
+    waiting, the run's agent starts without waiting for it, and funduq gets
+    the verdict before any of the run's frames."""
 
     async def paced(run_input: RunAgentInput) -> AsyncIterator[Any]:
         async for event in make_echo(deltas=8)(run_input):

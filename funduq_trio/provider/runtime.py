@@ -16,11 +16,10 @@ key against a pinned one, publishes its agents and then:
   agent: `refused` for an agent it does not serve or an input that does not
   validate as RunAgentInput, `declined` when it already holds
   `max_concurrent_runs` runs, otherwise `accepted`;
-* writes those answers from the step that read the offer when its writer is
-  idle, and starts an accepted run's task once its answer is written, so the
-  answer waits neither for the writer's turn nor for the agent's first
-  events (otherwise the answers queue behind what waits and the runs start
-  at once);
+* when its writer is idle, lets an accepted run's agent start only once the
+  answer is written, so the answer does not wait behind the agent's first
+  events (when the writer is busy the answer queues behind what waits and
+  the agent starts at once);
 * runs each accepted run in its own task, reporting each event with a 1-based
   per-run `seq`, and always sending `finish` at the end, whether the agent
   returned, raised (a RUN_ERROR is reported first) or was cancelled;
@@ -51,7 +50,6 @@ cryptography, `funduq_trio.protocol` (frames, carriable, provider_link) and
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import itertools
 import logging
@@ -203,6 +201,9 @@ class _Run:
     ctx: RunContext
     entry: _AgentEntry
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: Set once the run's verdict is written; the agent starts after it
+    #: (None: at once). See `_Link.verdict_written`.
+    verdict_written: trio.Event | None = None
 
 
 @dataclass
@@ -260,20 +261,18 @@ class _Link:
         self.machine = machine
         self.nursery = nursery
         self.batch = batch
-        self.out_send, self.out_receive = trio.open_memory_channel[tuple[str, bool]](math.inf)
+        #: (text, a report?, set once written): what the writer sends.
+        self.out_send, self.out_receive = trio.open_memory_channel[
+            tuple[str, bool, trio.Event | None]
+        ](math.inf)
         self.credits = trio.Semaphore(report_window)
-        #: Held while a message is written: the writer's and the reader's
-        #: (`reply`) messages leave in the order they took it.
-        self.sending = trio.StrictFIFOLock()
         self._unyielded = 0  # reports queued since this link last yielded
         self.runs: dict[str, _Run] = {}
         self.completions: dict[str, trio.CancelScope] = {}  # KYOK, by completion id
         self.pending: dict[str, _Pending] = {}
-        #: Tasks of the runs accepted in the message being answered: started
-        #: by `reply` once their verdicts are written.
-        self.starting: list[Callable[[], None]] = []
         self.end_reason: str | None = None
         self.fatal: BaseException | None = None
+        self._written: trio.Event | None = None  # see verdict_written
 
     def end(self, reason: str, fatal: BaseException | None = None) -> None:
         if self.end_reason is None:
@@ -283,57 +282,39 @@ class _Link:
             pending.done.set()
         self.nursery.cancel_scope.cancel()
 
-    def queue(self, actions: list[P.Action]) -> None:
+    def queue(self, actions: list[P.Action], written: trio.Event | None = None) -> None:
         """Queue the control frames of the machine's Send actions (never
-        blocks, never waits behind credits). Only Sends are expected here."""
-        for action in actions:
+        blocks, never waits behind credits); `written` is set once the last
+        of them is written. Only Sends are expected here."""
+        for index, action in enumerate(actions, 1):
             assert isinstance(action, P.Send) and not action.flow, action
             try:
-                self.out_send.send_nowait((action.text, False))
+                self.out_send.send_nowait(
+                    (action.text, False, written if index == len(actions) else None)
+                )
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 pass
+        if written is not None and not actions:
+            written.set()  # nothing to write (the link is closing): nothing to wait for
 
-    async def reply(self, actions: list[P.Action]) -> None:
-        """The reader's replies to one message from funduq (an offer's verdict
-        above all), then the tasks of the runs it accepted. When the writer
-        is idle, nothing is queued before the replies, so they are written
-        from the reader's own step; the runs start once they are written. A
-        trip through the writer task, or a run's first step (often its
-        whole agent) before the write, would hold an offer's answer for a
-        scheduler round of other work (bench/README.md, "An offer answered
-        before its run starts"). Otherwise they queue behind what waits, in
-        order, and the runs start at once."""
-        starting, self.starting = self.starting, []
-        try:
-            if not actions or self.out_receive.statistics().tasks_waiting_receive == 0:
-                self.queue(actions)  # the writer is busy, or something is queued
-                return
-            out = f.Outgoing()
-            taken = 0
-            for action in actions:
-                assert isinstance(action, P.Send) and not action.flow, action
-                if (taken and not self.batch) or not out.add(action.text):
-                    break
-                taken += 1
-            self.queue(actions[taken:])  # what one message cannot take: the writer's
-            await self.send(out.message())
-        finally:
-            for start in starting:  # even when the write failed: each run's end is kept
-                start()
+    def verdict_written(self) -> trio.Event | None:
+        """What a run accepted in the message being answered waits for before
+        its agent starts: the message's replies written. Only when the writer
+        is idle now, so the write is the writer's next step: had the run's
+        task started at once, its first step (often its whole agent) would
+        run in the same scheduler round and, half the time, before the write
+        (bench/README.md, "An offer answered before its run starts"). With
+        the writer busy (None), the verdict queues behind what waits and the
+        agent starts at once."""
+        if self._written is None and self.out_receive.statistics().tasks_waiting_receive:
+            self._written = trio.Event()
+        return self._written
 
-    async def send(self, message: str) -> None:
-        """Write one message; messages leave in the order their callers took
-        the lock, which is taken in the calling step when it is free
-        (`Lock.acquire` would yield first): a verdict the reader is writing
-        goes before any report the writer takes up meanwhile."""
-        try:
-            self.sending.acquire_nowait()
-        except trio.WouldBlock:
-            await self.sending.acquire()
-        try:
-            await self.conn.send(message)
-        finally:
-            self.sending.release()
+    def reply(self, actions: list[P.Action]) -> None:
+        """Queue the replies to one message from funduq; the runs it accepted
+        start their agents once the last is written."""
+        written, self._written = self._written, None
+        self.queue(actions, written)
 
     async def _send_flow(self, actions: list[P.Action]) -> None:
         """Queue a report or chunk under a credit (none when the link is gone)."""
@@ -341,7 +322,7 @@ class _Link:
             assert isinstance(action, P.Send) and action.flow, action
             await self._credit()
             try:
-                self.out_send.send_nowait((action.text, True))
+                self.out_send.send_nowait((action.text, True, None))
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 self.credits.release()
 
@@ -595,12 +576,12 @@ class Provider:
         return link.end_reason or "link ended"
 
     async def _writer(self, link: _Link) -> None:
-        held: tuple[str, bool] | None = None  # taken from the outbox, next to go
+        held: tuple[str, bool, trio.Event | None] | None = None  # taken, next to go
         try:
             while True:
                 first = held if held is not None else await link.out_receive.receive()
                 held = None
-                out, reports = f.Outgoing(), int(first[1])
+                out, reports, written = f.Outgoing(), int(first[1]), [first[2]]
                 out.add(first[0])
                 while link.batch:
                     try:
@@ -611,9 +592,13 @@ class Provider:
                         held = item
                         break
                     reports += item[1]
-                await link.send(out.message())
+                    written.append(item[2])
+                await link.conn.send(out.message())
                 for _ in range(reports):
                     link.credits.release()
+                for event in written:
+                    if event is not None:
+                        event.set()
         except LinkLost as exc:
             link.queue(self._perform(link, link.machine.connection_lost(str(exc)), None))
 
@@ -621,7 +606,7 @@ class Provider:
         try:
             while True:
                 text = await link.conn.receive()
-                await link.reply(self._perform(link, link.machine.receive(text), on_registered))
+                link.reply(self._perform(link, link.machine.receive(text), on_registered))
         except LinkLost as exc:
             link.queue(self._perform(link, link.machine.connection_lost(str(exc)), on_registered))
 
@@ -700,16 +685,12 @@ class Provider:
             _link=link,
             _identity=self.identity,
         )
-        held = _Run(ctx, entry)
+        held = _Run(ctx, entry, verdict_written=link.verdict_written())
         link.runs[run.run_id] = held
         admit = getattr(entry.fn, "admit", None)
         if callable(admit):
             admit(ctx)
-        link.starting.append(
-            functools.partial(
-                link.nursery.start_soon, self._run_task, link, held, name=f"run {run.run_id}"
-            )
-        )
+        link.nursery.start_soon(self._run_task, link, held, name=f"run {run.run_id}")
         return "accepted", None
 
     def _complete(self, link: _Link, frame: f.Complete) -> None:
@@ -755,6 +736,8 @@ class Provider:
         seq = 0
         try:
             with held.scope:
+                if held.verdict_written is not None:
+                    await held.verdict_written.wait()
                 try:
                     args = (ctx.run_input, ctx) if held.entry.wants_ctx else (ctx.run_input,)
                     events = held.entry.fn(*args)
