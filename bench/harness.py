@@ -1381,10 +1381,10 @@ def serve_instrumented_main(argv: list[str]) -> int:
         from funduq_trio.broker import record
 
         record.CHECKPOINT_SECONDS = float(os.environ["FUNDUQ_BENCH_CHECKPOINT_SECONDS"])
+    from funduq_trio import collector  # the server's collector, which these two patch
+
     if os.environ.get("FUNDUQ_BENCH_GC", "on") != "on":
         import gc
-
-        from funduq_trio import collector
 
         tune = collector.tune
         setting = os.environ["FUNDUQ_BENCH_GC"]
@@ -1401,8 +1401,6 @@ def serve_instrumented_main(argv: list[str]) -> int:
         import functools
 
         import trio
-
-        from funduq_trio import collector
 
         line = int(os.environ["FUNDUQ_BENCH_IDLE_LINE"])
         collector.pass_when_idle = (  # type: ignore[assignment]
