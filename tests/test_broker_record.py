@@ -131,6 +131,76 @@ async def test_the_log_is_copied_into_the_database_file_each_second_off_the_loop
         assert path.stat().st_size > before + 400 * 500  # now in the file itself
 
 
+def _insert_threads(prefix: str, count: int):
+    def insert(conn) -> None:
+        conn.executemany(
+            "INSERT INTO threads (id, provider_key, agent_name, segment_head, created_at) "
+            "VALUES (?, 'k', 'a', ?, 0)",
+            [(f"{prefix}-{i}", "x" * 500) for i in range(count)],
+        )
+
+    return insert
+
+
+async def test_a_commit_that_starts_the_log_over_never_truncates_it(tmp_path, monkeypatch):
+    """The commit runs on the loop, and truncating a file frees its pages in
+    the kernel (tens of ms after a burst): the writer's commits leave the
+    log file's size alone when they start it over, even past the limit."""
+    from funduq_trio.broker import record as R
+
+    path = tmp_path / "record.sqlite3"
+    log_file = tmp_path / "record.sqlite3-wal"
+    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
+    async with R.open_record(path) as record:
+        await record.write(_insert_threads("a", 400))
+        grown = log_file.stat().st_size
+        assert grown > R.LOG_SIZE_LIMIT
+        # A pass that copies all of it, as the checkpoint task's first does.
+        busy, frames, copied = await record.read(R.SqliteStore._checkpoint)
+        assert (busy, copied) == (0, frames)
+        await record.write(_insert_threads("b", 1))  # starts the log over
+        assert await record.read(lambda c: c.execute("PRAGMA wal_checkpoint").fetchone()[1]) < 5
+        assert log_file.stat().st_size == grown
+    async with R.open_record(path) as record:
+        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
+        assert count == (401,)
+
+
+@pytest.mark.parametrize("limit_kib, cut", [(64, True), (64 * 1024, False)])
+async def test_a_log_a_burst_grew_past_its_limit_is_cut_back_off_the_loop(
+    tmp_path, mock_clock, monkeypatch, limit_kib, cut
+):
+    """A log file over LOG_SIZE_LIMIT is truncated (in a worker thread) at
+    the first second without commits, never while the writer is busy; one
+    under it keeps its size, to be written again from its beginning. Nothing
+    committed is lost either way, and the writer goes on writing."""
+    from broker_support import quiet
+
+    from funduq_trio.broker import record as R
+
+    path = tmp_path / "record.sqlite3"
+    log_file = tmp_path / "record.sqlite3-wal"
+    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", limit_kib * 1024)
+    async with R.open_record(path) as record:
+        await record.write(_insert_threads("a", 400))
+        grown = log_file.stat().st_size
+        assert grown > 64 * 1024
+        mock_clock.jump(R.CHECKPOINT_SECONDS)  # a second with commits: a pass
+        await quiet()
+        assert log_file.stat().st_size == grown
+        await record.write(_insert_threads("b", 1))  # starts it over, in place
+        mock_clock.jump(R.CHECKPOINT_SECONDS)
+        await quiet()
+        assert log_file.stat().st_size == grown
+        mock_clock.jump(R.CHECKPOINT_SECONDS)  # a second without commits
+        await quiet()
+        assert log_file.stat().st_size == (0 if cut else grown)
+        await record.write(_insert_threads("c", 1))
+    async with R.open_record(path) as record:
+        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
+        assert count == (402,)
+
+
 async def test_commits_landing_during_a_checkpoint_do_not_keep_the_log_growing(
     tmp_path, mock_clock, monkeypatch
 ):

@@ -70,8 +70,9 @@ CHECKPOINT_SECONDS = 1.0
 #: committed during the one before, until one falls in a gap between commits.
 CATCH_UP_PASSES = 8
 CATCH_UP_FRAMES = 4096
-#: A log that starts over is cut back to this size (bytes) if it grew past
-#: it (SQLite's journal_size_limit), so a burst does not keep its disk space.
+#: A log file that a burst grew past this size (bytes) is truncated at the
+#: first second without commits, so the burst does not keep its disk space.
+#: A log under it keeps its size: it starts over from its beginning in place.
 LOG_SIZE_LIMIT = 64 * 1024 * 1024
 
 
@@ -132,8 +133,11 @@ class SqliteStore(SqlStore):
             raise
         # Commits never checkpoint (that fsyncs, on the loop): _run_checkpoints
         # does. Nor do they wait for the write lock on the loop: _begin_now.
+        # Nor do they truncate the log (journal_size_limit stays SQLite's -1):
+        # a commit that starts an oversized log over would cut it on the loop,
+        # and freeing a file's pages takes the kernel ~0.3 ms a MB (a 20-40 ms
+        # stall after a burst). _cut_back does it, when the writer is idle.
         conn.execute("PRAGMA wal_autocheckpoint=0")
-        conn.execute(f"PRAGMA journal_size_limit={LOG_SIZE_LIMIT}")
         conn.execute("PRAGMA busy_timeout=0")
         self._writer_conn = conn
         self._writer_cursor = conn.cursor()
@@ -237,16 +241,21 @@ class SqliteStore(SqlStore):
         """Copy the write-ahead log into the database file now and then, off
         the trio thread, so the log stays short and commits stay cheap."""
         checkpointed = self.commits
+        cut_back = True
         while True:
             await trio.sleep(CHECKPOINT_SECONDS)
-            if self.commits != checkpointed:
-                checkpointed = self.commits
-                try:
+            try:
+                if self.commits != checkpointed:
+                    checkpointed = self.commits
+                    cut_back = False
                     await self._checkpoint_all()
-                except sqlite3.Error as exc:
-                    # Nothing is lost (the log still holds every commit) and the
-                    # next second tries again; serving goes on.
-                    log.warning("WAL checkpoint failed: %s", exc)
+                elif not cut_back:
+                    cut_back = True
+                    await self.read(self._cut_back)
+            except sqlite3.Error as exc:
+                # Nothing is lost (the log still holds every commit) and the
+                # next second tries again; serving goes on.
+                log.warning("WAL checkpoint failed: %s", exc)
 
     async def _checkpoint_all(self) -> None:
         """A pass, then more (see CATCH_UP_PASSES) while commits kept the log
@@ -266,6 +275,20 @@ class SqliteStore(SqlStore):
         lock, so the writer is never held up by it."""
         busy, log_frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         return busy, log_frames, copied
+
+    def _cut_back(self, conn: sqlite3.Connection) -> None:
+        """In a worker thread, after a second without commits: a log file
+        over LOG_SIZE_LIMIT is truncated (a TRUNCATE checkpoint: the rest of
+        the log copied, then the file cut to nothing). It holds the write
+        lock meanwhile; a commit that comes then goes to a worker thread and
+        waits for it (`_commit`), and the loop serves on."""
+        log_file = self.path.with_name(self.path.name + "-wal")
+        try:
+            oversized = log_file.stat().st_size > LOG_SIZE_LIMIT
+        except FileNotFoundError:
+            return
+        if oversized:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
 
     # -- reading -----------------------------------------------------------
 
