@@ -201,6 +201,46 @@ async def test_a_log_a_burst_grew_past_its_limit_is_cut_back_off_the_loop(
         assert count == (402,)
 
 
+async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_second(
+    tmp_path, mock_clock, monkeypatch
+):
+    """A reader still on a snapshot in the log keeps the TRUNCATE checkpoint
+    from finishing: the log stays as it is (nothing lost, the reader's view
+    intact), and the next second without commits tries again."""
+    import sqlite3
+
+    from broker_support import quiet
+
+    from funduq_trio.broker import record as R
+
+    path = tmp_path / "record.sqlite3"
+    log_file = tmp_path / "record.sqlite3-wal"
+    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
+    # How long the checkpoint waits for the reader (SQLite's own wait, in its
+    # worker thread) before it reports itself busy.
+    monkeypatch.setattr(R, "BUSY_TIMEOUT_MS", 50)
+    async with R.open_record(path) as record:
+        await record.write(_insert_threads("a", 400))
+        grown = log_file.stat().st_size
+        outside = sqlite3.connect(path, isolation_level=None)
+        outside.execute("BEGIN")
+        assert outside.execute("SELECT COUNT(*) FROM threads").fetchone() == (400,)
+        mock_clock.jump(R.CHECKPOINT_SECONDS)  # a second with commits: a pass
+        await quiet()
+        mock_clock.jump(R.CHECKPOINT_SECONDS)  # quiet: the cut back, held off
+        await quiet()
+        assert log_file.stat().st_size == grown
+        assert outside.execute("SELECT COUNT(*) FROM threads").fetchone() == (400,)
+        outside.execute("COMMIT")
+        outside.close()
+        mock_clock.jump(R.CHECKPOINT_SECONDS)  # quiet again: tried again
+        await quiet()
+        assert log_file.stat().st_size == 0
+        await record.write(_insert_threads("b", 1))
+        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
+        assert count == (401,)
+
+
 async def test_commits_landing_during_a_checkpoint_do_not_keep_the_log_growing(
     tmp_path, mock_clock, monkeypatch
 ):

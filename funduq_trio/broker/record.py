@@ -250,8 +250,7 @@ class SqliteStore(SqlStore):
                     cut_back = False
                     await self._checkpoint_all()
                 elif not cut_back:
-                    cut_back = True
-                    await self.read(self._cut_back)
+                    cut_back = await self.read(self._cut_back)
             except sqlite3.Error as exc:
                 # Nothing is lost (the log still holds every commit) and the
                 # next second tries again; serving goes on.
@@ -276,19 +275,22 @@ class SqliteStore(SqlStore):
         busy, log_frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         return busy, log_frames, copied
 
-    def _cut_back(self, conn: sqlite3.Connection) -> None:
+    def _cut_back(self, conn: sqlite3.Connection) -> bool:
         """In a worker thread, after a second without commits: a log file
         over LOG_SIZE_LIMIT is truncated (a TRUNCATE checkpoint: the rest of
         the log copied, then the file cut to nothing). It holds the write
         lock meanwhile; a commit that comes then goes to a worker thread and
-        waits for it (`_commit`), and the loop serves on."""
+        waits for it (`_commit`), and the loop serves on. False when the log
+        is still over the limit (a reader or another process kept the
+        checkpoint from finishing): the next quiet second tries again."""
         log_file = self.path.with_name(self.path.name + "-wal")
         try:
-            oversized = log_file.stat().st_size > LOG_SIZE_LIMIT
+            if log_file.stat().st_size <= LOG_SIZE_LIMIT:
+                return True
         except FileNotFoundError:
-            return
-        if oversized:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            return True
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        return not busy
 
     # -- reading -----------------------------------------------------------
 
