@@ -205,8 +205,10 @@ async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_se
     tmp_path, mock_clock, monkeypatch
 ):
     """A reader still on a snapshot in the log keeps the TRUNCATE checkpoint
-    from finishing: the log stays as it is (nothing lost, the reader's view
-    intact), and the next second without commits tries again."""
+    from finishing: it gives up after CUT_BACK_WAIT_MS (SQLite's own wait,
+    in its worker thread; the writer's commits would wait as long), the log
+    stays as it is (nothing lost, the reader's view intact), and the next
+    second without commits tries again."""
     import sqlite3
 
     from broker_support import quiet
@@ -216,9 +218,6 @@ async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_se
     path = tmp_path / "record.sqlite3"
     log_file = tmp_path / "record.sqlite3-wal"
     monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
-    # How long the checkpoint waits for the reader (SQLite's own wait, in its
-    # worker thread) before it reports itself busy.
-    monkeypatch.setattr(R, "BUSY_TIMEOUT_MS", 50)
     async with R.open_record(path) as record:
         await record.write(_insert_threads("a", 400))
         grown = log_file.stat().st_size
@@ -231,6 +230,10 @@ async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_se
         await quiet()
         assert log_file.stat().st_size == grown
         assert outside.execute("SELECT COUNT(*) FROM threads").fetchone() == (400,)
+        # The reader connection it used (the one a read takes next) waits for
+        # locks as long as every reader again.
+        timeout = await record.read(lambda c: c.execute("PRAGMA busy_timeout").fetchone()[0])
+        assert timeout == R.BUSY_TIMEOUT_MS
         outside.execute("COMMIT")
         outside.close()
         mock_clock.jump(R.CHECKPOINT_SECONDS)  # quiet again: tried again

@@ -74,6 +74,11 @@ CATCH_UP_FRAMES = 4096
 #: first second without commits, so the burst does not keep its disk space.
 #: A log under it keeps its size: it starts over from its beginning in place.
 LOG_SIZE_LIMIT = 64 * 1024 * 1024
+#: How long that truncation waits for the write lock, and then, holding it,
+#: for readers to leave the log. Commits wait as long (in a worker thread),
+#: so it is short: a reader on a long query makes it give up, and the next
+#: quiet second tries again.
+CUT_BACK_WAIT_MS = 20
 
 
 class SqliteStore(SqlStore):
@@ -282,14 +287,19 @@ class SqliteStore(SqlStore):
         lock meanwhile; a commit that comes then goes to a worker thread and
         waits for it (`_commit`), and the loop serves on. False when the log
         is still over the limit (a reader or another process kept the
-        checkpoint from finishing): the next quiet second tries again."""
+        checkpoint from finishing within CUT_BACK_WAIT_MS): the next quiet
+        second tries again."""
         log_file = self.path.with_name(self.path.name + "-wal")
         try:
             if log_file.stat().st_size <= LOG_SIZE_LIMIT:
                 return True
         except FileNotFoundError:
             return True
-        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        conn.execute(f"PRAGMA busy_timeout={CUT_BACK_WAIT_MS}")
+        try:
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         return not busy
 
     # -- reading -----------------------------------------------------------
