@@ -244,6 +244,38 @@ async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_se
         assert count == (401,)
 
 
+async def test_a_log_a_crash_left_oversized_is_cut_back_at_the_first_quiet_second(
+    tmp_path, mock_clock, monkeypatch
+):
+    """A log file left behind by a process that never closed the record (a
+    crash: the files as they were while it ran) is truncated at the first
+    second without commits once the record is opened again, its rows all
+    there."""
+    import shutil
+
+    from broker_support import quiet
+
+    from funduq_trio.broker import record as R
+
+    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
+    running = tmp_path / "running"
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    async with R.open_record(running / "record.sqlite3") as record:
+        await record.write(_insert_threads("a", 400))
+        for name in ("record.sqlite3", "record.sqlite3-wal"):
+            shutil.copy(running / name, crashed / name)
+    log_file = crashed / "record.sqlite3-wal"
+    assert log_file.stat().st_size > R.LOG_SIZE_LIMIT
+    async with R.open_record(crashed / "record.sqlite3") as record:
+        await quiet()
+        mock_clock.jump(R.CHECKPOINT_SECONDS)
+        await quiet()
+        assert log_file.stat().st_size == 0
+        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
+        assert count == (400,)
+
+
 async def test_commits_landing_during_a_checkpoint_do_not_keep_the_log_growing(
     tmp_path, mock_clock, monkeypatch
 ):

@@ -246,7 +246,7 @@ class SqliteStore(SqlStore):
         """Copy the write-ahead log into the database file now and then, off
         the trio thread, so the log stays short and commits stay cheap."""
         checkpointed = self.commits
-        cut_back = True
+        cut_back = False  # a log a crash left behind may be oversized too
         while True:
             await trio.sleep(CHECKPOINT_SECONDS)
             try:
