@@ -526,7 +526,29 @@ def trace_report(
             f"run queue (no core) {loop[1] / n * 1e3:.2f} ms, waiting on I/O (the provider's "
             f"side) {loop[2] / n * 1e3:.2f} ms"
         )
+        lines.append(f"    {_episodes(sorted(r[2][1] for r in tail), lo, hi)}")
     return "\n".join(lines)
+
+
+#: Slow offers sent closer together than this are one episode.
+EPISODE_GAP = 0.1
+
+
+def _episodes(sent: list[float], lo: float, hi: float) -> str:
+    """Whether the slow offers are a few stalls or spread over the load:
+    they are grouped into episodes (sent less than EPISODE_GAP apart)."""
+    groups: list[list[float]] = []
+    for t in sent:
+        if groups and t - groups[-1][-1] < EPISODE_GAP:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+    biggest = sorted(groups, key=len, reverse=True)[:3]
+    return (
+        f"sent in {len(groups)} episode(s) ({EPISODE_GAP * 1e3:g} ms apart or more) over the "
+        f"load's {hi - lo:.1f} s; the largest: "
+        + ", ".join(f"{len(g)} offers in {(g[-1] - g[0]) * 1e3:.0f} ms" for g in biggest)
+    )
 
 
 def rate_arg(text: str) -> float | str:
