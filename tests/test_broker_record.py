@@ -1,3 +1,5 @@
+from contextlib import asynccontextmanager
+
 import pytest
 from broker_support import AGENT, Provider, broker, reply, user_input
 
@@ -142,6 +144,25 @@ def _insert_threads(prefix: str, count: int):
     return insert
 
 
+async def _thread_count(record) -> int:
+    return (await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone()))[0]
+
+
+@asynccontextmanager
+async def _grown_log(path, monkeypatch, limit_kib: int = 64):
+    """The record at `path` with LOG_SIZE_LIMIT at `limit_kib` KiB, once 400
+    rows (~230 KiB of log) are committed: (record, the log file, its size)."""
+    from funduq_trio.broker import record as R
+
+    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", limit_kib * 1024)
+    log_file = path.with_name(path.name + "-wal")
+    async with R.open_record(path) as record:
+        await record.write(_insert_threads("a", 400))
+        grown = log_file.stat().st_size
+        assert grown > 64 * 1024
+        yield record, log_file, grown
+
+
 async def test_a_commit_that_starts_the_log_over_never_truncates_it(tmp_path, monkeypatch):
     """The commit runs on the loop, and truncating a file frees its pages in
     the kernel (tens of ms after a burst): the writer's commits leave the
@@ -149,12 +170,7 @@ async def test_a_commit_that_starts_the_log_over_never_truncates_it(tmp_path, mo
     from funduq_trio.broker import record as R
 
     path = tmp_path / "record.sqlite3"
-    log_file = tmp_path / "record.sqlite3-wal"
-    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
-    async with R.open_record(path) as record:
-        await record.write(_insert_threads("a", 400))
-        grown = log_file.stat().st_size
-        assert grown > R.LOG_SIZE_LIMIT
+    async with _grown_log(path, monkeypatch) as (record, log_file, grown):
         # A pass that copies all of it, as the checkpoint task's first does.
         busy, frames, copied = await record.read(R.SqliteStore._checkpoint)
         assert (busy, copied) == (0, frames)
@@ -162,8 +178,7 @@ async def test_a_commit_that_starts_the_log_over_never_truncates_it(tmp_path, mo
         assert await record.read(lambda c: c.execute("PRAGMA wal_checkpoint").fetchone()[1]) < 5
         assert log_file.stat().st_size == grown
     async with R.open_record(path) as record:
-        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
-        assert count == (401,)
+        assert await _thread_count(record) == 401
 
 
 @pytest.mark.parametrize("limit_kib, cut", [(64, True), (64 * 1024, False)])
@@ -179,12 +194,7 @@ async def test_a_log_a_burst_grew_past_its_limit_is_cut_back_off_the_loop(
     from funduq_trio.broker import record as R
 
     path = tmp_path / "record.sqlite3"
-    log_file = tmp_path / "record.sqlite3-wal"
-    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", limit_kib * 1024)
-    async with R.open_record(path) as record:
-        await record.write(_insert_threads("a", 400))
-        grown = log_file.stat().st_size
-        assert grown > 64 * 1024
+    async with _grown_log(path, monkeypatch, limit_kib) as (record, log_file, grown):
         mock_clock.jump(R.CHECKPOINT_SECONDS)  # a second with commits: a pass
         await quiet()
         assert log_file.stat().st_size == grown
@@ -197,8 +207,7 @@ async def test_a_log_a_burst_grew_past_its_limit_is_cut_back_off_the_loop(
         assert log_file.stat().st_size == (0 if cut else grown)
         await record.write(_insert_threads("c", 1))
     async with R.open_record(path) as record:
-        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
-        assert count == (402,)
+        assert await _thread_count(record) == 402
 
 
 async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_second(
@@ -216,11 +225,7 @@ async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_se
     from funduq_trio.broker import record as R
 
     path = tmp_path / "record.sqlite3"
-    log_file = tmp_path / "record.sqlite3-wal"
-    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
-    async with R.open_record(path) as record:
-        await record.write(_insert_threads("a", 400))
-        grown = log_file.stat().st_size
+    async with _grown_log(path, monkeypatch) as (record, log_file, grown):
         outside = sqlite3.connect(path, isolation_level=None)
         outside.execute("BEGIN")
         assert outside.execute("SELECT COUNT(*) FROM threads").fetchone() == (400,)
@@ -240,8 +245,7 @@ async def test_a_cut_back_a_reader_holds_off_is_tried_again_at_the_next_quiet_se
         await quiet()
         assert log_file.stat().st_size == 0
         await record.write(_insert_threads("b", 1))
-        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
-        assert count == (401,)
+        assert await _thread_count(record) == 401
 
 
 async def test_a_log_a_crash_left_oversized_is_cut_back_at_the_first_quiet_second(
@@ -257,12 +261,10 @@ async def test_a_log_a_crash_left_oversized_is_cut_back_at_the_first_quiet_secon
 
     from funduq_trio.broker import record as R
 
-    monkeypatch.setattr(R, "LOG_SIZE_LIMIT", 64 * 1024)
     running = tmp_path / "running"
     crashed = tmp_path / "crashed"
     crashed.mkdir()
-    async with R.open_record(running / "record.sqlite3") as record:
-        await record.write(_insert_threads("a", 400))
+    async with _grown_log(running / "record.sqlite3", monkeypatch):
         for name in ("record.sqlite3", "record.sqlite3-wal"):
             shutil.copy(running / name, crashed / name)
     log_file = crashed / "record.sqlite3-wal"
@@ -272,8 +274,7 @@ async def test_a_log_a_crash_left_oversized_is_cut_back_at_the_first_quiet_secon
         mock_clock.jump(R.CHECKPOINT_SECONDS)
         await quiet()
         assert log_file.stat().st_size == 0
-        count = await record.read(lambda c: c.execute("SELECT COUNT(*) FROM threads").fetchone())
-        assert count == (400,)
+        assert await _thread_count(record) == 400
 
 
 async def test_commits_landing_during_a_checkpoint_do_not_keep_the_log_growing(
