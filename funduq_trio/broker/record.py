@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -202,11 +202,8 @@ class SqliteStore(SqlStore):
         write lock instead of failing at once."""
         conn = self._writer_conn
         assert conn is not None
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        try:
+        with _busy_timeout(conn, BUSY_TIMEOUT_MS, then=0):
             self._apply(ops)
-        finally:
-            conn.execute("PRAGMA busy_timeout=0")
 
     def _apply(self, ops: list[_Write], *, begun: bool = False) -> None:
         """One transaction for the whole batch. Should any write fail, the
@@ -246,16 +243,18 @@ class SqliteStore(SqlStore):
         """Copy the write-ahead log into the database file now and then, off
         the trio thread, so the log stays short and commits stay cheap."""
         checkpointed = self.commits
-        cut_back = False  # a log a crash left behind may be oversized too
+        # Whether the log is known to be within LOG_SIZE_LIMIT; not at start
+        # (a crash may have left it oversized), nor after a second of commits.
+        log_within_limit = False
         while True:
             await trio.sleep(CHECKPOINT_SECONDS)
             try:
                 if self.commits != checkpointed:
                     checkpointed = self.commits
-                    cut_back = False
+                    log_within_limit = False
                     await self._checkpoint_all()
-                elif not cut_back:
-                    cut_back = await self.read(self._cut_back)
+                elif not log_within_limit:
+                    log_within_limit = await self.read(self._cut_back)
             except sqlite3.Error as exc:
                 # Nothing is lost (the log still holds every commit) and the
                 # next second tries again; serving goes on.
@@ -295,11 +294,8 @@ class SqliteStore(SqlStore):
                 return True
         except FileNotFoundError:
             return True
-        conn.execute(f"PRAGMA busy_timeout={CUT_BACK_WAIT_MS}")
-        try:
+        with _busy_timeout(conn, CUT_BACK_WAIT_MS, then=BUSY_TIMEOUT_MS):
             busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        finally:
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         return not busy
 
     # -- reading -----------------------------------------------------------
@@ -308,6 +304,16 @@ class SqliteStore(SqlStore):
         """Blocking read on the trio thread: only for start-up, before serving."""
         assert self._writer_conn is not None
         return fn(self._writer_conn)
+
+
+@contextmanager
+def _busy_timeout(conn: sqlite3.Connection, ms: int, *, then: int) -> Iterator[None]:
+    """The connection waits up to `ms` for a lock inside, `then` after."""
+    conn.execute(f"PRAGMA busy_timeout={int(ms)}")
+    try:
+        yield
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={int(then)}")
 
 
 #: The SQLite store under its old name.
