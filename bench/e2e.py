@@ -692,7 +692,17 @@ def main() -> None:
         help="likewise for the provider processes (the offer round trip includes "
         "the provider's answer: a provider at nice N waits longer for a core)",
     )
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="a different measurement: the server (every thread) on core 0, the "
+        "load generator (callers and providers) on core 1, so neither waits for "
+        "the other's core, as with callers and providers on other machines. "
+        "Printed in the header; compare only with runs split alike",
+    )
     args = parser.parse_args()
+    if args.split_cores and (os.cpu_count() or 1) < 2:
+        parser.error("--split-cores needs two cores")
 
     build = h.describe_build()
     with h.fresh_dir("funduq-e2e-") as tmp:
@@ -740,6 +750,14 @@ def main() -> None:
             for pid, nice in niced:
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            if args.split_cores:
+                # Affinity, like nice, is per thread; threads made later
+                # inherit their maker's.
+                cores = [(server.pid, {0}), (os.getpid(), {1})]
+                cores += [(p.proc.pid, {1}) for p in providers]
+                for pid, cpus in cores:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        os.sched_setaffinity(int(tid), cpus)
             out = trio.run(drive, args, server, providers, workdir)
             hwm_kib = server.status()["VmHWM"]
         finally:
@@ -775,6 +793,11 @@ def main() -> None:
             f"  NOTE callers at nice {args.nice_load}, providers at nice "
             f"{args.nice_providers}, the server at 0 (callers/providers on other "
             "machines, modelled): not the same measurement as without"
+        )
+    if args.split_cores:
+        print(
+            "  NOTE the server on core 0, callers and providers on core 1 (callers and "
+            "providers on other machines, modelled): not the same measurement as without"
         )
     if "saturating" in out:
         print(
@@ -833,6 +856,8 @@ def main() -> None:
         f"  offer round trip    p50 <= {p50 * 1e3:g} ms, p99 <= {p99 * 1e3:g} ms   (server side, "
         f"GET /metrics buckets: offer handed to the link -> answer read; {answered} offers)"
     )
+    # The load's own counts, for bench/pooled.py to add up over rounds.
+    print("  offer round trip le " + h.bucket_counts(*out["round_trips"]))
     cpu_per_run = out["server_cpu_s"] / max(1, len(ok)) * 1e3
     print(
         f"  server CPU per run  {cpu_per_run:10.2f} ms   (all its threads; a ceiling of "

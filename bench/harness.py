@@ -1026,6 +1026,16 @@ def histogram_quantile(
     return float("inf"), total
 
 
+def bucket_counts(before: list[tuple[float, int]], after: list[tuple[float, int]]) -> str:
+    """The cumulative counts between two readings of one histogram, as
+    `bound=count` pairs (seconds; `inf` last): what `parse_bucket_counts` reads."""
+    return " ".join(f"{le:g}={n - m}" for (le, n), (_, m) in zip(after, before, strict=True))
+
+
+def parse_bucket_counts(text: str) -> list[tuple[float, int]]:
+    return [(float(le), int(n)) for le, n in (pair.split("=") for pair in text.split())]
+
+
 def fresh_dir(prefix: str) -> AbstractContextManager[str]:
     """A scratch directory, removed afterwards unless FUNDUQ_BENCH_KEEP is set
     (then the server's log and record stay behind for a post-mortem)."""
