@@ -305,6 +305,10 @@ async def drive(
             # Over the server's life (the warm-up included): the worst stall.
             out["sched"]["longest_round"] = after["longest_round"]
             out["sched"]["longest_step"] = after["longest_step"]
+            out["sched"]["by_task"] = {
+                name: n - sched_before["by_task"].get(name, 0)
+                for name, n in after["by_task"].items()
+            }
         if profiler is not None:
             out["profiler_log"] = profiler.stop()
         out["rss_after_kib"] = server.status()["VmRSS"]
@@ -874,6 +878,14 @@ def main() -> None:
         print(
             f"  link frames/round   {frames / max(1, sc['rounds']) / args.providers:10.2f}   "
             f"(frames from providers per scheduler round per provider link)"
+        )
+        per_run = max(1, len(ok))
+        busiest = sorted(sc["by_task"].items(), key=lambda item: -item[1])[:5]
+        short = {name: ".".join(name.split(".")[-2:]) for name, _ in busiest}
+        print(
+            f"  a run's rounds, steps {sc['rounds'] / per_run:6.2f}, "
+            f"{sc['steps'] / per_run:.2f}; steps by task: "
+            + ", ".join(f"{n / per_run:.2f} {short[name]}" for name, n in busiest)
         )
         step_s, step_task = sc["longest_step"]
         print(

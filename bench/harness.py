@@ -264,9 +264,9 @@ class Server:
     def status(self) -> dict[str, int]:
         return proc_status(self.pid)
 
-    def scheduler(self) -> dict[str, float]:
+    def scheduler(self) -> dict[str, Any]:
         """With sched_stats: trio's counters in the server so far (rounds of its
-        run loop, task steps, seconds spent outside the I/O wait)."""
+        run loop, task steps and those by task, seconds spent outside the I/O wait)."""
         assert self.sched_path is not None
         self.sched_path.unlink(missing_ok=True)
         self.proc.send_signal(signal.SIGUSR1)
@@ -1373,6 +1373,10 @@ class ServerTrace:
         os.replace(tmp, path)
 
 
+#: A funduq id inside a task's name (`thread thread_0123...`).
+TASK_ID = re.compile(r"[0-9a-f]{16,}")
+
+
 def serve_instrumented_main(argv: list[str]) -> int:
     """`harness.py serve-instrumented SWITCH SCHED_PATH TRACE_PATH -- <funduq-trio args>`:
     the funduq-trio CLI, unchanged, with sys.setswitchinterval(SWITCH) when
@@ -1435,6 +1439,9 @@ def serve_instrumented_main(argv: list[str]) -> int:
                 self.longest_step = (0.0, "")  # (seconds, task name)
                 self._began: float | None = None
                 self._step_began = 0.0
+                #: Task steps by task name, ids folded ("thread #"): whose
+                #: steps a run's rounds are.
+                self.by_task: dict[str, int] = {}
 
             def after_io_wait(self, timeout: float) -> None:
                 self.rounds += 1
@@ -1451,6 +1458,8 @@ def serve_instrumented_main(argv: list[str]) -> int:
             def before_task_step(self, task: Any) -> None:
                 self.steps += 1
                 self._step_began = time.perf_counter()
+                name = TASK_ID.sub("#", task.name)
+                self.by_task[name] = self.by_task.get(name, 0) + 1
 
             def after_task_step(self, task: Any) -> None:
                 spent = time.perf_counter() - self._step_began
@@ -1470,6 +1479,7 @@ def serve_instrumented_main(argv: list[str]) -> int:
                         "longest_round": rounds.longest_round,
                         "rounds_over_20ms": rounds.rounds_over_20ms,
                         "longest_step": list(rounds.longest_step),
+                        "by_task": rounds.by_task,
                         "at": time.monotonic(),
                     },
                     fh,
