@@ -519,6 +519,52 @@ async def test_thread_queue_limit_is_configurable(tmp_path, mock_clock):
             await funduq.start_run(p.key, AGENT, user_input("3"), thread_id=a.thread_id)
 
 
+async def test_a_run_laned_while_its_insert_is_written_counts_once_against_the_limit(
+    tmp_path, mock_clock
+):
+    """A served agent's run joins its thread's pending queue as soon as its
+    insert is queued, and stays reserved until the insert is durable. Counted
+    in both, a thread one short of its limit refused the next utterance while
+    a commit was under way (bench/one_thread.py: 8 callers, limit 8)."""
+    async with broker(tmp_path, thread_queue_limit=2) as funduq:
+        p = await Provider(funduq).attach()
+        tid = (await accepted(funduq, p)).thread_id  # the thread exists, nothing pending
+        gate = trio.Event()
+        commit = funduq.record._commit
+
+        async def held(ops):
+            await gate.wait()
+            await commit(ops)
+
+        funduq.record._commit = held
+        answers: dict[str, object] = {}
+
+        async def say(text):
+            try:
+                answers[text] = await funduq.start_run(
+                    p.key, AGENT, user_input(text), thread_id=tid
+                )
+            except ThreadQueueFull as exc:
+                answers[text] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(say, "a")
+            await quiet()
+            # a is laned (in the pending queue), its insert not yet durable.
+            assert len(funduq.threads[tid].pending) == 1 and answers == {}
+            nursery.start_soon(say, "b")  # a and b: the limit, not over it
+            await quiet()
+            nursery.start_soon(say, "c")  # one too many
+            await quiet()
+            assert isinstance(answers.pop("c"), ThreadQueueFull)
+            gate.set()
+        assert not any(isinstance(answer, ThreadQueueFull) for answer in answers.values())
+        await quiet()
+        thread = await funduq.get_thread(tid)
+        assert len(thread["runs"]) == 3  # the first, a and b; nothing of c
+        assert {answers["a"].run_id, answers["b"].run_id} <= {r["runId"] for r in thread["runs"]}
+
+
 async def test_a_link_still_delivering_is_not_charged_for_a_late_answer(tmp_path, mock_clock):
     """An answer travels behind the provider's reports on one link: while the
     link keeps delivering, the delivery timeout runs from the last frame heard,

@@ -239,7 +239,9 @@ class Funduq:
         )
         self.kyok: Kyok
         self._thread_info: dict[str, ThreadInfo] = {}
-        self._reserved: dict[str, int] = {}
+        #: thread id -> the runs of it whose utterance is being written (the
+        #: queue limit counts them; a thread in it is busy here).
+        self._reserved: dict[str, set[str]] = {}
         self._answering: dict[str, int] = {}
         #: run id -> [event set when a lane next takes the run, watchers]:
         #: subscribers waiting at a pause for its answer (see wait_reopened).
@@ -1041,10 +1043,10 @@ class Funduq:
         if info is not None and not authority.may_write(info.segment_head, head, key):
             raise NotAuthorized(authority.NOT_AUTHORIZED)
         tid = info.id if info is not None else _new_id("thread")
-        self._reserve(tid)
+        run_id = _new_id("run")
+        self._reserve(tid, run_id)
         laning = False
         try:
-            run_id = _new_id("run")
             run_input["threadId"], run_input["runId"] = tid, run_id
             if info is None:
                 info = ThreadInfo(tid, key, agent, head, set(), 0)
@@ -1148,8 +1150,9 @@ class Funduq:
                 self._start_lane(row, arriving=True)
                 laning = True
         finally:
-            self._reserved[tid] -= 1
-            if not self._reserved[tid]:
+            writing = self._reserved[tid]
+            writing.discard(run_id)
+            if not writing:
                 del self._reserved[tid]
             if not laning:
                 self._maybe_release(tid)
@@ -1296,17 +1299,22 @@ class Funduq:
         except NotAuthorized:  # spent on another node: as forged as a chain presented twice
             raise authority.InvalidActorChain(authority.NOT_PRESENTED) from None
 
-    def _reserve(self, thread_id: str) -> None:
+    def _reserve(self, thread_id: str, run_id: str) -> None:
         """Count a run against the thread's queue limit before any await, so
-        two utterances racing cannot both take the last slot."""
+        two utterances racing cannot both take the last slot. A run laned
+        while its insert is written (a served agent's) is in the thread's
+        pending queue already: it counts there, not twice."""
         thread = self.threads.get(thread_id)
-        pending = (len(thread.pending) if thread else 0) + self._reserved.get(thread_id, 0)
+        writing = self._reserved.get(thread_id, ())
+        pending = (len(thread.pending) if thread else 0) + sum(
+            run not in self.lanes for run in writing
+        )
         if pending >= self.settings.thread_queue_limit:
             raise ThreadQueueFull(
                 f"thread {thread_id} already holds {pending} pending runs "
                 f"(limit {self.settings.thread_queue_limit}); retry once one is taken"
             )
-        self._reserved[thread_id] = self._reserved.get(thread_id, 0) + 1
+        self._reserved.setdefault(thread_id, set()).add(run_id)
 
     def _new_messages(
         self, info: ThreadInfo, run_input: dict[str, Any], run_id: str
