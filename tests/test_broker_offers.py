@@ -558,6 +558,7 @@ async def test_a_run_laned_while_its_insert_is_written_counts_once_against_the_l
             await quiet()
             assert isinstance(answers.pop("c"), ThreadQueueFull)
             gate.set()
+        assert sorted(answers) == ["a", "b"]
         assert not any(isinstance(answer, ThreadQueueFull) for answer in answers.values())
         await quiet()
         thread = await funduq.get_thread(tid)
